@@ -1,0 +1,18 @@
+"""ghosted_hf: remove decoder layers from Llama/Qwen causal LMs and recover quality in closed form
+(Ghosted Layers, arXiv 2605.15491), as first-class Hugging Face Transformers models."""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .remote.configuration_ghosted import GhostedConfig
+from .remote.modeling_ghosted import GhostedForCausalLM, GhostOperator
+from .surgery import prune_layers
+
+__version__ = "0.1.0"
+
+AutoConfig.register(GhostedConfig.model_type, GhostedConfig, exist_ok=True)
+AutoModelForCausalLM.register(GhostedConfig, GhostedForCausalLM, exist_ok=True)
+# save_pretrained then writes `auto_map` and copies the two remote-code files next to the weights.
+GhostedConfig.register_for_auto_class()
+GhostedForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = ["GhostedConfig", "GhostedForCausalLM", "GhostOperator", "prune_layers", "__version__"]

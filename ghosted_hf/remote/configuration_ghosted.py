@@ -1,0 +1,136 @@
+"""Configuration of a Ghosted Layers model (arXiv 2605.15491).
+
+This file is copied next to the weights and loaded with ``trust_remote_code=True``: it imports only the
+standard library and transformers.
+
+A ghosted model is a dense Llama / Qwen2 / Qwen3 / Mistral decoder with whole layers removed. At each
+pruning boundary a C x C operator ``W`` maps the residual stream that reaches the first surviving layer
+(or the final norm, when the last layers were removed) as ``x -> x @ W``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+from transformers.configuration_utils import SubConfigSpec
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+OPERATOR_DTYPES = ("float32", "bfloat16")
+NORM_TARGET = "norm"
+LAYER_TARGET = "layer"
+
+
+class GhostedConfig(PretrainedConfig):
+    r"""Configuration of a [`GhostedForCausalLM`].
+
+    Args:
+        text_config (`dict` or `PretrainedConfig`):
+            Config of the *pruned* base decoder: `num_hidden_layers` is the kept count and every per-layer list
+            (`layer_types`) is already sliced to the kept layers.
+        original_num_hidden_layers (`int`):
+            Layer count of the dense model the pruned one came from.
+        removed_layers (`list[int]`):
+            Removed layer indices, in the dense model's numbering.
+        ghost_boundaries (`list[dict]`):
+            One record per run of consecutive removed layers: `removed` (their original indices), `target`
+            (`"layer"` or `"norm"`), `layer` (index of the fed layer in the pruned model, `None` for the norm),
+            `original_layer` (its index in the dense model), `operator` (how the tensor was obtained, e.g.
+            `"ghost"` or `"identity"`) and free-form `fit` figures.
+        operator_dtype (`str`):
+            Storage and compute dtype of the operators, `"float32"` (default, whatever the model dtype) or
+            `"bfloat16"`.
+        ghost_provenance (`dict`):
+            How the operators were obtained (selection, calibration data and hash, solver settings, versions).
+    """
+
+    model_type = "ghosted"
+    sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
+
+    def __init__(
+        self,
+        text_config: dict | PretrainedConfig | None = None,
+        original_num_hidden_layers: int | None = None,
+        removed_layers: list[int] | None = None,
+        ghost_boundaries: list[dict[str, Any]] | None = None,
+        operator_dtype: str = "float32",
+        ghost_provenance: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Set before the parent init, which turns a dict into the right config class through `model_type`.
+        self.text_config = text_config
+        self.original_num_hidden_layers = original_num_hidden_layers
+        self.removed_layers = [int(i) for i in (removed_layers or [])]
+        self.ghost_boundaries = [dict(b) for b in (ghost_boundaries or [])]
+        self.operator_dtype = operator_dtype
+        self.ghost_provenance = dict(ghost_provenance or {})
+        tie = kwargs.pop("tie_word_embeddings", None)
+        super().__init__(**kwargs)
+        if self.original_num_hidden_layers is None:
+            self.original_num_hidden_layers = self.text_config.num_hidden_layers + len(self.removed_layers)
+        # Generation and weight tying read these from the top-level config: keep one source of truth.
+        self.tie_word_embeddings = self.text_config.tie_word_embeddings if tie is None else tie
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: expose the base decoder's fields (hidden_size, vocab_size, ...)
+        # so that generic tools (generate, PEFT, lm-eval) can read them from `model.config`.
+        # Not during __init__, where the parent probes optional fields with hasattr().
+        if name.startswith("__") or not self.__dict__.get("_post_init_done"):
+            raise AttributeError(name)
+        text_config = self.__dict__["text_config"]
+        try:
+            return getattr(text_config, name)
+        except AttributeError:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
+
+    def validate_ghost_layout(self) -> None:
+        """Raise a ValueError naming the problem if the pruning metadata contradicts itself."""
+        text = self.text_config
+        if text.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"Unsupported base architecture {text.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
+            )
+        if self.operator_dtype not in OPERATOR_DTYPES:
+            raise ValueError(f"operator_dtype must be one of {OPERATOR_DTYPES}, got {self.operator_dtype!r}.")
+        total, removed = self.original_num_hidden_layers, self.removed_layers
+        if sorted(set(removed)) != removed or any(not 0 <= i < total for i in removed):
+            raise ValueError(f"removed_layers must be sorted, unique and in [0, {total}); got {removed}.")
+        kept = total - len(removed)
+        if text.num_hidden_layers != kept:
+            raise ValueError(
+                f"Config mismatch: {total} original layers minus {len(removed)} removed leaves {kept}, "
+                f"but text_config.num_hidden_layers is {text.num_hidden_layers}."
+            )
+        layer_types = getattr(text, "layer_types", None)
+        if layer_types is not None and len(layer_types) != kept:
+            raise ValueError(f"text_config.layer_types has {len(layer_types)} entries for {kept} layers.")
+        expected = expected_boundaries(total, removed)
+        found = [(b.get("target"), b.get("layer"), list(b.get("removed", []))) for b in self.ghost_boundaries]
+        if found != [(b["target"], b["layer"], b["removed"]) for b in expected]:
+            raise ValueError(
+                f"ghost_boundaries {found} do not match removed_layers {removed} "
+                f"(expected {[(b['target'], b['layer'], b['removed']) for b in expected]})."
+            )
+
+
+def expected_boundaries(total_layers: int, removed: list[int]) -> list[dict[str, Any]]:
+    """One boundary per run of consecutive removed layers, pointing at what it feeds in the pruned model."""
+    removed = sorted(removed)
+    runs: list[list[int]] = []
+    for i in removed:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    boundaries = []
+    for run in runs:
+        fed = run[-1] + 1
+        if fed >= total_layers:
+            boundaries.append({"removed": run, "target": NORM_TARGET, "layer": None, "original_layer": None})
+        else:
+            new_index = fed - sum(1 for i in removed if i < fed)
+            boundaries.append({"removed": run, "target": LAYER_TARGET, "layer": new_index, "original_layer": fed})
+    return boundaries
+
+
+__all__ = ["GhostedConfig"]

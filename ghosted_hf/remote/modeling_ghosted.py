@@ -1,0 +1,174 @@
+"""Ghosted Layers causal LM (arXiv 2605.15491): a pruned Llama / Qwen2 / Qwen3 / Mistral decoder whose
+residual stream is mapped by a closed-form C x C operator at each pruning boundary.
+
+This file is copied next to the weights and loaded with ``trust_remote_code=True``: it imports only torch,
+transformers and the standard library, and only defines the model.
+
+Weight layout (``model.safetensors``): the base decoder keeps its standard names
+(``model.layers.{i}.self_attn.q_proj.weight``, ``model.norm.weight``, ``lm_head.weight``); each operator is
+the tensor ``model.layers.{i}.ghost.operator`` (applied to the hidden state entering pruned-model layer
+``i``) or ``model.norm.ghost.operator`` (applied before the final norm), of shape (C, C), used as
+``x -> x @ operator``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModel, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import can_return_tuple
+
+from .configuration_ghosted import LAYER_TARGET, GhostedConfig
+
+GHOST_MODULE = "ghost"
+GHOST_PARAM = "operator"
+
+
+def ghost_tensor_key(boundary: dict[str, Any]) -> str:
+    """State-dict key of a boundary's operator."""
+    if boundary["target"] == LAYER_TARGET:
+        return f"model.layers.{boundary['layer']}.{GHOST_MODULE}.{GHOST_PARAM}"
+    return f"model.norm.{GHOST_MODULE}.{GHOST_PARAM}"
+
+
+class GhostOperator(nn.Module):
+    """Maps the residual stream entering its parent module: ``x -> x @ operator``.
+
+    Lives as a child of the layer (or final norm) it feeds, so the base weight names stay standard and
+    device placement follows the parent. The product is computed in the operator's dtype (float32 by
+    default) and cast back to the activation dtype.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.operator = nn.Parameter(torch.empty(hidden_size, hidden_size, dtype=dtype))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        operator = self.operator
+        mapped = hidden_states.to(device=operator.device, dtype=operator.dtype) @ operator
+        return mapped.to(device=hidden_states.device, dtype=hidden_states.dtype)
+
+    def apply_to_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward pre-hook of the parent: rewrite its first input, positional or `hidden_states=`."""
+        if args:
+            return (self(args[0]), *args[1:]), kwargs
+        kwargs["hidden_states"] = self(kwargs["hidden_states"])
+        return args, kwargs
+
+    def extra_repr(self) -> str:
+        return f"{self.operator.shape[0]}, dtype={self.operator.dtype}"
+
+
+class GhostedPreTrainedModel(PreTrainedModel):
+    config_class = GhostedConfig
+    config: GhostedConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # A freshly built model is the plainly pruned one. Loading never relies on this: `from_pretrained`
+        # refuses checkpoints whose operators are missing.
+        if isinstance(module, GhostOperator):
+            nn.init.eye_(module.operator)
+        else:
+            super()._init_weights(module)
+
+
+class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: GhostedConfig) -> None:
+        config.validate_ghost_layout()
+        super().__init__(config)
+        text_config = config.text_config
+        self.model = AutoModel.from_config(text_config)
+        self.vocab_size = text_config.vocab_size
+        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        operator_dtype = getattr(torch, config.operator_dtype)
+        if operator_dtype == torch.float32:
+            # from_pretrained(dtype=torch.bfloat16) must not round the operators.
+            self._keep_in_fp32_modules_strict = [GHOST_MODULE]
+        for boundary in config.ghost_boundaries:
+            parent = self.model.layers[boundary["layer"]] if boundary["target"] == LAYER_TARGET else self.model.norm
+            ghost = GhostOperator(text_config.hidden_size, operator_dtype)
+            parent.add_module(GHOST_MODULE, ghost)
+            parent.register_forward_pre_hook(ghost.apply_to_inputs, with_kwargs=True)
+        self.post_init()
+
+    def ghost_operators(self) -> dict[str, nn.Parameter]:
+        """The operator of every boundary, keyed by its state-dict name."""
+        return {ghost_tensor_key(b): self.get_parameter(ghost_tensor_key(b)) for b in self.config.ghost_boundaries}
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        want_info = kwargs.pop("output_loading_info", False)
+        ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
+        # Let mismatches through so that the error below can name them; operators are never re-initialised.
+        model, info = super().from_pretrained(
+            *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+        )
+        problems = []
+        missing = sorted(k for k in info.get("missing_keys", ()) if f".{GHOST_MODULE}." in k)
+        if missing:
+            problems.append(f"operator tensors missing from the checkpoint: {missing}")
+        unexpected = sorted(k for k in info.get("unexpected_keys", ()) if f".{GHOST_MODULE}." in k)
+        if unexpected:
+            problems.append(f"operator tensors in the checkpoint that the config has no boundary for: {unexpected}")
+        mismatched = [
+            f"{key} (checkpoint {tuple(saved)}, config {tuple(expected)})"
+            for key, saved, expected in info.get("mismatched_keys", ())
+            if f".{GHOST_MODULE}." in key or not ignore_mismatched
+        ]
+        if mismatched:
+            problems.append(f"tensors of the wrong shape: {mismatched}")
+        for name, operator in model.ghost_operators().items():
+            if operator.device.type != "meta" and not torch.isfinite(operator).all():
+                problems.append(f"operator {name} holds NaN or Inf values")
+        if problems:
+            raise ValueError(
+                "This ghosted checkpoint does not match its config.json: "
+                + "; ".join(problems)
+                + ". Re-export it with save_pretrained from the model that produced it; an operator is never "
+                "replaced by identity or random values."
+            )
+        return (model, info) if want_info else model
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        # The KV cache and attention options travel in **kwargs, so this works whatever transformers names them.
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        extras = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **extras)
+
+
+__all__ = ["GhostedForCausalLM", "GhostedPreTrainedModel", "GhostOperator"]
