@@ -5,7 +5,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from .remote.configuration_ghosted import GhostedConfig
 from .remote.modeling_ghosted import GhostedForCausalLM, GhostOperator
-from .surgery import prune_layers
+from .calibration import CalibrationStatistics, StatisticsPlan, collect_statistics
+from .options import PruneOptions
+from .recipe import ghost_prune
+from .surgery import export_plain, prune_layers
 
 __version__ = "0.1.0"
 
@@ -15,4 +18,16 @@ AutoModelForCausalLM.register(GhostedConfig, GhostedForCausalLM, exist_ok=True)
 GhostedConfig.register_for_auto_class()
 GhostedForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["GhostedConfig", "GhostedForCausalLM", "GhostOperator", "prune_layers", "__version__"]
+__all__ = [
+    "CalibrationStatistics",
+    "GhostedConfig",
+    "GhostedForCausalLM",
+    "GhostOperator",
+    "PruneOptions",
+    "StatisticsPlan",
+    "collect_statistics",
+    "export_plain",
+    "ghost_prune",
+    "prune_layers",
+    "__version__",
+]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -91,6 +91,22 @@ def _take_tensor(pruned: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
 
 
+def _adopt_tensors(target: nn.Module, source: nn.Module, source_name: Callable[[str], str]) -> None:
+    """Fill every parameter and buffer of meta-built `target` (except ghost operators) with the tensor of
+    `source` named `source_name(name)`, then re-tie shared weights."""
+    names = [n for n, _ in target.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in target.named_buffers(remove_duplicate=False)]
+    for name in names:
+        if f".{GHOST_MODULE}." in name:
+            continue
+        try:
+            tensor = source.get_parameter(source_name(name))
+        except AttributeError:
+            tensor = source.get_buffer(source_name(name))
+        _take_tensor(target, name, tensor)
+    target.tie_weights()
+
+
 def _check_dense_model(model: PreTrainedModel) -> None:
     model_type = getattr(model.config, "model_type", None)
     if model_type == "ghosted":
@@ -169,18 +185,7 @@ def prune_layers(
     with torch.device("meta"):
         pruned = GhostedForCausalLM(config)
 
-    names = dict(pruned.named_parameters(remove_duplicate=False))
-    names.update(pruned.named_buffers(remove_duplicate=False))
-    for name in names:
-        if f".{GHOST_MODULE}." in name:
-            continue
-        dense_name = _dense_name(name, kept)
-        try:
-            tensor = model.get_parameter(dense_name)
-        except AttributeError:
-            tensor = model.get_buffer(dense_name)
-        _take_tensor(pruned, name, tensor)
-    pruned.tie_weights()
+    _adopt_tensors(pruned, model, lambda name: _dense_name(name, kept))
 
     for boundary in boundaries:
         key = ghost_tensor_key(boundary)
@@ -198,3 +203,24 @@ def prune_layers(
     pruned.train(model.training)
     logger.info("Removed layers %s of %d; %d boundaries.", removed, total, len(boundaries))
     return pruned
+
+
+def export_plain(model: GhostedForCausalLM) -> PreTrainedModel:
+    """The same network as a plain Llama/Qwen model (no remote code), when every operator is the identity,
+    e.g. after `replaceme-ls` folded its transform into `down_proj`. Shares tensors with `model`."""
+    from transformers import AutoModelForCausalLM
+
+    for name, operator in model.ghost_operators().items():
+        eye = torch.eye(operator.shape[0], dtype=operator.dtype, device=operator.device)
+        if not torch.equal(operator, eye):
+            raise ValueError(
+                f"{name} is not the identity: this model needs its operators and cannot be exported as a plain "
+                "checkpoint. Use operator='replaceme-ls' for a fused export, or save it as a ghosted model."
+            )
+    text_config = copy.deepcopy(model.config.text_config)
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(text_config)
+    _adopt_tensors(plain, model, lambda name: name)
+    plain.generation_config = copy.deepcopy(model.generation_config)
+    plain.train(model.training)
+    return plain

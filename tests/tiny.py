@@ -115,3 +115,24 @@ def deleted_reference(dense: PreTrainedModel, removed: list[int]) -> PreTrainedM
         state[key] = value
     reference.load_state_dict(state)
     return reference
+
+
+WORDS = ("the quick brown fox jumps over a lazy dog and runs far away into the deep green forest while "
+         "small birds sing of rivers hills stones and light").split()
+
+
+def texts(count: int = 24, words: int = 120, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-English documents for calibration."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(count)]
+
+
+def plant_identity_layers(model: PreTrainedModel, layers: list[int]) -> PreTrainedModel:
+    """Make `layers` exact identities (zero attention and MLP outputs): every criterion should find them."""
+    with torch.no_grad():
+        for i in layers:
+            model.model.layers[i].self_attn.o_proj.weight.zero_()
+            model.model.layers[i].mlp.down_proj.weight.zero_()
+    return model

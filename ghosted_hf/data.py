@@ -1,0 +1,133 @@
+"""Calibration text -> token batches, with the token count and a hash that identify the data in reports."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CalibrationSource = str | os.PathLike | Iterable[str] | Any  # text file, list of strings, or a datasets.Dataset
+
+
+@dataclass
+class TokenBatches:
+    """Calibration (or evaluation) tokens, packed into fixed-length sequences and batched."""
+
+    batches: list[dict[str, torch.Tensor]]
+    name: str
+    text_sha256: str
+    num_texts: int
+    num_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_tokens = int(sum(b["attention_mask"].sum() for b in self.batches))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "sha256": self.text_sha256,
+            "texts": self.num_texts,
+            "tokens": self.num_tokens,
+            "sequences": sum(len(b["input_ids"]) for b in self.batches),
+            "sequence_length": max(b["input_ids"].shape[1] for b in self.batches),
+        }
+
+
+def load_texts(source: CalibrationSource, text_column: str = "text") -> tuple[list[str], str]:
+    """Texts and a display name from a text file (one document per blank-line-separated block), a list
+    of strings, or a `datasets.Dataset` with a text column."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"Calibration file {path} does not exist (pass a text file, a list of strings or a Dataset).")
+        blocks = [b.strip() for b in path.read_text(encoding="utf-8").split("\n\n")]
+        return [b for b in blocks if b], path.name
+    column_names = getattr(source, "column_names", None)
+    if column_names is not None:
+        if text_column not in column_names:
+            raise ValueError(f"The dataset has no {text_column!r} column (columns: {column_names}); pass text_column=.")
+        name = getattr(getattr(source, "info", None), "dataset_name", None) or "datasets.Dataset"
+        return [t for t in source[text_column] if t and t.strip()], name
+    texts = list(source)
+    if not all(isinstance(t, str) for t in texts):
+        raise TypeError("Calibration texts must be strings.")
+    return [t for t in texts if t.strip()], "list of strings"
+
+
+def text_hash(texts: list[str]) -> str:
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(text.encode("utf-8"))
+        digest.update(b"\x00")
+    return digest.hexdigest()
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """A pad id for batching; tokenizers without one (Llama) pad with EOS, which the mask hides anyway."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def pack_tokens(
+    token_lists: list[list[int]],
+    seq_len: int,
+    max_sequences: int | None,
+    separator: int | None,
+) -> list[list[int]]:
+    """Concatenate documents (separated by `separator`) and cut them into sequences of `seq_len`; the
+    last one may be shorter."""
+    stream: list[int] = []
+    for tokens in token_lists:
+        stream.extend(tokens)
+        if separator is not None:
+            stream.append(separator)
+    if separator is not None and stream:
+        stream.pop()
+    sequences = [stream[i : i + seq_len] for i in range(0, len(stream), seq_len)]
+    return sequences[:max_sequences] if max_sequences is not None else sequences
+
+
+def batch_sequences(sequences: list[list[int]], batch_size: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """Right-padded batches with attention masks."""
+    batches = []
+    for start in range(0, len(sequences), batch_size):
+        chunk = sequences[start : start + batch_size]
+        width = max(len(s) for s in chunk)
+        input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, seq in enumerate(chunk):
+            input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attention_mask[row, : len(seq)] = 1
+        batches.append({"input_ids": input_ids, "attention_mask": attention_mask})
+    return batches
+
+
+def tokenize_texts(
+    tokenizer: Any,
+    source: CalibrationSource,
+    seq_len: int,
+    num_sequences: int | None = None,
+    batch_size: int = 4,
+    text_column: str = "text",
+) -> TokenBatches:
+    """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens and batch them."""
+    if seq_len < 2 or batch_size < 1:
+        raise ValueError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}.")
+    texts, name = load_texts(source, text_column)
+    if not texts:
+        raise ValueError(f"The calibration text ({name}) is empty: provide at least a few paragraphs of text.")
+    token_lists = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+    sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id)
+    if num_sequences is not None and len(sequences) < num_sequences:
+        logger.warning("Only %d sequences of %d tokens in %s (asked for %d).", len(sequences), seq_len, name, num_sequences)
+    return TokenBatches(batch_sequences(sequences, batch_size, pad_token_id(tokenizer)), name, text_hash(texts), len(texts))

@@ -1,0 +1,66 @@
+"""The `ghosted` command line, run in subprocesses as a user would."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ghosted_hf.cli import build_parser
+from ghosted_hf.options import PruneOptions
+from tiny import build, char_tokenizer, texts
+
+
+def ghosted(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture
+def dense_folder(tmp_path: Path) -> Path:
+    build("llama").save_pretrained(tmp_path / "dense")
+    char_tokenizer().save_pretrained(tmp_path / "dense")
+    (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
+    return tmp_path / "dense"
+
+
+def test_prune_dry_run_then_prune_then_inspect(dense_folder: Path, tmp_path: Path) -> None:
+    common = ["prune", dense_folder, "--calibration", tmp_path / "cal.txt", "--num-layers", "2", "--seq-len", "48",
+              "--num-sequences", "16", "--criterion", "streamline"]
+    dry = ghosted(*common, "--output", tmp_path / "out", "--dry-run", cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    assert "--dry-run: nothing written" in dry.stdout and "relative_residual=" in dry.stdout
+    assert "selection       : streamline (higher is better)" in dry.stdout and "fewer)" in dry.stdout
+    assert not (tmp_path / "out").exists()
+
+    done = ghosted(*common, "--output", tmp_path / "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    files = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"config.json", "model.safetensors", "modeling_ghosted.py", "configuration_ghosted.py", "tokenizer.json"} <= files
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["ghost_provenance"]["options"]["criterion"] == "streamline"
+
+    shown = ghosted("inspect", tmp_path / "out", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert f"removed {config['removed_layers']}" in shown.stdout and ".ghost.operator [32, 32]" in shown.stdout
+
+
+def test_cli_errors_are_clear(dense_folder: Path, tmp_path: Path) -> None:
+    bad = ghosted("prune", dense_folder, "--calibration", tmp_path / "cal.txt", "--num-layers", "6", "--dry-run", cwd=tmp_path)
+    assert bad.returncode == 2 and "num_layers must be between 1 and 5" in bad.stderr
+    bad = ghosted("prune", dense_folder, "--operator", "magic", "--dry-run", cwd=tmp_path)
+    assert bad.returncode == 2 and "invalid choice: 'magic'" in bad.stderr
+    bad = ghosted("inspect", dense_folder, cwd=tmp_path)
+    assert bad.returncode != 0 and "holds a 'llama' model, not a ghosted one" in bad.stderr
+
+
+def test_cli_flags_are_generated_from_the_options() -> None:
+    prune = build_parser()._subparsers._group_actions[0].choices["prune"]
+    dests = {action.dest for action in prune._actions}
+    assert {f.name for f in dataclasses.fields(PruneOptions)} <= dests
+    args = build_parser().parse_args(["prune", "m", "--criterion", "manual", "--layers", "3", "4", "--ridge", "0.01"])
+    assert (args.layers, args.ridge, args.num_layers) == ([3, 4], 0.01, PruneOptions().num_layers)

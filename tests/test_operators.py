@@ -1,0 +1,115 @@
+"""Closed-form operators on synthetic data, and the Hadamard rotations they use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ghosted_hf.calibration import StatisticsAccumulator, StatisticsPlan
+from ghosted_hf.hadamard import hadamard, rotation
+from ghosted_hf.operators import fit_boundary, solve_ghost, squared_residual
+
+C = 24
+
+
+def synthetic(n: int = 3000, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """X with uneven channel scales and a few outlier tokens; Y = X A + noise."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, C, generator=g, dtype=torch.float64) * torch.logspace(0, 1, C, dtype=torch.float64)
+    x[:5] *= 30.0
+    a = torch.eye(C, dtype=torch.float64) + 0.3 * torch.randn(C, C, generator=g, dtype=torch.float64)
+    y = x @ a + 0.5 * torch.randn(n, C, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def stats_of(x: torch.Tensor, y: torch.Tensor, batches: int = 7, **plan_fields):
+    plan = StatisticsPlan(grams=frozenset({0}), pairs=frozenset({(0, 1)}), abs_sums=frozenset({0, 1}),
+                          rotated_abs_sums=frozenset({0, 1}), **plan_fields)
+    acc = StatisticsAccumulator(plan, C)
+    for xs, ys in zip(x.chunk(batches), y.chunk(batches)):
+        acc.update({0: xs, 1: ys})
+    return acc.result(num_layers=1)
+
+
+def residual(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> float:
+    return float((x @ w - y).square().sum())
+
+
+def test_ghost_solve_matches_lstsq() -> None:
+    x, y = synthetic()
+    stats = stats_of(x, y)
+    m, eps = solve_ghost(stats.gram(0), stats.cross(0, 1), ridge=0.0)
+    assert eps == 0.0
+    expected = torch.linalg.lstsq(x, y - x).solution
+    assert float(torch.linalg.norm(m - expected) / torch.linalg.norm(expected)) < 1e-8
+
+
+def test_ghost_residual_is_below_every_other_operator() -> None:
+    x, y = synthetic()
+    stats = stats_of(x, y)
+    ghost = fit_boundary(stats, "ghost", 0, 1, ridge=0.0)
+    best = residual(x, y, ghost.operator)
+    # The figures computed from statistics alone agree with the direct computation.
+    assert squared_residual(stats.gram(0), stats.cross(0, 1), stats.energy(0, 1), ghost.operator) == pytest.approx(best, rel=1e-9)
+    diagonal_ls = torch.diag((x * y).sum(0) / x.square().sum(0))  # the best diagonal operator
+    symmetric = (ghost.operator + ghost.operator.T) / 2
+    g = torch.Generator().manual_seed(3)
+    random_sym = torch.randn(C, C, generator=g, dtype=torch.float64)
+    others = {
+        "identity": torch.eye(C, dtype=torch.float64),
+        "diagonal": diagonal_ls,
+        "linearpatch-diag": fit_boundary(stats, "linearpatch-diag", 0, 1, 0.0).operator,
+        "linearpatch-rotate": fit_boundary(stats, "linearpatch-rotate", 0, 1, 0.0).operator,
+        "symmetric part": symmetric,
+        "perturbed symmetric": symmetric + 1e-3 * (random_sym + random_sym.T),
+    }
+    for name, w in others.items():
+        assert residual(x, y, w) > best, name
+    figures = ghost.figures
+    assert 0 < figures["relative_residual"] < 1
+    assert figures["condition_number"] > 1
+    assert 0 < figures["antisymmetric_share"] < 1
+
+
+def test_ridge_shrinks_toward_identity() -> None:
+    x, y = synthetic()
+    stats = stats_of(x, y)
+    norms = [float(torch.linalg.norm(solve_ghost(stats.gram(0), stats.cross(0, 1), r)[0])) for r in (0.0, 1e-2, 1.0)]
+    assert norms[0] > norms[1] > norms[2]
+
+
+def test_linearpatch_diag_is_the_ratio_of_mean_magnitudes() -> None:
+    x, y = synthetic()
+    w = fit_boundary(stats_of(x, y), "linearpatch-diag", 0, 1, 0.0).operator
+    torch.testing.assert_close(torch.diagonal(w), y.abs().mean(0) / x.abs().mean(0))
+    assert torch.count_nonzero(w - torch.diag(torch.diagonal(w))) == 0
+
+
+def test_rms_weighting_changes_the_fit_toward_small_tokens() -> None:
+    x, y = synthetic()
+    y[:5] = -x[:5]  # massive tokens that follow another map, as attention sinks do
+    plain = fit_boundary(stats_of(x, y), "ghost", 0, 1, 0.0).operator
+    weighted = fit_boundary(stats_of(x, y, weighting="rms"), "ghost", 0, 1, 0.0).operator
+    bulk = slice(5, None)  # without the outlier tokens, the weighted fit is the better one
+    assert residual(x[bulk], y[bulk], weighted) < residual(x[bulk], y[bulk], plain)
+
+
+def test_unknown_operator_lists_valid_ones() -> None:
+    x, y = synthetic()
+    with pytest.raises(ValueError, match="ghost, none, linearpatch-diag, linearpatch-rotate, replaceme-ls"):
+        fit_boundary(stats_of(x, y), "magic", 0, 1, 0.0)
+
+
+@pytest.mark.parametrize("n", [12, 20, 28, 36, 64, 576, 896, 1536, 2048])
+def test_hadamard_is_orthonormal(n: int) -> None:
+    h = hadamard(n)
+    assert h is not None
+    torch.testing.assert_close(h @ h.T, torch.eye(n, dtype=torch.float64))
+    assert set((h * n**0.5).round().unique().tolist()) == {-1.0, 1.0}
+
+
+def test_rotation_falls_back_to_seeded_orthogonal() -> None:
+    h, kind = rotation(100)
+    assert kind.startswith("random-orthogonal")
+    torch.testing.assert_close(h @ h.T, torch.eye(100, dtype=torch.float64))
+    assert torch.equal(h, rotation(100)[0])

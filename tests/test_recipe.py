@@ -1,0 +1,216 @@
+"""ghost_prune end to end on tiny models: fitting modes, fused export, statistics reuse, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ghosted_hf import GhostedForCausalLM, export_plain, ghost_prune
+from ghosted_hf.calibration import CalibrationStatistics, collect_statistics
+from ghosted_hf.data import tokenize_texts
+from ghosted_hf.selection import selection_plan
+from isolated import run_without_ghosted
+from tiny import EOS, LAYERS, build, char_tokenizer, texts
+
+FAST = dict(seq_len=48, num_sequences=24, batch_size=6)
+
+
+def final_hidden(model, batches) -> torch.Tensor:
+    """Input of the final norm on all real tokens."""
+    out = []
+    handle = model.model.norm.register_forward_pre_hook(lambda m, a: out.append(a[0]))
+    with torch.no_grad():
+        for b in batches:
+            model(**b)
+            out[-1] = out[-1][b["attention_mask"].bool()]
+    handle.remove()
+    return torch.cat(out)
+
+
+def kl_to_dense(dense, model, batches) -> float:
+    total = 0.0
+    with torch.no_grad():
+        for b in batches:
+            p = dense(**b).logits.log_softmax(-1)
+            q = model(**b).logits.log_softmax(-1)
+            total += float((p.exp() * (p - q)).sum(-1)[b["attention_mask"].bool()].mean())
+    return total / len(batches)
+
+
+def held_out(tokenizer, count: int = 6):
+    return tokenize_texts(tokenizer, texts(count, seed=99), 48, batch_size=3).batches
+
+
+def test_ghost_prune_end_to_end_beats_plain_pruning_and_reloads(tmp_path: Path) -> None:
+    tokenizer = char_tokenizer()
+    dense = build("qwen3")
+    ghosted = ghost_prune(build("qwen3"), tokenizer, texts(), num_layers=2, **FAST)
+    plain = ghost_prune(build("qwen3"), tokenizer, texts(), num_layers=2, operator="none", **FAST)
+    report = ghosted.config.ghost_provenance
+    assert ghosted.config.removed_layers == plain.config.removed_layers == report["selection"]["removed"]
+    assert report["calibration"]["tokens"] == 24 * 48 and len(report["calibration"]["sha256"]) == 64
+    assert report["versions"]["transformers"] and report["solver"]["ridge"] == 1e-4
+    assert ghosted.config.ghost_boundaries[0]["fit"]["relative_residual"] < 1.0
+
+    batches = held_out(tokenizer)
+    assert kl_to_dense(dense, ghosted, batches) < 0.7 * kl_to_dense(dense, plain, batches)
+
+    ghosted.save_pretrained(tmp_path / "model")
+    saved = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert saved["ghost_provenance"]["selection"]["removed"] == ghosted.config.removed_layers
+    b = batches[0]
+    with torch.no_grad():
+        expected = ghosted(**b).logits
+    save_file({"expected": expected, **b}, tmp_path / "io.safetensors")
+    out = run_without_ghosted(
+        f"""
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+        io = load_file("io.safetensors")
+        model = AutoModelForCausalLM.from_pretrained("{tmp_path / 'model'}", trust_remote_code=True)
+        with torch.no_grad():
+            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
+        assert torch.equal(got, io["expected"])
+        print("SAME LOGITS")
+        """,
+        cwd=tmp_path,
+    )
+    assert "SAME LOGITS" in out
+
+
+def test_sequential_fitting_beats_independent_with_several_boundaries() -> None:
+    tokenizer = char_tokenizer()
+    removed = [1, 3]  # two boundaries
+    options = dict(criterion="manual", layers=removed, **FAST)
+    sequential = ghost_prune(build("llama"), tokenizer, texts(), fitting="sequential", **options)
+    independent = ghost_prune(build("llama"), tokenizer, texts(), fitting="independent", **options)
+    # The first boundary is the same fit; the second sees the patched model's hidden state.
+    assert torch.equal(sequential.model.layers[1].ghost.operator, independent.model.layers[1].ghost.operator)
+    assert not torch.equal(sequential.model.layers[2].ghost.operator, independent.model.layers[2].ghost.operator)
+    passes = sequential.config.ghost_provenance["cost"]["passes"]
+    assert [p["sequential"] for p in passes] == [False, True]
+
+    calibration = tokenize_texts(tokenizer, texts(), FAST["seq_len"], FAST["num_sequences"], FAST["batch_size"]).batches
+    target = final_hidden(build("llama"), calibration)
+    error = {name: float((final_hidden(m, calibration) - target).square().sum())
+             for name, m in (("sequential", sequential), ("independent", independent))}
+    assert error["sequential"] < error["independent"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_replaceme_fused_export_is_a_plain_checkpoint(arch: str, tmp_path: Path) -> None:
+    tokenizer = char_tokenizer()
+    ghosted = ghost_prune(build(arch), tokenizer, texts(), num_layers=2, operator="replaceme-ls", **FAST)
+    record = ghosted.config.ghost_boundaries[0]
+    assert ghosted.config.removed_layers[0] >= 1 and record["fused_into"].endswith("mlp.down_proj")
+    assert record["fit"]["relative_residual"] < 1.0
+    plain = export_plain(ghosted)
+    assert type(plain).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    plain.save_pretrained(tmp_path / "plain")
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert config["model_type"] == arch and "auto_map" not in config
+    assert not list((tmp_path / "plain").glob("*.py"))
+
+    b = held_out(tokenizer)[0]
+    with torch.no_grad():
+        expected = ghosted(**b).logits
+    save_file({"expected": expected, **b}, tmp_path / "io.safetensors")
+    out = run_without_ghosted(
+        f"""
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+        io = load_file("io.safetensors")
+        model = AutoModelForCausalLM.from_pretrained("{tmp_path / 'plain'}")  # no trust_remote_code
+        with torch.no_grad():
+            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
+        torch.testing.assert_close(got, io["expected"], rtol=0, atol=1e-5)
+        print("PLAIN", type(model).__name__)
+        """,
+        cwd=tmp_path,
+    )
+    assert "PLAIN" in out
+
+
+def test_export_plain_refuses_real_operators() -> None:
+    ghosted = ghost_prune(build("llama"), char_tokenizer(), texts(), num_layers=2, **FAST)
+    with pytest.raises(ValueError, match="is not the identity"):
+        export_plain(ghosted)
+
+
+@pytest.mark.parametrize("operator", ["linearpatch-diag", "linearpatch-rotate"])
+def test_linearpatch_baselines_run_and_report(operator: str) -> None:
+    ghosted = ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="shortgpt", num_layers=2,
+                          operator=operator, **FAST)
+    for record in ghosted.config.ghost_boundaries:
+        assert record["operator"] == operator and "relative_residual" in record["fit"]
+
+
+def test_saved_statistics_replace_the_calibration_pass(tmp_path: Path) -> None:
+    tokenizer = char_tokenizer()
+    data = tokenize_texts(tokenizer, texts(), FAST["seq_len"], FAST["num_sequences"], FAST["batch_size"])
+    plan = selection_plan("ghost-aware", 2, LAYERS).merged(selection_plan("ghost-aware", 3, LAYERS))
+    collect_statistics(build("llama"), data.batches, plan, progress=False).save(tmp_path / "stats.safetensors")
+    for n in (2, 3):  # several numbers of removed layers from one file, no calibration text
+        from_file = ghost_prune(build("llama"), statistics=tmp_path / "stats.safetensors", num_layers=n)
+        from_text = ghost_prune(build("llama"), tokenizer, texts(), num_layers=n, **FAST)
+        assert from_file.config.removed_layers == from_text.config.removed_layers
+        for name, operator in from_text.ghost_operators().items():
+            torch.testing.assert_close(from_file.get_parameter(name), operator, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="lack what criterion 'streamline' needs"):
+        ghost_prune(build("llama"), statistics=CalibrationStatistics.load(tmp_path / "stats.safetensors"),
+                    criterion="streamline", num_layers=2)
+
+
+def test_calibration_from_file_and_dataset(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    tokenizer = char_tokenizer()
+    (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
+    from_file = ghost_prune(build("llama"), tokenizer, tmp_path / "cal.txt", num_layers=2, **FAST)
+    from_dataset = ghost_prune(build("llama"), tokenizer, datasets.Dataset.from_dict({"text": texts()}), num_layers=2, **FAST)
+    a, b = from_file.config.ghost_provenance["calibration"], from_dataset.config.ghost_provenance["calibration"]
+    assert a["sha256"] == b["sha256"] and a["tokens"] == b["tokens"]
+    assert from_file.config.removed_layers == from_dataset.config.removed_layers
+
+
+def test_tokenizer_without_pad_token_is_handled() -> None:
+    tokenizer = char_tokenizer()
+    tokenizer.pad_token = None
+    assert tokenizer.pad_token_id is None
+    data = tokenize_texts(tokenizer, texts(), 40, batch_size=4)
+    assert any((b["attention_mask"] == 0).any() for b in data.batches)  # the last sequence is padded ...
+    assert all((b["input_ids"][b["attention_mask"] == 0] == EOS).all() for b in data.batches)  # ... with EOS
+    ghosted = ghost_prune(build("llama"), tokenizer, texts(), num_layers=2, seq_len=40, batch_size=4)
+    assert ghosted.config.num_hidden_layers == LAYERS - 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(num_layers=LAYERS), ValueError, f"num_layers must be between 1 and {LAYERS - 1}"),
+        (dict(num_layers=0), ValueError, "num_layers must be between 1"),
+        (dict(criterion="best"), ValueError, "Unknown criterion 'best'; choose one of: ghost-aware, streamline, angular"),
+        (dict(operator="magic"), ValueError, "Unknown operator 'magic'; choose one of: ghost, none, linearpatch-diag"),
+        (dict(criterion="manual"), ValueError, "needs the layer indices"),
+        (dict(bogus=1), TypeError, r"Unknown option\(s\) \['bogus'\]"),
+        (dict(num_layers=2, seq_len=8, num_sequences=2), ValueError, r"gave 16 usable tokens, but fitting a 32x32 operator needs at least 32"),
+    ],
+)
+def test_bad_options(kwargs, error, message) -> None:
+    with pytest.raises(error, match=message):
+        ghost_prune(build("llama"), char_tokenizer(), texts(), **kwargs)
+
+
+def test_empty_calibration_text() -> None:
+    with pytest.raises(ValueError, match="calibration text .* is empty"):
+        ghost_prune(build("llama"), char_tokenizer(), ["", "   "], num_layers=2)
+
+
+def test_returns_a_ghosted_model() -> None:
+    model = ghost_prune(build("llama"), char_tokenizer(), texts(), num_layers=1, **FAST)
+    assert isinstance(model, GhostedForCausalLM)
