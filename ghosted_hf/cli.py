@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from . import assets
 from .options import add_prune_arguments, options_from_namespace
 from .report import summarize
 
@@ -34,8 +35,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
         raise SystemExit("ghosted prune: --output DIR is required (or --dry-run to only print the plan).")
     if args.output is not None and Path(args.output).exists() and any(Path(args.output).iterdir()) and not args.dry_run:
         raise SystemExit(f"ghosted prune: {args.output} exists and is not empty; choose a new --output folder.")
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.device)
-    ghosted = ghost_prune(model, tokenizer, args.calibration, options, statistics=args.statistics)
+    model, tokenizer = load_model_and_tokenizer(assets.resolve_model(args.model), args.dtype, args.device)
+    calibration = args.calibration
+    if calibration is None and args.statistics is None:
+        calibration = assets.wikipedia_split("calibration")  # the packaged default corpus
+    ghosted = ghost_prune(model, tokenizer, calibration, options, statistics=args.statistics)
     print(summarize(ghosted.config))
     if args.dry_run:
         print("\n--dry-run: nothing written.")
@@ -46,6 +50,37 @@ def cmd_prune(args: argparse.Namespace) -> int:
         ghosted.save_pretrained(args.output)
     tokenizer.save_pretrained(args.output)
     print(f"\nSaved to {args.output}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import format_rows, run_demo
+
+    options = options_from_namespace(args)
+    rows = run_demo(args.output, options, model=args.model, eval_windows=args.eval_windows)
+    config = json.loads((Path(args.output) / "config.json").read_text())
+    print()
+    print(format_rows(rows, config["removed_layers"], f"{args.eval_windows} windows of 512 tokens"))
+    print(f"\nSaved the ghosted model to {args.output} "
+          f"(load it with AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)).")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .data import tokenize_texts
+    from .evaluate import perplexity, zero_shot
+
+    folder = assets.resolve_model(args.folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype], trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = args.text if args.text is not None else assets.wikipedia_split("evaluation")
+    held_out = tokenize_texts(tokenizer, text, args.seq_len, args.windows, batch_size=4)
+    results: dict = {"perplexity": perplexity(model, held_out.batches), "perplexity_tokens": held_out.num_tokens}
+    if args.tasks:
+        results["zero_shot"] = zero_shot(model, tokenizer, args.tasks, limit=args.limit)
+    print(json.dumps(results, indent=2))
     return 0
 
 
@@ -76,8 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     prune = commands.add_parser("prune", help="Remove layers from a model and fit the recovery operators.")
-    prune.add_argument("model", help="Local folder or Hub id of a Llama / Qwen2 / Qwen3 causal LM.")
-    prune.add_argument("--calibration", help="Calibration text file (documents separated by blank lines).")
+    prune.add_argument("model", nargs="?", default=None,
+                       help=f"Local folder or Hub id of a Llama / Qwen2 / Qwen3 causal LM (default: {assets.DEFAULT_MODEL}).")
+    prune.add_argument("--calibration", help="Calibration text file, documents separated by blank lines "
+                       "(default: the packaged Wikipedia calibration articles).")
     prune.add_argument("--output", help="Folder to write the pruned model to.")
     prune.add_argument("--dry-run", action="store_true", help="Print scores, chosen layers and fit figures; write nothing.")
     prune.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="Dtype to load the model in.")
@@ -85,6 +122,25 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--statistics", default=None, help="Precomputed statistics (safetensors) to reuse.")
     add_prune_arguments(prune)
     prune.set_defaults(handler=cmd_prune)
+
+    demo = commands.add_parser("demo", help="The main job: prune the packaged SmolLM2-135M, save it, and compare "
+                               "dense / plainly pruned / ghosted perplexity, speed and samples.")
+    demo.add_argument("--model", default=None, help="Model folder or Hub id instead of the packaged default.")
+    demo.add_argument("--output", default="ghosted-smollm2-135m", help="Folder to save the ghosted model to.")
+    demo.add_argument("--eval-windows", type=int, default=16, help="Held-out 512-token windows for perplexity.")
+    add_prune_arguments(demo)
+    demo.set_defaults(handler=cmd_demo)
+
+    evaluate = commands.add_parser("eval", help="Perplexity on held-out text and, optionally, zero-shot tasks.")
+    evaluate.add_argument("folder", nargs="?", default=None, help="Saved model folder or Hub id (default: the packaged model).")
+    evaluate.add_argument("--text", default=None, help="Held-out text file (default: the packaged evaluation articles).")
+    evaluate.add_argument("--seq-len", type=int, default=512, help="Perplexity window length.")
+    evaluate.add_argument("--windows", type=int, default=16, help="Number of non-overlapping windows.")
+    evaluate.add_argument("--tasks", nargs="*", default=[], help="Zero-shot tasks (arc_easy arc_challenge hellaswag "
+                          "piqa winogrande boolq openbookqa).")
+    evaluate.add_argument("--limit", type=int, default=100, help="First N validation examples of each task.")
+    evaluate.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    evaluate.set_defaults(handler=cmd_eval)
 
     inspect = commands.add_parser("inspect", help="Print what a saved ghosted model contains.")
     inspect.add_argument("folder")
@@ -98,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, ImportError) as error:
         print(f"ghosted {args.command}: error: {error}", file=sys.stderr)
         return 2
 

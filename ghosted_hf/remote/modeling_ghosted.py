@@ -51,15 +51,21 @@ class GhostOperator(nn.Module):
         mapped = hidden_states.to(device=operator.device, dtype=operator.dtype) @ operator
         return mapped.to(device=hidden_states.device, dtype=hidden_states.dtype)
 
-    def apply_to_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Forward pre-hook of the parent: rewrite its first input, positional or `hidden_states=`."""
-        if args:
-            return (self(args[0]), *args[1:]), kwargs
-        kwargs["hidden_states"] = self(kwargs["hidden_states"])
-        return args, kwargs
-
     def extra_repr(self) -> str:
         return f"{self.operator.shape[0]}, dtype={self.operator.dtype}"
+
+
+def apply_ghost_operator(parent: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of a layer (or the final norm): map its input hidden state with its `ghost` child.
+
+    The child is looked up at call time, so a wrapper put in its place (e.g. PEFT's `modules_to_save`)
+    is the one applied.
+    """
+    ghost = getattr(parent, GHOST_MODULE)
+    if args:
+        return (ghost(args[0]), *args[1:]), kwargs
+    kwargs["hidden_states"] = ghost(kwargs["hidden_states"])
+    return args, kwargs
 
 
 class GhostedPreTrainedModel(PreTrainedModel):
@@ -97,9 +103,8 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
             self._keep_in_fp32_modules_strict = [GHOST_MODULE]
         for boundary in config.ghost_boundaries:
             parent = self.model.layers[boundary["layer"]] if boundary["target"] == LAYER_TARGET else self.model.norm
-            ghost = GhostOperator(text_config.hidden_size, operator_dtype)
-            parent.add_module(GHOST_MODULE, ghost)
-            parent.register_forward_pre_hook(ghost.apply_to_inputs, with_kwargs=True)
+            parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size, operator_dtype))
+            parent.register_forward_pre_hook(apply_ghost_operator, with_kwargs=True)
         self.post_init()
 
     def ghost_operators(self) -> dict[str, nn.Parameter]:

