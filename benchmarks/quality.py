@@ -1,0 +1,114 @@
+"""Quality benchmark on the packaged SmolLM2-135M-Instruct (30 layers): recovery methods side by side.
+
+For each number of removed layers and each selection (streamline / ghost-aware contiguous, ShortGPT
+scattered), every recovery method is fitted from the SAME calibration statistics (Wikipedia calibration
+articles) and scored on the SAME held-out tokens: perplexity on the held-out articles, the fraction of the
+log-perplexity gap closed relative to that selection's plain removal, and zero-shot accuracy (lm-eval,
+packaged validation data, first `--limit` examples of each task).
+
+    python benchmarks/quality.py --layers 8 4 --limit 50 > benchmarks/results/quality.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ghosted_hf import assets, ghost_prune
+from ghosted_hf.calibration import collect_statistics
+from ghosted_hf.data import tokenize_texts
+from ghosted_hf.evaluate import ZERO_SHOT_TASKS, perplexity, zero_shot
+from ghosted_hf.options import PruneOptions
+from ghosted_hf.recipe import _merge, boundary_pairs, fit_plan
+from ghosted_hf.surgery import export_plain
+
+METHODS = [  # (row name, options)
+    ("no recovery", dict(operator="none")),
+    ("linearpatch-diag", dict(operator="linearpatch-diag")),
+    ("linearpatch-rotate", dict(operator="linearpatch-rotate")),
+    ("replaceme-ls (fused)", dict(operator="replaceme-ls")),
+    ("ghost independent", dict(operator="ghost", fitting="independent")),
+    ("ghost sequential", dict(operator="ghost", fitting="sequential")),
+]
+SELECTIONS = ["streamline", "ghost-aware", "shortgpt"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[8, 4])
+    parser.add_argument("--limit", type=int, default=50, help="Zero-shot examples per task (0: skip zero-shot).")
+    parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--num-sequences", type=int, default=PruneOptions().num_sequences)
+    parser.add_argument("--seq-len", type=int, default=PruneOptions().seq_len)
+    args = parser.parse_args()
+
+    folder = assets.default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    load = lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # noqa: E731
+    calibration = assets.wikipedia_split("calibration")
+    held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), 512, args.eval_windows, 4)
+    cal_data = tokenize_texts(tokenizer, calibration, args.seq_len, args.num_sequences, 4)
+    tasks = list(ZERO_SHOT_TASKS)
+
+    def score(model) -> dict:
+        result = {"ppl": perplexity(model, held_out.batches, progress=False)}
+        if args.limit:
+            accs = zero_shot(model, tokenizer, tasks, limit=args.limit)
+            result["zero_shot"] = accs
+            result["avg_acc"] = sum(a["acc"] for a in accs.values()) / len(accs)
+        return result
+
+    started = time.perf_counter()
+    dense = score(load())
+    print(f"SmolLM2-135M-Instruct (dequantized Q4_1), fp32. Perplexity: {held_out.num_tokens} held-out tokens "
+          f"({args.eval_windows} windows of 512). Calibration: {cal_data.num_tokens} tokens "
+          f"({args.num_sequences} x {args.seq_len}). Zero-shot: first {args.limit} validation examples of "
+          f"{', '.join(tasks)}; accuracy averaged over tasks.\n")
+    print("| removed | selection | layers | method | perplexity | gap closed | avg zero-shot acc |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| 0 | - | - | dense | {dense['ppl']:.2f} | - | {dense.get('avg_acc', float('nan')):.3f} |", flush=True)
+    records = {"dense": dense}
+    for n in args.layers:
+        for criterion in SELECTIONS:
+            removed = ghost_prune(load(), tokenizer, calibration, num_layers=n, criterion=criterion, operator="none",
+                                  num_sequences=args.num_sequences, seq_len=args.seq_len).config.removed_layers
+            options = PruneOptions(criterion="manual", layers=removed, num_sequences=args.num_sequences, seq_len=args.seq_len)
+            plans = [fit_plan(kind, s, e, options) for kind in ("ghost", "linearpatch-diag", "linearpatch-rotate", "replaceme-ls")
+                     for s, e in boundary_pairs(30, removed) if not (kind == "replaceme-ls" and s == 0)]
+            stats = collect_statistics(load(), cal_data.batches, _merge(plans, options), progress=False)
+            plain_ppl = None
+            for name, method in METHODS:
+                if method["operator"] == "replaceme-ls" and removed[0] == 0:
+                    continue
+                if method.get("fitting") == "independent" and len(boundary_pairs(30, removed)) == 1:
+                    continue  # one boundary: identical to sequential
+                model = ghost_prune(load(), tokenizer, calibration, options, statistics=stats, **method)
+                if method["operator"] == "replaceme-ls":
+                    model = export_plain(model)
+                result = score(model)
+                plain_ppl = plain_ppl or result["ppl"]
+                closed = (math.log(plain_ppl) - math.log(result["ppl"])) / (math.log(plain_ppl) - math.log(dense["ppl"]))
+                label = name if len(boundary_pairs(30, removed)) > 1 or "ghost" not in name else "ghost"
+                print(f"| {n}/30 | {criterion} | {_ranges(removed)} | {label} | {result['ppl']:.2f} | {closed:.2f} | "
+                      f"{result.get('avg_acc', float('nan')):.3f} |", flush=True)
+                records[f"{n}/{criterion}/{name}"] = {"removed": removed, **result}
+    print(f"\nTotal {time.perf_counter() - started:.0f} s.")
+    print("\n<details><summary>raw results (JSON)</summary>\n\n```json\n" + json.dumps(records, indent=1) + "\n```\n</details>")
+
+
+def _ranges(layers: list[int]) -> str:
+    runs, start = [], layers[0]
+    for a, b in zip(layers, layers[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return ",".join(runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Optional LoRA healing of a ghosted model with PEFT: language-modeling loss or distillation from the
+dense teacher's logits, then `merge_and_unload` back into a `GhostedForCausalLM`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from tqdm.auto import tqdm
+
+from .data import CalibrationSource, tokenize_texts
+from .remote.modeling_ghosted import GHOST_MODULE, GhostedForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SCOPES = ("boundary", "all-linear")
+LINEAR = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+
+
+def target_modules(model: GhostedForCausalLM, scope: str = "boundary") -> str:
+    """LoRA targets: the linear layers of the kept layers on both sides of every boundary, or all of them."""
+    if scope not in SCOPES:
+        raise ValueError(f"Unknown scope {scope!r}; choose one of {SCOPES}.")
+    last = model.config.num_hidden_layers - 1
+    if scope == "all-linear":
+        layers = range(last + 1)
+    else:
+        fed = [b["layer"] if b["target"] == "layer" else last + 1 for b in model.config.ghost_boundaries]
+        layers = sorted({i for j in fed for i in (j - 1, j) if 0 <= i <= last})
+    return rf"model\.layers\.({'|'.join(map(str, layers))})\.{LINEAR}"
+
+
+def heal(
+    model: GhostedForCausalLM,
+    tokenizer: Any,
+    data: CalibrationSource,
+    *,
+    teacher: nn.Module | None = None,
+    scope: str = "boundary",
+    train_operators: bool = False,
+    rank: int = 8,
+    alpha: int = 16,
+    steps: int = 50,
+    lr: float = 2e-4,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[PeftModel, list[float]]:
+    """Train LoRA adapters (and, with `train_operators`, the ghost operators) for `steps` steps; returns the
+    PEFT model and the loss of every step. With a `teacher` the loss is KL(teacher || student) on real
+    tokens, otherwise next-token cross-entropy."""
+    torch.manual_seed(seed)
+    batches = tokenize_texts(tokenizer, data, seq_len, batch_size=batch_size).batches
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=target_modules(model, scope),
+                        modules_to_save=[GHOST_MODULE] if train_operators else None, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr)
+    device = next(peft_model.parameters()).device
+    peft_model.train()
+    losses = []
+    for batch in tqdm(itertools.islice(itertools.cycle(batches), steps), total=steps, desc="Healing", disable=not progress):
+        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        if teacher is None:
+            labels = ids.masked_fill(mask == 0, -100)
+            loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        else:
+            with torch.no_grad():
+                target = teacher(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+            student = peft_model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+            kl = (target.exp() * (target - student)).sum(-1)
+            loss = kl[mask.bool()].mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    peft_model.eval()
+    logger.info("Healing loss %.4f -> %.4f over %d steps.", losses[0], losses[-1], steps)
+    return peft_model, losses
+
+
+def merge(peft_model: PeftModel) -> GhostedForCausalLM:
+    """Fold the adapters (and trained operators) into the weights: a plain `GhostedForCausalLM` again."""
+    lora = peft_model.peft_config[peft_model.active_adapter]
+    merged = peft_model.merge_and_unload()
+    if not isinstance(merged, GhostedForCausalLM):
+        raise TypeError(f"Expected the merged model to be a GhostedForCausalLM, got {type(merged).__name__}.")
+    merged.config.ghost_provenance = {**merged.config.ghost_provenance, "healing": {
+        "method": "LoRA (merged)", "r": lora.r, "lora_alpha": lora.lora_alpha, "target_modules": str(lora.target_modules),
+        "trained_operators": bool(lora.modules_to_save)}}
+    return merged

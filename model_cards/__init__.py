@@ -1,0 +1,1 @@
+"""Model card templates, installed as `ghosted_hf.model_cards`."""

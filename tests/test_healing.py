@@ -1,0 +1,95 @@
+"""LoRA healing with PEFT: loss goes down, merge keeps the format, adapters round-trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from ghosted_hf import ghost_prune
+from ghosted_hf.data import tokenize_texts
+from ghosted_hf.healing import heal, merge, target_modules
+from isolated import run_without_ghosted
+from test_recipe import kl_to_dense
+from tiny import batch, build, char_tokenizer, texts
+
+FAST = dict(seq_len=48, num_sequences=24)
+
+
+def pruned():
+    return ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], **FAST)
+
+
+def mean_lm_loss(model, batches) -> float:
+    with torch.no_grad():
+        return sum(model(**b, labels=b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)).loss.item()
+                   for b in batches) / len(batches)
+
+
+def test_target_modules_default_to_the_layers_around_each_boundary() -> None:
+    model = pruned()  # removes 2-3: the boundary feeds pruned layer 2, after pruned layer 1
+    assert target_modules(model).startswith(r"model\.layers\.(1|2)\.")
+    assert target_modules(model, "all-linear").startswith(r"model\.layers\.(0|1|2|3)\.")
+    with pytest.raises(ValueError, match="Unknown scope"):
+        target_modules(model, "everything")
+
+
+@pytest.mark.parametrize("teacher", [False, True])
+def test_healing_lowers_the_training_loss(teacher: bool) -> None:
+    tokenizer = char_tokenizer()
+    model = pruned()
+    batches = tokenize_texts(tokenizer, texts(), 48, batch_size=4).batches
+    dense = build("llama")
+    measure = (lambda m: kl_to_dense(dense, m, batches)) if teacher else (lambda m: mean_lm_loss(m, batches))
+    before = measure(model)
+    peft_model, losses = heal(model, tokenizer, texts(), teacher=dense if teacher else None, steps=30,
+                              lr=1e-3 if teacher else 5e-3, seq_len=48, train_operators=True, progress=False)
+    assert len(losses) == 30
+    assert measure(peft_model) < before  # the training objective, on all training batches
+    trained = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n in trained) and any(".ghost." in n for n in trained)
+
+
+def test_merged_model_saves_and_reloads_without_ghosted_hf(tmp_path: Path) -> None:
+    peft_model, _ = heal(pruned(), char_tokenizer(), texts(), steps=10, lr=5e-3, seq_len=48, train_operators=True,
+                         progress=False)
+    merged = merge(peft_model)
+    assert type(merged).__name__ == "GhostedForCausalLM" and merged.config.ghost_provenance["healing"]["r"] == 8
+    merged.save_pretrained(tmp_path / "merged")
+    inputs = batch()
+    with torch.no_grad():
+        save_file({"expected": merged(**inputs).logits, **inputs}, tmp_path / "io.safetensors")
+    out = run_without_ghosted(
+        f"""
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+        io = load_file("io.safetensors")
+        model = AutoModelForCausalLM.from_pretrained("{tmp_path / 'merged'}", trust_remote_code=True)
+        with torch.no_grad():
+            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
+        assert torch.equal(got, io["expected"]), (got - io["expected"]).abs().max()
+        print("MERGED OK")
+        """,
+        cwd=tmp_path,
+    )
+    assert "MERGED OK" in out
+
+
+def test_adapter_round_trip_with_peft(tmp_path: Path) -> None:
+    base = pruned()
+    base.save_pretrained(tmp_path / "base")
+    peft_model, _ = heal(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), char_tokenizer(), texts(), steps=10,
+                         lr=5e-3, seq_len=48, train_operators=True, progress=False)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    inputs = batch()
+    with torch.no_grad():
+        expected = peft_model(**inputs).logits
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(reloaded(**inputs).logits, expected)

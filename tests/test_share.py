@@ -1,0 +1,112 @@
+"""Model card and Hub push/pull, against a local server that the real huggingface_hub client talks to."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from safetensors.torch import save_file
+
+from fake_hub import FakeHub
+from ghosted_hf import ghost_prune
+from ghosted_hf.card import build_card, save_with_card
+from ghosted_hf.hub import push_to_hub
+from isolated import run_without_ghosted
+from test_model_format import build_hub_cache
+from tiny import batch, build, char_tokenizer, texts
+
+EVALUATION = [{"task_type": "text-generation", "dataset_type": "wikipedia", "dataset_name": "Wikipedia (held-out articles)",
+               "metric_type": "perplexity", "metric_value": 12.5}]
+
+
+@pytest.fixture(scope="module")
+def ghosted():
+    model = ghost_prune(build("qwen3"), char_tokenizer(), texts(), num_layers=2, seq_len=48, num_sequences=24)
+    model.config.ghost_provenance["evaluation"] = EVALUATION
+    return model
+
+
+def test_card_parses_back_with_the_config_numbers(ghosted, tmp_path: Path) -> None:
+    save_with_card(ghosted, tmp_path, char_tokenizer(), repo_id="tester/tiny-ghost", license="apache-2.0")
+    card = ModelCard.load(tmp_path / "README.md")
+    data = card.data.to_dict()
+    assert data["library_name"] == "transformers" and data["pipeline_tag"] == "text-generation"
+    assert {"ghosted-layers", "layer-pruning", "custom_code"} <= set(data["tags"]) and data["license"] == "apache-2.0"
+    result = card.data.eval_results[0]
+    assert (result.metric_type, result.metric_value) == ("perplexity", 12.5)
+    config = ghosted.config
+    prov = config.ghost_provenance
+    body = card.text
+    assert f"removed {config.removed_layers}" in body
+    assert prov["calibration"]["sha256"] in body and f"{prov['calibration']['tokens_used']} tokens" in body
+    fit = config.ghost_boundaries[0]["fit"]
+    assert f"relative_residual={fit['relative_residual']:.4g}" in body
+    assert f"{prov['parameters']['dense']:,} -> {prov['parameters']['pruned']:,}" in body
+    assert 'trust_remote_code=True' in body and "2605.15491" in body and prov["versions"]["transformers"] in body
+    for name, score in prov["selection"]["scores"].items():
+        assert f"| {name}" in body and f"{score:.6g}" in body
+
+
+def test_card_base_model_and_license_come_from_a_converted_base(ghosted, tmp_path: Path) -> None:
+    (tmp_path / "SOURCE.json").write_text(json.dumps({"hub_id": "org/base-model", "license": "mit"}))
+    ghosted.config.ghost_provenance["base_model"] = str(tmp_path)
+    data = build_card(ghosted.config).data.to_dict()
+    assert data["base_model"] == "org/base-model" and data["license"] == "mit"
+
+
+def test_push_then_load_by_repo_id_in_a_fresh_process(ghosted, tmp_path: Path, monkeypatch) -> None:
+    with FakeHub() as hub:
+        url = push_to_hub(ghosted, "tester/tiny-ghost", tokenizer=char_tokenizer(), token=hub.token, revision="v1",
+                          endpoint=hub.url)
+        assert url.startswith(hub.url) and "/commit/" in url
+    arrived = hub.repos["tester/tiny-ghost"]["branches"]["v1"]
+    assert {"config.json", "model.safetensors", "README.md", "configuration_ghosted.py", "modeling_ghosted.py",
+            "tokenizer.json"} <= set(arrived)
+    assert hub.validated and "ghosted-layers" in hub.validated[-1]["tags"]  # the Hub's metadata check passed
+    assert json.loads(arrived["config.json"])["removed_layers"] == ghosted.config.removed_layers
+
+    folder = tmp_path / "arrived"
+    folder.mkdir()
+    for name, data in arrived.items():
+        (folder / name).write_bytes(data)
+    build_hub_cache(tmp_path / "cache", "tester/tiny-ghost", folder)
+    inputs = batch()
+    with torch.no_grad():
+        save_file({"expected": ghosted(**inputs).logits, **inputs}, tmp_path / "io.safetensors")
+    out = run_without_ghosted(
+        """
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+        io = load_file("io.safetensors")
+        model = AutoModelForCausalLM.from_pretrained("tester/tiny-ghost", trust_remote_code=True)
+        with torch.no_grad():
+            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
+        assert torch.equal(got, io["expected"])
+        print("PULLED")
+        """,
+        cwd=tmp_path,
+        env={"HF_HUB_CACHE": str(tmp_path / "cache")},
+    )
+    assert "PULLED" in out
+
+
+def test_push_errors(ghosted, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "no-login"))
+    with pytest.raises(ValueError, match="No Hugging Face token"):
+        push_to_hub(ghosted, "tester/x")
+    build("llama").save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="holds a 'llama' model, not a ghosted one"):
+        push_to_hub(tmp_path / "plain", "tester/x", token="t")
+    ghosted.save_pretrained(tmp_path / "nocard")
+    with pytest.raises(ValueError, match=r"lacks \['README.md'\]"):
+        push_to_hub(tmp_path / "nocard", "tester/x", token="t")
+    with FakeHub() as hub:
+        hub.repos["tester/taken"] = {"private": False, "commits": [],
+                                     "branches": {"main": {"config.json": json.dumps({"model_type": "bert"}).encode()}}}
+        with pytest.raises(ValueError, match="already holds a 'bert' model"):
+            push_to_hub(ghosted, "tester/taken", token=hub.token, endpoint=hub.url)
