@@ -6,6 +6,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from .remote.configuration_ghosted import GhostedConfig
 from .remote.modeling_ghosted import GhostedForCausalLM, GhostOperator
 from .calibration import CalibrationStatistics, StatisticsPlan, collect_statistics
+from .card import save_with_card
+from .hub import push_to_hub
 from .options import PruneOptions
 from .recipe import ghost_prune
 from .surgery import export_plain, prune_layers
@@ -29,5 +31,7 @@ __all__ = [
     "export_plain",
     "ghost_prune",
     "prune_layers",
+    "push_to_hub",
+    "save_with_card",
     "__version__",
 ]

@@ -27,6 +27,7 @@ def load_model_and_tokenizer(model_id: str, dtype: str, device: str | None):
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    from .card import save_with_card
     from .recipe import ghost_prune
     from .surgery import export_plain
 
@@ -46,9 +47,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
         return 0
     if options.operator == "replaceme-ls":
         export_plain(ghosted).save_pretrained(args.output)  # fused: a plain checkpoint, no remote code
+        tokenizer.save_pretrained(args.output)
     else:
-        ghosted.save_pretrained(args.output)
-    tokenizer.save_pretrained(args.output)
+        save_with_card(ghosted, args.output, tokenizer)
     print(f"\nSaved to {args.output}")
     return 0
 
@@ -81,6 +82,41 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.tasks:
         results["zero_shot"] = zero_shot(model, tokenizer, args.tasks, limit=args.limit)
     print(json.dumps(results, indent=2))
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from .hub import push_to_hub
+
+    url = push_to_hub(args.folder, args.repo_id, private=args.private, revision=args.revision)
+    print(f"Pushed {args.folder} to {url}")
+    print(f'Load it with AutoModelForCausalLM.from_pretrained("{args.repo_id}", trust_remote_code=True'
+          + (f', revision="{args.revision}")' if args.revision else ")"))
+    return 0
+
+
+def cmd_heal(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .card import save_with_card
+    from .healing import heal, merge
+
+    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.folder)
+    teacher = None
+    if args.teacher:
+        teacher = AutoModelForCausalLM.from_pretrained(assets.resolve_model(args.teacher), dtype=torch.float32).eval()
+    data = args.data if args.data is not None else assets.wikipedia_split("calibration")
+    peft_model, losses = heal(model, tokenizer, data, teacher=teacher, scope=args.scope,
+                              train_operators=args.train_operators, rank=args.rank, steps=args.steps, lr=args.lr,
+                              seq_len=args.seq_len, batch_size=args.batch_size)
+    print(f"loss: first 5 steps {sum(losses[:5]) / 5:.4f}, last 5 steps {sum(losses[-5:]) / 5:.4f}")
+    if args.adapter_only:
+        peft_model.save_pretrained(args.output)
+        print(f"Saved the adapter to {args.output} (load with PeftModel.from_pretrained(base, path)).")
+    else:
+        save_with_card(merge(peft_model), args.output, tokenizer)
+        print(f"Saved the merged model to {args.output}.")
     return 0
 
 
@@ -141,6 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int, default=100, help="First N validation examples of each task.")
     evaluate.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     evaluate.set_defaults(handler=cmd_eval)
+
+    push = commands.add_parser("push", help="Upload a saved ghosted model folder (with its card) to the Hub.")
+    push.add_argument("folder")
+    push.add_argument("repo_id")
+    push.add_argument("--private", action="store_true", help="Create the repository as private.")
+    push.add_argument("--revision", default=None, help="Branch to push to (created if needed).")
+    push.set_defaults(handler=cmd_push)
+
+    heal_parser = commands.add_parser("heal", help="LoRA-heal a ghosted model with PEFT and save it merged.")
+    heal_parser.add_argument("folder", help="Saved ghosted model folder.")
+    heal_parser.add_argument("--data", default=None, help="Training text file (default: packaged calibration articles).")
+    heal_parser.add_argument("--output", required=True)
+    heal_parser.add_argument("--teacher", default=None, help="Dense model to distill from (default: LM loss).")
+    heal_parser.add_argument("--scope", default="boundary", choices=["boundary", "all-linear"])
+    heal_parser.add_argument("--train-operators", action="store_true", help="Also train the ghost operators.")
+    heal_parser.add_argument("--rank", type=int, default=8)
+    heal_parser.add_argument("--steps", type=int, default=50)
+    heal_parser.add_argument("--lr", type=float, default=2e-4)
+    heal_parser.add_argument("--seq-len", type=int, default=256)
+    heal_parser.add_argument("--batch-size", type=int, default=4)
+    heal_parser.add_argument("--adapter-only", action="store_true", help="Save only the PEFT adapter.")
+    heal_parser.set_defaults(handler=cmd_heal)
 
     inspect = commands.add_parser("inspect", help="Print what a saved ghosted model contains.")
     inspect.add_argument("folder")

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import assets
+from .card import save_with_card
 from .data import tokenize_texts
 from .evaluate import perplexity
 from .options import PruneOptions
@@ -71,8 +72,7 @@ def run_demo(output: str | Path, options: PruneOptions | None = None, model: str
     del dense
 
     ghosted = ghost_prune(load(), tokenizer, assets.wikipedia_split("calibration"), options)
-    ghosted.save_pretrained(output)
-    tokenizer.save_pretrained(output)
+    save_with_card(ghosted, output, tokenizer)
     plain = prune_layers(load(), ghosted.config.removed_layers)
     for name, model_ in (("plainly pruned", plain), ("ghosted", ghosted)):
         rows.append(Row(name, perplexity(model_, held_out.batches, description=f"Perplexity ({name})"),

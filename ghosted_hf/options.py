@@ -34,7 +34,7 @@ class PruneOptions:
         "or all on the dense model (independent, as in the paper).",
         FITTINGS,
     )
-    ridge: float = _option(1e-4, "Ridge eps relative to the mean diagonal of X^T X.")
+    ridge: float = _option(1e-6, "Ridge eps relative to the mean diagonal of X^T X.")
     weighting: str = _option(
         "none", "Token weighting of the least-squares fit: none, or rms (each token divided by its RMS).", WEIGHTINGS
     )

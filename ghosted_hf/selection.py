@@ -68,7 +68,7 @@ def _block_name(s: int, e: int) -> str:
     return f"{s}-{e - 1}"
 
 
-def select_layers(stats: CalibrationStatistics, criterion: str, num_layers: int, ridge: float = 1e-4,
+def select_layers(stats: CalibrationStatistics, criterion: str, num_layers: int, ridge: float = 1e-6,
                   layers: list[int] | None = None, first: int = 0) -> Selection:
     check_criterion(criterion)
     total = stats.num_layers

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ghosted_hf import GhostedForCausalLM, export_plain, ghost_prune
+from ghosted_hf import GhostedForCausalLM, PruneOptions, export_plain, ghost_prune
 from ghosted_hf.calibration import CalibrationStatistics, collect_statistics
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.selection import selection_plan
@@ -53,7 +53,7 @@ def test_ghost_prune_end_to_end_beats_plain_pruning_and_reloads(tmp_path: Path) 
     report = ghosted.config.ghost_provenance
     assert ghosted.config.removed_layers == plain.config.removed_layers == report["selection"]["removed"]
     assert report["calibration"]["tokens"] == 24 * 48 and len(report["calibration"]["sha256"]) == 64
-    assert report["versions"]["transformers"] and report["solver"]["ridge"] == 1e-4
+    assert report["versions"]["transformers"] and report["solver"]["ridge"] == PruneOptions().ridge
     assert ghosted.config.ghost_boundaries[0]["fit"]["relative_residual"] < 1.0
 
     batches = held_out(tokenizer)

@@ -1,0 +1,38 @@
+"""Heal a saved ghosted model with LoRA (PEFT), distilling from the dense packaged SmolLM2-135M, then merge
+the adapters back and save a ghosted model that still loads with trust_remote_code.
+
+    python examples/heal_lora.py ghosted-smollm2 --output ghosted-smollm2-healed --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import ghosted_hf
+from ghosted_hf import assets
+from ghosted_hf.healing import heal, merge
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="Folder of a ghosted model.")
+    parser.add_argument("--output", default="ghosted-healed")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seq-len", type=int, default=256)
+    args = parser.parse_args(argv)
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    teacher = AutoModelForCausalLM.from_pretrained(assets.default_model_dir(), dtype=torch.float32).eval()
+    peft_model, losses = heal(model, tokenizer, assets.wikipedia_split("calibration"), teacher=teacher,
+                              steps=args.steps, seq_len=args.seq_len, lr=1e-4)
+    ghosted_hf.save_with_card(merge(peft_model), args.output, tokenizer)
+    print(f"KL to the teacher: first step {losses[0]:.4f}, last step {losses[-1]:.4f}; saved to {args.output}")
+    return losses
+
+
+if __name__ == "__main__":
+    main()

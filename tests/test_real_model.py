@@ -1,0 +1,103 @@
+"""End to end on the packaged real model (SmolLM2-135M-Instruct, 30 layers) and real held-out text."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fake_hub import FakeHub
+from ghosted_hf import assets, ghost_prune
+from ghosted_hf.data import tokenize_texts
+from ghosted_hf.evaluate import perplexity
+from isolated import run_without_ghosted
+from test_model_format import build_hub_cache
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    folder = assets.default_model_dir()
+    load = lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # noqa: E731
+    return folder, AutoTokenizer.from_pretrained(folder), load
+
+
+def test_corpus_split_is_disjoint_and_real() -> None:
+    calibration, evaluation = assets.wikipedia_split("calibration"), assets.wikipedia_split("evaluation")
+    assert len(calibration) == 4 * len(evaluation) + 1 and len(evaluation) == 21
+    assert not set(calibration) & set(evaluation)
+    assert sum(len(t.split()) for t in evaluation) > 50_000 and "Alabama" in evaluation[0][:20]
+
+
+def test_ghost_recovers_the_real_model_and_reloads(smollm, tmp_path: Path) -> None:
+    folder, tokenizer, load = smollm
+    held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), 256, 6, 3).batches
+    calibration = assets.wikipedia_split("calibration")
+    options = dict(criterion="manual", layers=list(range(12, 20)), seq_len=256, num_sequences=32)
+    plain = ghost_prune(load(), tokenizer, calibration, operator="none", **options)
+    ghosted = ghost_prune(load(), tokenizer, calibration, **options)
+    dense_ppl = perplexity(load(), held_out, progress=False)
+    plain_ppl = perplexity(plain, held_out, progress=False)
+    ghost_ppl = perplexity(ghosted, held_out, progress=False)
+    assert dense_ppl < ghost_ppl < 0.8 * plain_ppl, (dense_ppl, ghost_ppl, plain_ppl)
+
+    ghosted.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    with torch.no_grad():
+        save_file({"expected": ghosted(**held_out[0]).logits, **held_out[0]}, tmp_path / "io.safetensors")
+    out = run_without_ghosted(
+        f"""
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+        io = load_file("io.safetensors")
+        model = AutoModelForCausalLM.from_pretrained("{tmp_path / 'model'}", trust_remote_code=True)
+        with torch.no_grad():
+            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
+        assert torch.equal(got, io["expected"])
+        print("REAL RELOAD OK", model.config.num_hidden_layers)
+        """,
+        cwd=tmp_path,
+    )
+    assert "REAL RELOAD OK 22" in out
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_examples_run_offline(smollm, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with FakeHub() as hub:
+        out = _example("prune_and_push").main(["--output", "pruned", "--num-layers", "4", "--num-sequences", "12",
+                                               "--repo-id", "tester/smol-ghost", "--endpoint", hub.url, "--token", hub.token])
+    arrived = hub.repos["tester/smol-ghost"]["branches"]["main"]
+    assert {"README.md", "model.safetensors", "modeling_ghosted.py"} <= set(arrived)
+    (tmp_path / "arrived").mkdir()
+    for name, data in arrived.items():
+        (tmp_path / "arrived" / name).write_bytes(data)
+    build_hub_cache(tmp_path / "cache", "tester/smol-ghost", tmp_path / "arrived")
+    generated = run_without_ghosted(  # the loading example needs transformers only
+        f"""
+        import runpy, sys
+        sys.argv = ["load_and_generate.py", "tester/smol-ghost", "--max-new-tokens", "8"]
+        runpy.run_path("{EXAMPLES / 'load_and_generate.py'}", run_name="__main__")
+        """,
+        cwd=tmp_path,
+        env={"HF_HUB_CACHE": str(tmp_path / "cache")},
+    )
+    assert generated.startswith("The history of the city began") and len(generated.strip()) > 35
+    losses = _example("heal_lora").main([out, "--output", "healed", "--steps", "2", "--seq-len", "64"])
+    assert len(losses) == 2 and (tmp_path / "healed" / "README.md").is_file()
+    results = _example("evaluate_lm_eval").main(["healed", "--tasks", "arc_easy", "--limit", "4", "--windows", "1"])
+    assert 0.0 <= results["zero_shot"]["arc_easy"]["acc"] <= 1.0 and results["perplexity"] > 1.0
