@@ -84,10 +84,11 @@ def main() -> None:
         best[key] = (min(seconds, best.get(key, (seconds, peak))[0]), max(peak, best.get(key, (seconds, peak))[1]))
     dense_s, dense_m = best[("dense forward", small.num_tokens)]
     print(f"SmolLM2-135M fp32, {torch.get_num_threads()} threads, batches of {args.batch_size} x {args.seq_len} tokens")
-    print(f"| pass | tokens | seconds (best of {args.repeats}) | time / dense | peak memory above model (MiB) |")
+    print(f"| pass | tokens | seconds (best of {args.repeats}) | time per token / dense | peak memory above model (MiB) |")
     print("|---|---|---|---|---|")
     for (name, tokens), (seconds, peak) in best.items():
-        print(f"| {name} | {tokens} | {seconds:.2f} | {seconds / dense_s:.2f}x | {peak / 2**20:.0f} |")
+        ratio = (seconds / tokens) / (dense_s / small.num_tokens)
+        print(f"| {name} | {tokens} | {seconds:.2f} | {ratio:.2f}x | {peak / 2**20:.0f} |")
     print(json.dumps({f"{n}@{t}": {"seconds": s, "peak_bytes": m} for (n, t), (s, m) in best.items()}))
 
 

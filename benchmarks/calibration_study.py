@@ -5,7 +5,7 @@ The block is chosen once by the default ghost-aware selection on the default cal
 size runs its own statistics pass (the first N sequences of the calibration articles), and every ridge
 value is solved from the statistics of the `--ridge-tokens` set, so the ridge rows differ only in eps.
 
-    python benchmarks/calibration_study.py --sizes 16 64 256 --ridges 1e-8 1e-6 1e-4 1e-2
+    python benchmarks/calibration_study.py --sizes 16 64 256 --ridges 1e-8 1e-6 1e-4 1e-2 --size-ridge 1e-4
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256], help="Calibration sequences of 512 tokens.")
     parser.add_argument("--ridges", type=float, nargs="+", default=[1e-8, 1e-6, 1e-4, 1e-2])
     parser.add_argument("--ridge-sequences", type=int, default=64)
+    parser.add_argument("--size-ridge", type=float, default=PruneOptions().ridge, help="Ridge of the size rows.")
     parser.add_argument("--eval-windows", type=int, default=16)
     args = parser.parse_args()
 
@@ -53,7 +54,7 @@ def main() -> None:
         options = PruneOptions(num_sequences=sequences, **manual)
         data = tokenize_texts(tokenizer, calibration, options.seq_len, sequences, options.batch_size)
         stats = collect_statistics(load(), data.batches, fit_plan("ghost", s, e, options), progress=False)
-        ridges = args.ridges if sequences == args.ridge_sequences else [options.ridge]
+        ridges = args.ridges if sequences == args.ridge_sequences else [args.size_ridge]
         for ridge in ridges:
             model = ghost_prune(load(), tokenizer, calibration, options, statistics=stats, ridge=ridge)
             ppl = perplexity(model, held_out, progress=False)

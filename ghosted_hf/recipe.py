@@ -126,6 +126,58 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def select(calibrator: _Calibrator, options: PruneOptions) -> Selection:
+    """The layers to remove, with the scores of every candidate."""
+    if options.criterion == "manual":
+        return Selection(sorted(options.layers), "manual", {}, "n/a")
+    total = calibrator.model.config.num_hidden_layers
+    # ReplaceMe folds into the layer before the block, so only there may a block not start at layer 0.
+    first = 1 if options.operator == "replaceme-ls" else 0
+    plan = selection_plan(options.criterion, options.num_layers, total, options.weighting,
+                          options.skip_first_tokens, first)
+    stats = calibrator.ensure(plan, f"criterion {options.criterion!r}")
+    return select_layers(stats, options.criterion, options.num_layers, options.ridge, first=first)
+
+
+def build(model: PreTrainedModel, removed: list[int], fits: list[BoundaryFit], options: PruneOptions) -> GhostedForCausalLM:
+    """The pruned model with each boundary's operator installed (or folded, for fused kinds)."""
+    kind = options.operator
+    operators = {f.source: f.operator for f in fits if kind != "none" and f.operator is not None}
+    ghosted = prune_layers(model, removed, operators, operator_kind=kind,
+                           operator_dtype=getattr(torch, options.operator_dtype))
+    for fit, record in zip(fits, ghosted.config.ghost_boundaries):
+        if fit.fused is not None:
+            layer = fit.source - 1 - sum(1 for i in removed if i < fit.source - 1)
+            fold_into_down_proj(ghosted, layer, fit.fused)
+            record["operator"] = "identity"
+            record["fused_into"] = f"model.layers.{layer}.mlp.down_proj"
+        record["fit"] = fit.figures
+    return ghosted
+
+
+def report(ghosted: GhostedForCausalLM, base_name: str | None, dense_parameters: int, selection: Selection,
+           calibrator: _Calibrator, options: PruneOptions, seconds: float) -> dict[str, Any]:
+    """Everything needed to reproduce and judge the result; saved in config.json and the model card."""
+    operator_parameters = sum(p.numel() for p in ghosted.ghost_operators().values())
+    data, stats = calibrator.data, calibrator.stats
+    return {
+        "method": METHOD,
+        "base_model": base_name or None,
+        "selection": selection.describe(),
+        "operator": options.operator,
+        "fitting": options.fitting,
+        "solver": {"dtype": "float64", "solve": "torch.linalg.solve", "ridge": options.ridge,
+                   "ridge_scale": "mean diagonal of X^T X", "weighting": options.weighting,
+                   "skip_first_tokens": options.skip_first_tokens},
+        "calibration": {**(data.describe() if data else {}), "tokens_used": stats.tokens if stats else None},
+        "cost": {"seconds": round(seconds, 2), "passes": calibrator.passes},
+        "parameters": {"dense": dense_parameters, "pruned": count_parameters(ghosted) - operator_parameters,
+                       "operators": operator_parameters},
+        "options": options.to_dict(),
+        "versions": {"ghosted_hf": _version(), "transformers": transformers.__version__, "torch": torch.__version__},
+    }
+
+
 def ghost_prune(
     model: PreTrainedModel,
     tokenizer: Any = None,
@@ -144,71 +196,45 @@ def ghost_prune(
     """
     options = PruneOptions.build(options, **overrides)
     started = time.perf_counter()
-    total, hidden = model.config.num_hidden_layers, model.config.hidden_size
-    if options.criterion != "manual":
-        check_num_layers(options.num_layers, total)
-    else:
-        validate_removal(options.layers, total)
-    if options.operator == "replaceme-ls" and (options.layers or [1])[0] == 0 and options.criterion == "manual":
-        raise ValueError("replaceme-ls folds into the layer before the removed block; it cannot remove layer 0.")
-
-    data = None
-    if calibration is not None:
-        if tokenizer is None:
-            raise ValueError("A tokenizer is needed to tokenize the calibration text.")
-        data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
-        check_token_budget(data.num_tokens - options.skip_first_tokens * data.describe()["sequences"], hidden)
-    elif statistics is None:
-        raise ValueError("Pass calibration text (list of strings, text file or Dataset) or precomputed statistics.")
+    check_request(model, options)
+    data = prepare_calibration(model, tokenizer, calibration, statistics, options)
     if isinstance(statistics, (str, Path)):
         statistics = CalibrationStatistics.load(statistics, device=options.stats_device or "cpu")
-
     calibrator = _Calibrator(model, data, statistics, options)
-    if options.criterion == "manual":
-        selection = Selection(sorted(options.layers), "manual", {}, "n/a")
-    else:
-        # ReplaceMe folds into the layer before the block, so only there may a block not start at layer 0.
-        first = 1 if options.operator == "replaceme-ls" else 0
-        plan = selection_plan(options.criterion, options.num_layers, total, options.weighting,
-                              options.skip_first_tokens, first)
-        stats = calibrator.ensure(plan, f"criterion {options.criterion!r}")
-        selection = select_layers(stats, options.criterion, options.num_layers, options.ridge, first=first)
-    removed = selection.removed
-    dense_parameters = count_parameters(model)
+    base_name, dense_parameters = model.config._name_or_path, count_parameters(model)
 
-    fits = fit_operators(calibrator, removed, options)
-    kind = options.operator
-    operators = {f.source: f.operator for f in fits if kind != "none" and f.operator is not None}
-    operator_dtype = getattr(torch, options.operator_dtype)
-    ghosted = prune_layers(model, removed, operators, operator_kind=kind, operator_dtype=operator_dtype)
-    for fit, record in zip(fits, ghosted.config.ghost_boundaries):
-        if fit.fused is not None:
-            layer = fit.source - 1 - sum(1 for i in removed if i < fit.source - 1)
-            fold_into_down_proj(ghosted, layer, fit.fused)
-            record["operator"] = "identity"
-            record["fused_into"] = f"model.layers.{layer}.mlp.down_proj"
-        record["fit"] = fit.figures
-
-    stats = calibrator.stats
-    ghosted.config.ghost_provenance = {
-        "method": METHOD,
-        "base_model": model.config._name_or_path or None,
-        "selection": selection.describe(),
-        "operator": kind,
-        "fitting": options.fitting,
-        "solver": {"dtype": "float64", "solve": "torch.linalg.solve", "ridge": options.ridge,
-                   "ridge_scale": "mean diagonal of X^T X", "weighting": options.weighting,
-                   "skip_first_tokens": options.skip_first_tokens},
-        "calibration": {**(data.describe() if data else {}), "tokens_used": stats.tokens if stats else None},
-        "cost": {"seconds": round(time.perf_counter() - started, 2), "passes": calibrator.passes},
-        "parameters": {"dense": dense_parameters, "pruned": count_parameters(ghosted) - sum(
-            p.numel() for p in ghosted.ghost_operators().values()),
-            "operators": sum(p.numel() for p in ghosted.ghost_operators().values())},
-        "options": options.to_dict(),
-        "versions": {"ghosted_hf": _version(), "transformers": transformers.__version__, "torch": torch.__version__},
-    }
-    logger.info("Removed layers %s (%s, %s).", removed, options.criterion, kind)
+    selection = select(calibrator, options)
+    fits = fit_operators(calibrator, selection.removed, options)
+    ghosted = build(model, selection.removed, fits, options)
+    ghosted.config.ghost_provenance = report(ghosted, base_name, dense_parameters, selection, calibrator, options,
+                                             time.perf_counter() - started)
+    logger.info("Removed layers %s (%s, %s).", selection.removed, options.criterion, options.operator)
     return ghosted
+
+
+def check_request(model: PreTrainedModel, options: PruneOptions) -> None:
+    total = model.config.num_hidden_layers
+    if options.criterion != "manual":
+        check_num_layers(options.num_layers, total)
+        return
+    removed = validate_removal(options.layers, total)
+    if options.operator == "replaceme-ls" and removed[0] == 0:
+        raise ValueError("replaceme-ls folds into the layer before the removed block; it cannot remove layer 0.")
+
+
+def prepare_calibration(model: PreTrainedModel, tokenizer: Any, calibration: CalibrationSource | None,
+                        statistics: Any, options: PruneOptions) -> TokenBatches | None:
+    """Token batches of the calibration text (None when only precomputed statistics are given)."""
+    if calibration is None:
+        if statistics is None:
+            raise ValueError("Pass calibration text (list of strings, text file or Dataset) or precomputed statistics.")
+        return None
+    if tokenizer is None:
+        raise ValueError("A tokenizer is needed to tokenize the calibration text.")
+    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
+    sequences = data.describe()["sequences"]
+    check_token_budget(data.num_tokens - options.skip_first_tokens * sequences, model.config.hidden_size)
+    return data
 
 
 def _version() -> str:

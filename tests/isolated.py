@@ -21,3 +21,31 @@ def run_without_ghosted(code: str, cwd: Path, env: dict[str, str] | None = None,
     if done.returncode != 0:
         raise AssertionError(f"isolated process failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return done.stdout
+
+
+def assert_loads_with_same_logits(model_id: str | Path, model, inputs: dict, cwd: Path, env: dict[str, str] | None = None,
+                                  trust_remote_code: bool = True, atol: float = 0.0) -> str:
+    """Load `model_id` in a process without ghosted_hf and check its logits on `inputs` against `model`'s
+    (bit-identical by default). Returns what the process printed: 'LOADED <module> <class> <layers>'."""
+    import torch
+    from safetensors.torch import save_file
+
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    save_file({"expected": expected, **inputs}, cwd / "io.safetensors")
+    remote = ", trust_remote_code=True" if trust_remote_code else ""
+    return run_without_ghosted(
+        f"""
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+        io = load_file("io.safetensors")
+        model = AutoModelForCausalLM.from_pretrained({str(model_id)!r}{remote})
+        with torch.no_grad():
+            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
+        torch.testing.assert_close(got, io["expected"], rtol=0, atol={atol})
+        print("LOADED", type(model).__module__, type(model).__name__, model.config.num_hidden_layers)
+        """,
+        cwd,
+        env,
+    )

@@ -7,13 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from ghosted_hf import ghost_prune
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.healing import heal, merge, target_modules
-from isolated import run_without_ghosted
+from isolated import assert_loads_with_same_logits
 from test_recipe import kl_to_dense
 from tiny import batch, build, char_tokenizer, texts
 
@@ -60,24 +59,7 @@ def test_merged_model_saves_and_reloads_without_ghosted_hf(tmp_path: Path) -> No
     merged = merge(peft_model)
     assert type(merged).__name__ == "GhostedForCausalLM" and merged.config.ghost_provenance["healing"]["r"] == 8
     merged.save_pretrained(tmp_path / "merged")
-    inputs = batch()
-    with torch.no_grad():
-        save_file({"expected": merged(**inputs).logits, **inputs}, tmp_path / "io.safetensors")
-    out = run_without_ghosted(
-        f"""
-        import torch
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-        io = load_file("io.safetensors")
-        model = AutoModelForCausalLM.from_pretrained("{tmp_path / 'merged'}", trust_remote_code=True)
-        with torch.no_grad():
-            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
-        assert torch.equal(got, io["expected"]), (got - io["expected"]).abs().max()
-        print("MERGED OK")
-        """,
-        cwd=tmp_path,
-    )
-    assert "MERGED OK" in out
+    assert "LOADED transformers_modules" in assert_loads_with_same_logits(tmp_path / "merged", merged, batch(), tmp_path)
 
 
 def test_adapter_round_trip_with_peft(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import ghosted_hf
 from ghosted_hf import GhostedForCausalLM, prune_layers
-from isolated import run_without_ghosted
+from isolated import assert_loads_with_same_logits, run_without_ghosted
 from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, deleted_reference, random_operator
 
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -147,24 +147,8 @@ def test_remote_code_load_without_ghosted_hf(arch: str, tmp_path: Path) -> None:
         imports = [l for l in (folder / source).read_text().splitlines() if l.startswith(("import ", "from "))]
         assert all(l.split()[1].split(".")[0] in {"__future__", "typing", "torch", "transformers", ""} for l in imports), imports
 
-    inputs = batch()
-    save_file({"expected": logits(ghosted, inputs), **inputs}, tmp_path / "io.safetensors")
-    out = run_without_ghosted(
-        f"""
-        import torch
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-        io = load_file("io.safetensors")
-        model = AutoModelForCausalLM.from_pretrained("{folder}", trust_remote_code=True)
-        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-        with torch.no_grad():
-            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
-        assert torch.equal(got, io["expected"]), (got - io["expected"]).abs().max()
-        print("IDENTICAL", type(model).__name__)
-        """,
-        cwd=tmp_path,
-    )
-    assert "IDENTICAL GhostedForCausalLM" in out
+    out = assert_loads_with_same_logits(folder, ghosted, batch(), tmp_path)
+    assert "LOADED transformers_modules" in out and "GhostedForCausalLM" in out
 
 
 def build_hub_cache(cache: Path, repo_id: str, folder: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> None:
@@ -180,25 +164,9 @@ def test_load_by_repo_id_from_offline_hub_cache(tmp_path: Path) -> None:
     ghosted = prune_layers(build("qwen3"), [2, 3], {2: random_operator(7)})
     folder = _save(ghosted, tmp_path / "model", with_tokenizer=True)
     build_hub_cache(tmp_path / "hub", "ghosted-test/tiny-qwen3-ghost", folder)
-    inputs = batch()
-    save_file({"expected": logits(ghosted, inputs), **inputs}, tmp_path / "io.safetensors")
-    out = run_without_ghosted(
-        """
-        import torch
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        io = load_file("io.safetensors")
-        model = AutoModelForCausalLM.from_pretrained("ghosted-test/tiny-qwen3-ghost", trust_remote_code=True)
-        AutoTokenizer.from_pretrained("ghosted-test/tiny-qwen3-ghost")
-        with torch.no_grad():
-            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
-        assert torch.equal(got, io["expected"])
-        print("HUB OK")
-        """,
-        cwd=tmp_path,
-        env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"},
-    )
-    assert "HUB OK" in out
+    out = assert_loads_with_same_logits("ghosted-test/tiny-qwen3-ghost", ghosted, batch(), tmp_path,
+                                        env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert "LOADED transformers_modules" in out
 
 
 def test_pipeline_text_generation(tmp_path: Path) -> None:

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fake_hub import FakeHub
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.evaluate import perplexity
-from isolated import run_without_ghosted
+from isolated import assert_loads_with_same_logits, run_without_ghosted
 from test_model_format import build_hub_cache
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -49,23 +48,8 @@ def test_ghost_recovers_the_real_model_and_reloads(smollm, tmp_path: Path) -> No
 
     ghosted.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    with torch.no_grad():
-        save_file({"expected": ghosted(**held_out[0]).logits, **held_out[0]}, tmp_path / "io.safetensors")
-    out = run_without_ghosted(
-        f"""
-        import torch
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-        io = load_file("io.safetensors")
-        model = AutoModelForCausalLM.from_pretrained("{tmp_path / 'model'}", trust_remote_code=True)
-        with torch.no_grad():
-            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
-        assert torch.equal(got, io["expected"])
-        print("REAL RELOAD OK", model.config.num_hidden_layers)
-        """,
-        cwd=tmp_path,
-    )
-    assert "REAL RELOAD OK 22" in out
+    out = assert_loads_with_same_logits(tmp_path / "model", ghosted, held_out[0], tmp_path)
+    assert "LOADED transformers_modules" in out and out.strip().endswith("22")
 
 
 def _example(name: str):

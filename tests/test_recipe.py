@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from ghosted_hf import GhostedForCausalLM, PruneOptions, export_plain, ghost_prune
 from ghosted_hf.calibration import CalibrationStatistics, collect_statistics
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.selection import selection_plan
-from isolated import run_without_ghosted
+from isolated import assert_loads_with_same_logits
 from tiny import EOS, LAYERS, build, char_tokenizer, texts
 
 FAST = dict(seq_len=48, num_sequences=24, batch_size=6)
@@ -62,25 +61,7 @@ def test_ghost_prune_end_to_end_beats_plain_pruning_and_reloads(tmp_path: Path) 
     ghosted.save_pretrained(tmp_path / "model")
     saved = json.loads((tmp_path / "model" / "config.json").read_text())
     assert saved["ghost_provenance"]["selection"]["removed"] == ghosted.config.removed_layers
-    b = batches[0]
-    with torch.no_grad():
-        expected = ghosted(**b).logits
-    save_file({"expected": expected, **b}, tmp_path / "io.safetensors")
-    out = run_without_ghosted(
-        f"""
-        import torch
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-        io = load_file("io.safetensors")
-        model = AutoModelForCausalLM.from_pretrained("{tmp_path / 'model'}", trust_remote_code=True)
-        with torch.no_grad():
-            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
-        assert torch.equal(got, io["expected"])
-        print("SAME LOGITS")
-        """,
-        cwd=tmp_path,
-    )
-    assert "SAME LOGITS" in out
+    assert "LOADED transformers_modules" in assert_loads_with_same_logits(tmp_path / "model", ghosted, batches[0], tmp_path)
 
 
 def test_sequential_fitting_beats_independent_with_several_boundaries() -> None:
@@ -116,25 +97,9 @@ def test_replaceme_fused_export_is_a_plain_checkpoint(arch: str, tmp_path: Path)
     assert config["model_type"] == arch and "auto_map" not in config
     assert not list((tmp_path / "plain").glob("*.py"))
 
-    b = held_out(tokenizer)[0]
-    with torch.no_grad():
-        expected = ghosted(**b).logits
-    save_file({"expected": expected, **b}, tmp_path / "io.safetensors")
-    out = run_without_ghosted(
-        f"""
-        import torch
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-        io = load_file("io.safetensors")
-        model = AutoModelForCausalLM.from_pretrained("{tmp_path / 'plain'}")  # no trust_remote_code
-        with torch.no_grad():
-            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
-        torch.testing.assert_close(got, io["expected"], rtol=0, atol=1e-5)
-        print("PLAIN", type(model).__name__)
-        """,
-        cwd=tmp_path,
-    )
-    assert "PLAIN" in out
+    out = assert_loads_with_same_logits(tmp_path / "plain", ghosted, held_out(tokenizer)[0], tmp_path,
+                                        trust_remote_code=False, atol=1e-5)
+    assert "LOADED transformers.models" in out
 
 
 def test_export_plain_refuses_real_operators() -> None:

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-import torch
 from huggingface_hub import ModelCard
-from safetensors.torch import save_file
 
 from fake_hub import FakeHub
 from ghosted_hf import ghost_prune
 from ghosted_hf.card import build_card, save_with_card
 from ghosted_hf.hub import push_to_hub
-from isolated import run_without_ghosted
+from isolated import assert_loads_with_same_logits
 from test_model_format import build_hub_cache
 from tiny import batch, build, char_tokenizer, texts
 
@@ -50,6 +51,23 @@ def test_card_parses_back_with_the_config_numbers(ghosted, tmp_path: Path) -> No
         assert f"| {name}" in body and f"{score:.6g}" in body
 
 
+def test_card_includes_the_selection_plot(ghosted, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    save_with_card(ghosted, tmp_path, char_tokenizer())
+    assert (tmp_path / "selection_scores.png").read_bytes().startswith(b"\x89PNG")
+    assert "![selection scores](selection_scores.png)" in (tmp_path / "README.md").read_text()
+
+
+def test_cli_push(ghosted, tmp_path: Path) -> None:
+    save_with_card(ghosted, tmp_path / "model", char_tokenizer())
+    with FakeHub() as hub:
+        done = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", "push", str(tmp_path / "model"), "tester/cli-ghost",
+                               "--revision", "v2"], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": hub.token})
+    assert done.returncode == 0, done.stderr
+    assert 'revision="v2"' in done.stdout and "model.safetensors" in hub.repos["tester/cli-ghost"]["branches"]["v2"]
+
+
 def test_card_base_model_and_license_come_from_a_converted_base(ghosted, tmp_path: Path) -> None:
     (tmp_path / "SOURCE.json").write_text(json.dumps({"hub_id": "org/base-model", "license": "mit"}))
     ghosted.config.ghost_provenance["base_model"] = str(tmp_path)
@@ -73,25 +91,9 @@ def test_push_then_load_by_repo_id_in_a_fresh_process(ghosted, tmp_path: Path, m
     for name, data in arrived.items():
         (folder / name).write_bytes(data)
     build_hub_cache(tmp_path / "cache", "tester/tiny-ghost", folder)
-    inputs = batch()
-    with torch.no_grad():
-        save_file({"expected": ghosted(**inputs).logits, **inputs}, tmp_path / "io.safetensors")
-    out = run_without_ghosted(
-        """
-        import torch
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-        io = load_file("io.safetensors")
-        model = AutoModelForCausalLM.from_pretrained("tester/tiny-ghost", trust_remote_code=True)
-        with torch.no_grad():
-            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
-        assert torch.equal(got, io["expected"])
-        print("PULLED")
-        """,
-        cwd=tmp_path,
-        env={"HF_HUB_CACHE": str(tmp_path / "cache")},
-    )
-    assert "PULLED" in out
+    out = assert_loads_with_same_logits("tester/tiny-ghost", ghosted, batch(), tmp_path,
+                                        env={"HF_HUB_CACHE": str(tmp_path / "cache")})
+    assert "LOADED transformers_modules" in out
 
 
 def test_push_errors(ghosted, tmp_path: Path, monkeypatch) -> None:
