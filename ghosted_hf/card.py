@@ -155,5 +155,5 @@ def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_i
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     plot = write_score_plot(config, folder)
-    build_card(config, repo_id=repo_id, license=license, plot=plot).save(folder / "README.md")
+    build_card(config, repo_id=repo_id or folder.name, license=license, plot=plot).save(folder / "README.md")
     return folder
