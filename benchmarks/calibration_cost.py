@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,53 +45,61 @@ def measure(step) -> tuple[float, float]:
     return time.perf_counter() - started, _status("VmHWM") - before
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--sequences", type=int, default=16)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+ROWS = ("dense forward", "ghost fit, one boundary (12-19)", "ghost-aware selection, 8 layers")
 
+
+def run_row(name: str, sequences: int, seq_len: int, batch_size: int) -> tuple[float, float, int]:
+    """(seconds, peak bytes above the loaded model and tokens, tokens) of one row, in this process."""
     folder = assets.default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    texts = assets.wikipedia_split("calibration")
-    small = tokenize_texts(tokenizer, texts, args.seq_len, args.sequences, args.batch_size)
-    large = tokenize_texts(tokenizer, texts, args.seq_len, 4 * args.sequences, args.batch_size)
-    total = model.config.num_hidden_layers
-    plans = {
-        "ghost fit, one boundary (12-19)": StatisticsPlan(grams=frozenset({12}), pairs=frozenset({(12, 20)})),
-        "ghost-aware selection, 8 layers": selection_plan("ghost-aware", 8, total),
-    }
+    data = tokenize_texts(tokenizer, assets.wikipedia_split("calibration"), seq_len, sequences, batch_size)
+    plans = {ROWS[1]: StatisticsPlan(grams=frozenset({12}), pairs=frozenset({(12, 20)})),
+             ROWS[2]: selection_plan("ghost-aware", 8, model.config.num_hidden_layers)}
 
     def dense_pass(batches):
         with torch.no_grad():
             for b in batches:
                 model(**b, use_cache=False)
 
-    dense_pass(small.batches[:1])  # warm-up
-    rows = []
-    for _ in range(args.repeats):  # interleaved, so that machine noise hits every row alike
-        rows.append(("dense forward", small.num_tokens, *measure(lambda: dense_pass(small.batches))))
-        for name, plan in plans.items():
-            rows.append((name, small.num_tokens, *measure(
-                lambda: collect_statistics(model, small.batches, plan, progress=False))))
-    rows.append(("ghost-aware selection, 8 layers", large.num_tokens, *measure(
-        lambda: collect_statistics(model, large.batches, plans["ghost-aware selection, 8 layers"], progress=False))))
+    dense_pass(data.batches[:1])  # warm-up, then measure
+    if name == ROWS[0]:
+        seconds, peak = measure(lambda: dense_pass(data.batches))
+    else:
+        seconds, peak = measure(lambda: collect_statistics(model, data.batches, plans[name], progress=False))
+    return seconds, peak, data.num_tokens
 
-    best: dict[tuple[str, int], tuple[float, float]] = {}
-    for name, tokens, seconds, peak in rows:
-        key = (name, tokens)
-        best[key] = (min(seconds, best.get(key, (seconds, peak))[0]), max(peak, best.get(key, (seconds, peak))[1]))
-    dense_s, dense_m = best[("dense forward", small.num_tokens)]
-    print(f"SmolLM2-135M fp32, {torch.get_num_threads()} threads, batches of {args.batch_size} x {args.seq_len} tokens")
-    print(f"| pass | tokens | seconds (best of {args.repeats}) | time per token / dense | peak memory above model (MiB) |")
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--sequences", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: measure one row here
+    args = parser.parse_args()
+    if args.row is not None:
+        print(json.dumps(run_row(args.row, args.sequences, args.seq_len, args.batch_size)))
+        return
+
+    jobs = [(row, args.sequences) for row in ROWS] + [(ROWS[2], 4 * args.sequences)]
+    best: dict[tuple[str, int], tuple[float, float, int]] = {}
+    for _ in range(args.repeats):  # every measurement in a fresh process; rows take turns
+        for row, sequences in jobs:
+            out = subprocess.run([sys.executable, __file__, "--row", row, "--sequences", str(sequences), "--seq-len",
+                                  str(args.seq_len), "--batch-size", str(args.batch_size)],
+                                 capture_output=True, text=True, check=True)
+            seconds, peak, tokens = json.loads(out.stdout.strip().splitlines()[-1])
+            old = best.get((row, sequences), (seconds, peak, tokens))
+            best[(row, sequences)] = (min(seconds, old[0]), max(peak, old[1]), tokens)
+    dense_s, _, dense_tokens = best[(ROWS[0], args.sequences)]
+    print(f"SmolLM2-135M fp32, {torch.get_num_threads()} threads, batches of {args.batch_size} x {args.seq_len} tokens; "
+          f"each measurement in a fresh process (best time, highest peak of {args.repeats})")
+    print("| pass | tokens | seconds | time per token / dense | peak memory above model (MiB) |")
     print("|---|---|---|---|---|")
-    for (name, tokens), (seconds, peak) in best.items():
-        ratio = (seconds / tokens) / (dense_s / small.num_tokens)
-        print(f"| {name} | {tokens} | {seconds:.2f} | {ratio:.2f}x | {peak / 2**20:.0f} |")
-    print(json.dumps({f"{n}@{t}": {"seconds": s, "peak_bytes": m} for (n, t), (s, m) in best.items()}))
+    for (row, _), (seconds, peak, tokens) in best.items():
+        ratio = (seconds / tokens) / (dense_s / dense_tokens)
+        print(f"| {row} | {tokens} | {seconds:.2f} | {ratio:.2f}x | {peak / 2**20:.0f} |")
 
 
 if __name__ == "__main__":
