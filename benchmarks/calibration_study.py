@@ -13,15 +13,14 @@ from __future__ import annotations
 import argparse
 import math
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.calibration import collect_statistics
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.evaluate import perplexity
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.recipe import fit_plan
+
+from common import held_out_windows, packaged_model
 
 
 def main() -> None:
@@ -34,11 +33,9 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=16)
     args = parser.parse_args()
 
-    folder = assets.default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    load = lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # noqa: E731
+    tokenizer, load = packaged_model()
     calibration = assets.wikipedia_split("calibration")
-    held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), 512, args.eval_windows, 4).batches
+    held_out = held_out_windows(tokenizer, args.eval_windows).batches
     dense = perplexity(load(), held_out, progress=False)
     block = ghost_prune(load(), tokenizer, calibration, num_layers=args.num_layers, operator="none").config.removed_layers
     manual = dict(criterion="manual", layers=block)

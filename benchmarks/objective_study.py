@@ -11,12 +11,10 @@ from __future__ import annotations
 import argparse
 import math
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from ghosted_hf import assets, ghost_prune
-from ghosted_hf.data import tokenize_texts
 from ghosted_hf.evaluate import perplexity
+
+from common import held_out_windows, packaged_model
 
 VARIANTS = [dict(), dict(skip_first_tokens=1), dict(skip_first_tokens=4), dict(weighting="rms"),
             dict(weighting="rms", skip_first_tokens=1)]
@@ -30,11 +28,9 @@ def main() -> None:
     parser.add_argument("--ridge", type=float, default=1e-4)
     parser.add_argument("--eval-windows", type=int, default=16)
     args = parser.parse_args()
-    folder = assets.default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    load = lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # noqa: E731
+    tokenizer, load = packaged_model()
     calibration = assets.wikipedia_split("calibration")
-    held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), 512, args.eval_windows, 4).batches
+    held_out = held_out_windows(tokenizer, args.eval_windows).batches
     block = list(range(args.start, args.start + args.num_layers))
     dense = perplexity(load(), held_out, progress=False)
     plain = perplexity(ghost_prune(load(), tokenizer, calibration, criterion="manual", layers=block, operator="none",

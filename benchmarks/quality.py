@@ -18,9 +18,6 @@ import json
 import math
 import time
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.calibration import collect_statistics
 from ghosted_hf.data import tokenize_texts
@@ -28,6 +25,8 @@ from ghosted_hf.evaluate import ZERO_SHOT_TASKS, perplexity, zero_shot
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.recipe import _merge, boundary_pairs, fit_plan
 from ghosted_hf.surgery import export_plain
+
+from common import held_out_windows, packaged_model
 
 METHODS = [  # (row name, options)
     ("no recovery", dict(operator="none")),
@@ -52,11 +51,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=PruneOptions().seq_len)
     args = parser.parse_args()
 
-    folder = assets.default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    load = lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # noqa: E731
+    tokenizer, load = packaged_model()
     calibration = assets.wikipedia_split("calibration")
-    held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), 512, args.eval_windows, 4)
+    held_out = held_out_windows(tokenizer, args.eval_windows)
     cal_data = tokenize_texts(tokenizer, calibration, args.seq_len, args.num_sequences, 4)
     tasks = list(ZERO_SHOT_TASKS)
 

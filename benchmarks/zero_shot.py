@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from ghosted_hf import assets, prune_layers
+from ghosted_hf import prune_layers
 from ghosted_hf.evaluate import ZERO_SHOT_TASKS, zero_shot
+
+from common import packaged_model
 
 
 def main() -> None:
@@ -21,9 +22,7 @@ def main() -> None:
     parser.add_argument("--ghosted", nargs="*", default=[], help="Saved ghosted model folders.")
     parser.add_argument("--limit", type=int, default=40)
     args = parser.parse_args()
-    folder = assets.default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    load = lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # noqa: E731
+    tokenizer, load = packaged_model()
     models = {"dense": load}
     for block in args.plain:
         start, end = map(int, block.split("-"))

@@ -39,7 +39,7 @@ def base_model_info(name_or_path: str | None) -> tuple[str | None, str | None]:
     return (name_or_path if HUB_ID.match(name_or_path) else None), None
 
 
-def eval_results(config: GhostedConfig, model_name: str) -> list[EvalResult]:
+def eval_results(config: GhostedConfig) -> list[EvalResult]:
     """`model-index` entries from ``ghost_provenance["evaluation"]`` (a list of
     {task_type, dataset_type, dataset_name, metric_type, metric_value} records)."""
     return [EvalResult(**record) for record in config.ghost_provenance.get("evaluation", [])]
@@ -96,7 +96,7 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
         license=license or base_license,
         tags=TAGS,
         model_name=model_name,
-        eval_results=eval_results(config, model_name) or None,
+        eval_results=eval_results(config) or None,
     )
     params = prov.get("parameters") or {}
     selection = prov.get("selection") or {}

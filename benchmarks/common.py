@@ -1,0 +1,23 @@
+"""Setup shared by the benchmarks: the packaged model, its tokenizer, and the held-out windows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ghosted_hf import assets
+from ghosted_hf.data import TokenBatches, tokenize_texts
+
+
+def packaged_model() -> tuple[object, Callable[[], torch.nn.Module]]:
+    """The packaged SmolLM2-135M tokenizer and a loader of fresh fp32 copies (ghost_prune consumes one)."""
+    folder = assets.default_model_dir()
+    return AutoTokenizer.from_pretrained(folder), lambda: AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32).eval()
+
+
+def held_out_windows(tokenizer, windows: int) -> TokenBatches:
+    """The first `windows` non-overlapping 512-token windows of the held-out articles, in batches of 4."""
+    return tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), 512, windows, 4)
