@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ghosted_hf import assets
 from ghosted_hf.calibration import StatisticsPlan, collect_statistics
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.selection import selection_plan
+from ghosted_hf.selection import SelectionRequest, criterion
 
 
 def _status(field: str) -> int:
@@ -55,7 +55,8 @@ def run_row(name: str, sequences: int, seq_len: int, batch_size: int) -> tuple[f
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     data = tokenize_texts(tokenizer, assets.wikipedia_split("calibration"), seq_len, sequences, batch_size)
     plans = {ROWS[1]: StatisticsPlan(grams=frozenset({12}), pairs=frozenset({(12, 20)})),
-             ROWS[2]: selection_plan("ghost-aware", 8, model.config.num_hidden_layers)}
+             ROWS[2]: criterion("ghost-aware").statistics(
+                 SelectionRequest(depth=model.config.num_hidden_layers, num_layers=8))}
 
     def dense_pass(batches):
         with torch.no_grad():

@@ -11,14 +11,13 @@ value is solved from the statistics of the `--ridge-tokens` set, so the ridge ro
 from __future__ import annotations
 
 import argparse
-import math
 
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.calibration import collect_statistics
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.evaluate import perplexity
+from ghosted_hf.evaluate import gap_closed, perplexity
+from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
-from ghosted_hf.recipe import fit_plan
 
 from common import held_out_windows, packaged_model
 
@@ -41,7 +40,6 @@ def main() -> None:
     manual = dict(criterion="manual", layers=block)
     plain = perplexity(ghost_prune(load(), tokenizer, calibration, operator="none", num_sequences=4, **manual), held_out,
                        progress=False)
-    gap = lambda p: (math.log(plain) - math.log(p)) / (math.log(plain) - math.log(dense))  # noqa: E731
     print(f"Block {block[0]}-{block[-1]} (ghost-aware default selection); dense {dense:.2f}, plainly removed {plain:.2f}; "
           f"{args.eval_windows} held-out windows of 512 tokens. Gap closed relative to this block plainly removed.\n")
     print("| calibration tokens | ridge | perplexity | gap closed |")
@@ -50,12 +48,12 @@ def main() -> None:
     for sequences in sorted(set(args.sizes) | {args.ridge_sequences}):
         options = PruneOptions(num_sequences=sequences, **manual)
         data = tokenize_texts(tokenizer, calibration, options.seq_len, sequences, options.batch_size)
-        stats = collect_statistics(load(), data.batches, fit_plan("ghost", s, e, options), progress=False)
+        stats = collect_statistics(load(), data.batches, OPERATOR_KINDS["ghost"].statistics(s, e), progress=False)
         ridges = args.ridges if sequences == args.ridge_sequences else [args.size_ridge]
         for ridge in ridges:
             model = ghost_prune(load(), tokenizer, calibration, options, statistics=stats, ridge=ridge)
             ppl = perplexity(model, held_out, progress=False)
-            print(f"| {data.num_tokens} | {ridge:g} | {ppl:.2f} | {gap(ppl):.3f} |", flush=True)
+            print(f"| {data.num_tokens} | {ridge:g} | {ppl:.2f} | {gap_closed(ppl, plain, dense):.3f} |", flush=True)
 
 
 if __name__ == "__main__":

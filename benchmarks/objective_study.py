@@ -9,10 +9,9 @@ held-out windows; gap closed is relative to that block plainly removed.
 from __future__ import annotations
 
 import argparse
-import math
 
 from ghosted_hf import assets, ghost_prune
-from ghosted_hf.evaluate import perplexity
+from ghosted_hf.evaluate import gap_closed, perplexity
 
 from common import held_out_windows, packaged_model
 
@@ -43,7 +42,7 @@ def main() -> None:
         model = ghost_prune(load(), tokenizer, calibration, criterion="manual", layers=block,
                             num_sequences=args.num_sequences, ridge=args.ridge, **variant)
         ppl = perplexity(model, held_out, progress=False)
-        closed = (math.log(plain) - math.log(ppl)) / (math.log(plain) - math.log(dense))
+        closed = gap_closed(ppl, plain, dense)
         name = ", ".join(f"{k}={v}" for k, v in variant.items()) or "plain least squares"
         residual = model.config.ghost_boundaries[0]["fit"]["relative_residual"]
         print(f"| {name} | {ppl:.2f} | {closed:.3f} | {residual:.3f} |", flush=True)

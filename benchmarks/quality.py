@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 from ghosted_hf import assets, ghost_prune
-from ghosted_hf.calibration import collect_statistics
+from ghosted_hf.calibration import StatisticsPlan, collect_statistics
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.evaluate import ZERO_SHOT_TASKS, perplexity, zero_shot
+from ghosted_hf.evaluate import ZERO_SHOT_TASKS, gap_closed, perplexity, zero_shot
+from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
-from ghosted_hf.recipe import _merge, boundary_pairs, fit_plan
+from ghosted_hf.recipe import boundary_spans
 from ghosted_hf.surgery import export_plain
 
 from common import held_out_windows, packaged_model
@@ -82,23 +82,24 @@ def main() -> None:
             removed = ghost_prune(load(), tokenizer, calibration, num_layers=n, criterion=criterion, operator="none",
                                   num_sequences=args.num_sequences, seq_len=args.seq_len).config.removed_layers
             options = PruneOptions(criterion="manual", layers=removed, num_sequences=args.num_sequences, seq_len=args.seq_len)
-            plans = [fit_plan(kind, s, e, options) for kind in ("ghost", "linearpatch-diag", "linearpatch-rotate", "replaceme-ls")
-                     for s, e in boundary_pairs(30, removed) if not (kind == "replaceme-ls" and s == 0)]
-            stats = collect_statistics(load(), cal_data.batches, _merge(plans, options), progress=False)
+            spans = boundary_spans(30, removed)
+            plan = StatisticsPlan.union(kind.statistics(s, e) for kind in OPERATOR_KINDS.values() for s, e in spans
+                                        if s >= kind.first_removable)
+            stats = collect_statistics(load(), cal_data.batches, plan, progress=False)
             for name, method in METHODS:
                 if name not in methods and not (name == "no recovery" and criterion == "streamline"):
                     continue
-                if method["operator"] == "replaceme-ls" and removed[0] == 0:
+                if removed[0] < OPERATOR_KINDS[method["operator"]].first_removable:
                     continue
-                if method.get("fitting") == "independent" and len(boundary_pairs(30, removed)) == 1:
+                if method.get("fitting") == "independent" and len(spans) == 1:
                     continue  # one boundary: identical to sequential
                 model = ghost_prune(load(), tokenizer, calibration, options, statistics=stats, **method)
-                if method["operator"] == "replaceme-ls":
+                if OPERATOR_KINDS[method["operator"]].fused:
                     model = export_plain(model)
                 result = score(model)
                 baseline = baseline or result["ppl"]
-                closed = (math.log(baseline) - math.log(result["ppl"])) / (math.log(baseline) - math.log(dense["ppl"]))
-                label = name if len(boundary_pairs(30, removed)) > 1 or "ghost" not in name else "ghost"
+                closed = gap_closed(result["ppl"], baseline, dense["ppl"])
+                label = name if len(spans) > 1 or "ghost" not in name else "ghost"
                 print(f"| {n}/30 | {criterion} | {_ranges(removed)} | {label} | {result['ppl']:.2f} | {closed:.2f} | "
                       f"{result.get('avg_acc', float('nan')):.3f} |", flush=True)
                 records[f"{n}/{criterion}/{name}"] = {"removed": removed, **result}

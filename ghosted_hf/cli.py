@@ -1,4 +1,5 @@
-"""`ghosted` command line: prune (with the options of `ghost_prune`) and inspect."""
+"""`ghosted` command line. Every subcommand's options are dataclass fields (the Python API's
+`PruneOptions` and `HealOptions` included), so flags, defaults and checks are defined once."""
 
 from __future__ import annotations
 
@@ -6,81 +7,158 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from . import assets
-from .options import add_prune_arguments, options_from_namespace
-from .report import summarize
+from .errors import GhostedError
+from .loading import DTYPES, load_model
+from .options import PruneOptions, add_arguments, from_namespace, option
 
 logger = logging.getLogger("ghosted_hf")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_HELP = f"Local folder or Hub id of a Llama / Qwen2 / Qwen3 causal LM (None: the packaged {assets.DEFAULT_MODEL})."
+TRUST_HELP = ("Run the model repository's own Python code. Not needed for ghosted models whose code is ghosted_hf's "
+              "own (checked byte for byte); never needed for plain Llama/Qwen models.")
 
 
-def load_model_and_tokenizer(model_id: str, dtype: str, device: str | None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@dataclass(kw_only=True)
+class LoadArgs:
+    dtype: str = option("float32", "Dtype to load the model in.", tuple(DTYPES))
+    revision: str | None = option(None, "Branch, tag or commit of a Hub model id.")
+    trust_remote_code: bool = option(False, TRUST_HELP)
 
-    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=DTYPES[dtype], device_map=device)
-    return model.eval(), AutoTokenizer.from_pretrained(model_id)
+
+@dataclass(kw_only=True)
+class PruneArgs(LoadArgs):
+    model: str | None = option(None, MODEL_HELP, positional=True)
+    calibration: str | None = option(None, "Calibration text file, documents separated by blank lines "
+                                           "(None: the packaged Wikipedia calibration articles).")
+    output: str | None = option(None, "New folder to write the pruned model to.")
+    dry_run: bool = option(False, "Select the layers and fit the operators (the calibration passes run), print the "
+                                  "result, write nothing.")
+    device: str | None = option(None, "device_map for loading (e.g. cpu, cuda, auto).")
+    statistics: str | None = option(None, "Precomputed statistics (safetensors) to reuse.")
+
+
+@dataclass(kw_only=True)
+class DemoArgs:
+    model: str | None = option(None, "Model folder or Hub id instead of the packaged default.")
+    output: str = option("ghosted-demo-output/smollm2-135m-ghosted", "New folder to save the ghosted model to.")
+    eval_windows: int = option(16, "Held-out 512-token windows for perplexity.")
+
+
+@dataclass(kw_only=True)
+class EvalArgs(LoadArgs):
+    folder: str | None = option(None, "Saved model folder or Hub id (None: the packaged model).", positional=True)
+    text: str | None = option(None, "Held-out text file (None: the packaged evaluation articles).")
+    seq_len: int = option(512, "Perplexity window length.")
+    windows: int = option(16, "Number of non-overlapping windows.")
+    tasks: list[str] | None = option(None, "Zero-shot tasks (arc_easy arc_challenge hellaswag piqa winogrande boolq "
+                                           "openbookqa).")
+    limit: int | None = option(None, "First N validation examples of each zero-shot task (None: 100; needs --tasks).")
+
+
+@dataclass(kw_only=True)
+class PushArgs:
+    folder: str = option(help="Saved ghosted model folder (with its card).")
+    repo_id: str = option(help="Hub repository, e.g. you/my-ghosted-model.")
+    private: bool = option(False, "Create the repository as private.")
+    revision: str | None = option(None, "Branch to push to (created if needed).")
+
+
+@dataclass(kw_only=True)
+class HealArgs(LoadArgs):
+    folder: str = option(help="Saved ghosted model folder or Hub id.")
+    output: str | None = option(None, "New folder to save the healed model (or adapter) to (required).")
+    data: str | None = option(None, "Training text file (None: the packaged calibration articles).")
+    teacher: str | None = option(None, "Dense model to distill from (None: language-modelling loss).")
+    adapter_only: bool = option(False, "Save only the PEFT adapter.")
+
+
+@dataclass(kw_only=True)
+class InspectArgs:
+    folder: str = option(help="Saved ghosted model folder.")
+    top: int = option(8, "Selection scores to show.")
+
+
+def check_new_output(output: str | Path, *inputs: str | None) -> Path:
+    """An output folder that will not overwrite a file, a non-empty folder or one of the inputs."""
+    path = Path(output)
+    if path.is_file():
+        raise GhostedError(f"--output {path} is an existing file; name a new folder.")
+    if path.is_dir() and any(path.iterdir()):
+        raise GhostedError(f"--output {path} exists and is not empty; name a new folder.")
+    for source in inputs:
+        if source is not None and Path(source).exists() and Path(source).resolve() == path.resolve():
+            raise GhostedError(f"--output {path} is the input folder; name a new folder.")
+    return path
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
     from .card import save_with_card
     from .recipe import ghost_prune
+    from .summary import render_text, summarize
     from .surgery import export_plain
 
-    options = options_from_namespace(args)
-    if not args.dry_run and args.output is None:
-        raise SystemExit("ghosted prune: --output DIR is required (or --dry-run to only print the plan).")
-    if args.output is not None and Path(args.output).exists() and any(Path(args.output).iterdir()) and not args.dry_run:
-        raise SystemExit(f"ghosted prune: {args.output} exists and is not empty; choose a new --output folder.")
-    model, tokenizer = load_model_and_tokenizer(assets.resolve_model(args.model), args.dtype, args.device)
-    calibration = args.calibration
-    if calibration is None and args.statistics is None:
+    from .data import load_texts
+
+    run, options = from_namespace(PruneArgs, args), from_namespace(PruneOptions, args)
+    if not run.dry_run:
+        if run.output is None:
+            raise GhostedError("--output DIR is required (or --dry-run to write nothing).")
+        check_new_output(run.output, run.model)
+    if run.calibration is not None:
+        load_texts(run.calibration)  # a missing, unreadable or non-UTF-8 file fails before the model loads
+    model, tokenizer = load_model(run.model, dtype=run.dtype, device_map=run.device,
+                                  trust_remote_code=run.trust_remote_code, revision=run.revision)
+    calibration = run.calibration
+    if calibration is None and run.statistics is None:
         calibration = assets.wikipedia_split("calibration")  # the packaged default corpus
-    ghosted = ghost_prune(model, tokenizer, calibration, options, statistics=args.statistics)
-    print(summarize(ghosted.config))
-    if args.dry_run:
+    ghosted = ghost_prune(model, tokenizer, calibration, options, statistics=run.statistics)
+    print(render_text(summarize(ghosted.config)))
+    if run.dry_run:
         print("\n--dry-run: nothing written.")
         return 0
-    if options.operator == "replaceme-ls":
-        export_plain(ghosted).save_pretrained(args.output)  # fused: a plain checkpoint, no remote code
-        tokenizer.save_pretrained(args.output)
+    if any(b.get("fused_into") for b in ghosted.config.ghost_boundaries):
+        export_plain(ghosted).save_pretrained(run.output)  # fused: a plain checkpoint, no remote code
+        tokenizer.save_pretrained(run.output)
     else:
-        save_with_card(ghosted, args.output, tokenizer)
-    print(f"\nSaved to {args.output}")
+        save_with_card(ghosted, run.output, tokenizer)
+    print(f"\nSaved to {run.output}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import format_rows, run_demo
 
-    options = options_from_namespace(args)
-    rows = run_demo(args.output, options, model=args.model, eval_windows=args.eval_windows)
-    config = json.loads((Path(args.output) / "config.json").read_text())
+    run, options = from_namespace(DemoArgs, args), from_namespace(PruneOptions, args)
+    check_new_output(run.output, run.model)
+    rows = run_demo(run.output, options, model=run.model, eval_windows=run.eval_windows)
+    config = json.loads((Path(run.output) / "config.json").read_text())
     print()
-    print(format_rows(rows, config["removed_layers"], f"{args.eval_windows} windows of 512 tokens"))
-    print(f"\nSaved the ghosted model to {args.output} "
+    print(format_rows(rows, config["removed_layers"], f"{run.eval_windows} windows of 512 tokens"))
+    print(f"\nSaved the ghosted model to {run.output} "
           f"(load it with AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)).")
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from .data import tokenize_texts
-    from .evaluate import perplexity, zero_shot
+    from .evaluate import check_zero_shot, perplexity, zero_shot
 
-    folder = assets.resolve_model(args.folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype], trust_remote_code=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    text = args.text if args.text is not None else assets.wikipedia_split("evaluation")
-    held_out = tokenize_texts(tokenizer, text, args.seq_len, args.windows, batch_size=4)
+    run = from_namespace(EvalArgs, args)
+    if run.limit is not None and not run.tasks:
+        raise GhostedError("--limit applies to zero-shot tasks: pass --tasks too.")
+    if run.tasks:
+        check_zero_shot(run.tasks)  # before the perplexity run, not after it
+    model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
+                                  revision=run.revision)
+    text = run.text if run.text is not None else assets.wikipedia_split("evaluation")
+    held_out = tokenize_texts(tokenizer, text, run.seq_len, run.windows, batch_size=4)
     results: dict = {"perplexity": perplexity(model, held_out.batches), "perplexity_tokens": held_out.num_tokens}
-    if args.tasks:
-        results["zero_shot"] = zero_shot(model, tokenizer, args.tasks, limit=args.limit)
+    if run.tasks:
+        results["zero_shot"] = zero_shot(model, tokenizer, run.tasks, limit=100 if run.limit is None else run.limit)
     print(json.dumps(results, indent=2))
     return 0
 
@@ -88,35 +166,36 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_push(args: argparse.Namespace) -> int:
     from .hub import push_to_hub
 
-    url = push_to_hub(args.folder, args.repo_id, private=args.private, revision=args.revision)
-    print(f"Pushed {args.folder} to {url}")
-    print(f'Load it with AutoModelForCausalLM.from_pretrained("{args.repo_id}", trust_remote_code=True'
-          + (f', revision="{args.revision}")' if args.revision else ")"))
+    run = from_namespace(PushArgs, args)
+    url = push_to_hub(run.folder, run.repo_id, private=run.private, revision=run.revision)
+    print(f"Pushed {run.folder} to {url}")
+    print(f'Load it with AutoModelForCausalLM.from_pretrained("{run.repo_id}", trust_remote_code=True'
+          + (f', revision="{run.revision}")' if run.revision else ")"))
     return 0
 
 
 def cmd_heal(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from .card import save_with_card
-    from .healing import heal, merge
+    from .healing import HealOptions, heal, merge
 
-    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(args.folder)
+    run, options = from_namespace(HealArgs, args), from_namespace(HealOptions, args)
+    if run.output is None:
+        raise GhostedError("--output DIR is required.")
+    check_new_output(run.output, run.folder)
+    model, tokenizer = load_model(run.folder, trust_remote_code=run.trust_remote_code, revision=run.revision)
     teacher = None
-    if args.teacher:
-        teacher = AutoModelForCausalLM.from_pretrained(assets.resolve_model(args.teacher), dtype=torch.float32).eval()
-    data = args.data if args.data is not None else assets.wikipedia_split("calibration")
-    peft_model, losses = heal(model, tokenizer, data, teacher=teacher, scope=args.scope,
-                              train_operators=args.train_operators, rank=args.rank, steps=args.steps, lr=args.lr,
-                              seq_len=args.seq_len, batch_size=args.batch_size)
-    print(f"loss: first 5 steps {sum(losses[:5]) / 5:.4f}, last 5 steps {sum(losses[-5:]) / 5:.4f}")
-    if args.adapter_only:
-        peft_model.save_pretrained(args.output)
-        print(f"Saved the adapter to {args.output} (load with PeftModel.from_pretrained(base, path)).")
+    if run.teacher:
+        teacher, _ = load_model(run.teacher, trust_remote_code=run.trust_remote_code)
+    data = run.data if run.data is not None else assets.wikipedia_split("calibration")
+    peft_model, losses = heal(model, tokenizer, data, options, teacher=teacher)
+    print(f"loss: first 5 steps {sum(losses[:5]) / len(losses[:5]):.4f}, last 5 steps "
+          f"{sum(losses[-5:]) / len(losses[-5:]):.4f}")
+    if run.adapter_only:
+        peft_model.save_pretrained(run.output)
+        print(f"Saved the adapter to {run.output} (load with PeftModel.from_pretrained(base, path)).")
     else:
-        save_with_card(merge(peft_model), args.output, tokenizer)
-        print(f"Saved the merged model to {args.output}.")
+        save_with_card(merge(peft_model), run.output, tokenizer)
+        print(f"Saved the merged model to {run.output}.")
     return 0
 
 
@@ -124,86 +203,47 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
     from .remote.configuration_ghosted import GhostedConfig
+    from .summary import render_text, summarize
 
-    folder = Path(args.folder)
+    run = from_namespace(InspectArgs, args)
+    folder = Path(run.folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
-        raise SystemExit(f"ghosted inspect: {folder} has no config.json.")
+        raise GhostedError(f"{folder} has no config.json: it is not a saved model folder.")
     raw = json.loads(config_path.read_text())
     if raw.get("model_type") != "ghosted":
-        raise SystemExit(f"ghosted inspect: {folder} holds a {raw.get('model_type')!r} model, not a ghosted one.")
+        raise GhostedError(f"{folder} holds a {raw.get('model_type')!r} model, not a ghosted one.")
     config = GhostedConfig.from_pretrained(folder)
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             tensors.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys() if ".ghost." in k})
-    print(summarize(config, tensors, top_scores=args.top))
+    print(render_text(summarize(config), tensors, top_scores=run.top))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ghosted", description="Layer pruning with closed-form Ghosted Layers recovery.")
+    from .healing import HealOptions
+
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="ghosted", description="Layer pruning with closed-form Ghosted Layers recovery.",
+                                     formatter_class=formatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="Log progress details.")
     commands = parser.add_subparsers(dest="command", required=True)
-
-    prune = commands.add_parser("prune", help="Remove layers from a model and fit the recovery operators.")
-    prune.add_argument("model", nargs="?", default=None,
-                       help=f"Local folder or Hub id of a Llama / Qwen2 / Qwen3 causal LM (default: {assets.DEFAULT_MODEL}).")
-    prune.add_argument("--calibration", help="Calibration text file, documents separated by blank lines "
-                       "(default: the packaged Wikipedia calibration articles).")
-    prune.add_argument("--output", help="Folder to write the pruned model to.")
-    prune.add_argument("--dry-run", action="store_true", help="Print scores, chosen layers and fit figures; write nothing.")
-    prune.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="Dtype to load the model in.")
-    prune.add_argument("--device", default=None, help="device_map for loading (e.g. cpu, cuda, auto).")
-    prune.add_argument("--statistics", default=None, help="Precomputed statistics (safetensors) to reuse.")
-    add_prune_arguments(prune)
-    prune.set_defaults(handler=cmd_prune)
-
-    demo = commands.add_parser("demo", help="The main job: prune the packaged SmolLM2-135M, save it, and compare "
-                               "dense / plainly pruned / ghosted perplexity, speed and samples.")
-    demo.add_argument("--model", default=None, help="Model folder or Hub id instead of the packaged default.")
-    demo.add_argument("--output", default="ghosted-smollm2-135m", help="Folder to save the ghosted model to.")
-    demo.add_argument("--eval-windows", type=int, default=16, help="Held-out 512-token windows for perplexity.")
-    add_prune_arguments(demo)
-    demo.set_defaults(handler=cmd_demo)
-
-    evaluate = commands.add_parser("eval", help="Perplexity on held-out text and, optionally, zero-shot tasks.")
-    evaluate.add_argument("folder", nargs="?", default=None, help="Saved model folder or Hub id (default: the packaged model).")
-    evaluate.add_argument("--text", default=None, help="Held-out text file (default: the packaged evaluation articles).")
-    evaluate.add_argument("--seq-len", type=int, default=512, help="Perplexity window length.")
-    evaluate.add_argument("--windows", type=int, default=16, help="Number of non-overlapping windows.")
-    evaluate.add_argument("--tasks", nargs="*", default=[], help="Zero-shot tasks (arc_easy arc_challenge hellaswag "
-                          "piqa winogrande boolq openbookqa).")
-    evaluate.add_argument("--limit", type=int, default=100, help="First N validation examples of each task.")
-    evaluate.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    evaluate.set_defaults(handler=cmd_eval)
-
-    push = commands.add_parser("push", help="Upload a saved ghosted model folder (with its card) to the Hub.")
-    push.add_argument("folder")
-    push.add_argument("repo_id")
-    push.add_argument("--private", action="store_true", help="Create the repository as private.")
-    push.add_argument("--revision", default=None, help="Branch to push to (created if needed).")
-    push.set_defaults(handler=cmd_push)
-
-    heal_parser = commands.add_parser("heal", help="LoRA-heal a ghosted model with PEFT and save it merged.")
-    heal_parser.add_argument("folder", help="Saved ghosted model folder.")
-    heal_parser.add_argument("--data", default=None, help="Training text file (default: packaged calibration articles).")
-    heal_parser.add_argument("--output", required=True)
-    heal_parser.add_argument("--teacher", default=None, help="Dense model to distill from (default: LM loss).")
-    heal_parser.add_argument("--scope", default="boundary", choices=["boundary", "all-linear"])
-    heal_parser.add_argument("--train-operators", action="store_true", help="Also train the ghost operators.")
-    heal_parser.add_argument("--rank", type=int, default=8)
-    heal_parser.add_argument("--steps", type=int, default=50)
-    heal_parser.add_argument("--lr", type=float, default=2e-4)
-    heal_parser.add_argument("--seq-len", type=int, default=256)
-    heal_parser.add_argument("--batch-size", type=int, default=4)
-    heal_parser.add_argument("--adapter-only", action="store_true", help="Save only the PEFT adapter.")
-    heal_parser.set_defaults(handler=cmd_heal)
-
-    inspect = commands.add_parser("inspect", help="Print what a saved ghosted model contains.")
-    inspect.add_argument("folder")
-    inspect.add_argument("--top", type=int, default=8, help="Selection scores to show.")
-    inspect.set_defaults(handler=cmd_inspect)
+    subcommands = [
+        ("prune", "Remove layers from a model and fit the recovery operators.", [PruneArgs, PruneOptions], cmd_prune),
+        ("demo", "The main job: prune the packaged SmolLM2-135M, save it, and compare dense / plainly pruned / "
+                 "ghosted perplexity, speed and samples.", [DemoArgs, PruneOptions], cmd_demo),
+        ("eval", "Perplexity on held-out text and, optionally, zero-shot tasks.", [EvalArgs], cmd_eval),
+        ("push", "Upload a saved ghosted model folder (with its card) to the Hub.", [PushArgs], cmd_push),
+        ("heal", "LoRA-heal a ghosted model with PEFT and save it merged.", [HealArgs, HealOptions], cmd_heal),
+        ("inspect", "Print what a saved ghosted model contains.", [InspectArgs], cmd_inspect),
+    ]
+    for name, help, groups, handler in subcommands:
+        sub = commands.add_parser(name, help=help, description=help, formatter_class=formatter)
+        for group in groups:
+            add_arguments(sub, group)
+        sub.set_defaults(handler=handler)
     return parser
 
 
@@ -212,8 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError, ImportError) as error:
-        print(f"ghosted {args.command}: error: {error}", file=sys.stderr)
+    except (GhostedError, ValueError, OSError, ImportError) as error:
+        # Bad input (ours, or transformers' / huggingface_hub's own errors about files and ids): one line.
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"ghosted {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

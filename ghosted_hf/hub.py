@@ -16,6 +16,7 @@ from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .card import save_with_card
+from .errors import GhostedError
 
 logger = logging.getLogger(__name__)
 
@@ -26,16 +27,16 @@ def check_ghosted_folder(folder: Path) -> dict[str, Any]:
     """The folder's config, or a ValueError saying why it is not a complete ghosted model."""
     config_path = folder / "config.json"
     if not config_path.is_file():
-        raise ValueError(f"{folder} is not a saved model folder (no config.json).")
+        raise GhostedError(f"{folder} is not a saved model folder (no config.json).")
     config = json.loads(config_path.read_text())
     if config.get("model_type") != "ghosted":
-        raise ValueError(f"{folder} holds a {config.get('model_type')!r} model, not a ghosted one; push it with "
+        raise GhostedError(f"{folder} holds a {config.get('model_type')!r} model, not a ghosted one; push it with "
                          "huggingface_hub directly.")
     missing = [f for f in (*REMOTE_FILES, "model.safetensors", "README.md") if not (folder / f).is_file()]
     if missing:
-        raise ValueError(f"{folder} lacks {missing}; save it with ghosted_hf.save_with_card(model, folder).")
+        raise GhostedError(f"{folder} lacks {missing}; save it with ghosted_hf.save_with_card(model, folder).")
     if "auto_map" not in config:
-        raise ValueError(f"{folder}/config.json has no auto_map: it would not load with trust_remote_code.")
+        raise GhostedError(f"{folder}/config.json has no auto_map: it would not load with trust_remote_code.")
     return config
 
 
@@ -65,7 +66,7 @@ def push_to_hub(
     deployment (default: $HF_ENDPOINT or huggingface.co)."""
     token = token or get_token()
     if not token:
-        raise ValueError("No Hugging Face token: run `hf auth login`, set HF_TOKEN, or pass token=...")
+        raise GhostedError("No Hugging Face token: run `hf auth login`, set HF_TOKEN, or pass token=...")
     api = HfApi(endpoint=endpoint, token=token)
     with tempfile.TemporaryDirectory() as staging:
         if isinstance(model_or_folder, (str, Path)):
@@ -76,7 +77,7 @@ def push_to_hub(
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         existing = _remote_model_type(api, repo_id, revision)
         if existing not in (None, "ghosted") and not overwrite_other_model:
-            raise ValueError(f"{repo_id} already holds a {existing!r} model; choose another repo id or pass "
+            raise GhostedError(f"{repo_id} already holds a {existing!r} model; choose another repo id or pass "
                              "overwrite_other_model=True.")
         if revision is not None:
             api.create_branch(repo_id, branch=revision, exist_ok=True)

@@ -1,26 +1,22 @@
-"""Closed-form boundary operators from calibration statistics alone (float64 throughout).
+"""Closed-form boundary operators from calibration statistics alone (float64 throughout), as a registry.
 
-Every operator maps the hidden state entering the first removed layer, X_s, toward the one the dense
-model sends to the first kept layer, X_e, as ``x -> x @ W``:
-
-- ``ghost``: ``W = I + M``, ``(X_s^T X_s + eps I) M = X_s^T (X_e - X_s)`` (Ghosted Layers);
-- ``none``: ``W = I`` (plain pruning);
-- ``linearpatch-diag``: per-channel scale mean|X_e| / mean|X_s|;
-- ``linearpatch-rotate``: the same scale in a Hadamard basis, ``W = H diag(d) H^T`` (LinearPatch);
-- ``replaceme-ls``: no operator; a least-squares ``T`` on the MLP output of the last kept layer, folded
-  into its ``down_proj`` (ReplaceMe), so the result is a plain Llama/Qwen checkpoint.
+Every operator kind maps the hidden state entering the first removed layer, X_s, toward the one the
+dense model sends to the first kept layer, X_e. A kind is one `OperatorKind` subclass registered with
+`@register`: it declares the statistics it needs, its closed-form fit and its properties, and nothing
+outside its own class compares its name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
-from .calibration import CalibrationStatistics
+from .calibration import CalibrationStatistics, StatisticsPlan
+from .errors import GhostedError
 from .hadamard import rotation
-
-OPERATORS = ("ghost", "none", "linearpatch-diag", "linearpatch-rotate", "replaceme-ls")
+from .registry import Registry
 
 
 @dataclass
@@ -32,18 +28,35 @@ class BoundaryFit:
     target: int
     operator: torch.Tensor | None = None
     fused: torch.Tensor | None = None
-    figures: dict[str, float] = field(default_factory=dict)
+    figures: dict[str, Any] = field(default_factory=dict)
 
 
-def check_operator_kind(kind: str) -> None:
-    if kind not in OPERATORS:
-        raise ValueError(f"Unknown operator {kind!r}; choose one of: {', '.join(OPERATORS)}.")
+class OperatorKind:
+    """One way to recover a boundary. Subclasses set the class attributes and implement `fit`."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    fused: ClassVar[bool] = False  # folded into the weights before the boundary: exports as a plain checkpoint
+    sequential: ClassVar[bool] = True  # can be refitted on the model already pruned and patched upstream
+    first_removable: ClassVar[int] = 0  # the lowest layer a boundary of this kind may start at
+
+    def statistics(self, s: int, e: int) -> StatisticsPlan:
+        """What `fit` reads for the boundary removing layers s..e-1 (with the fit figures)."""
+        return StatisticsPlan(grams=frozenset({s}), pairs=frozenset({(s, e)}))
+
+    def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
+        raise NotImplementedError
+
+
+OPERATOR_KINDS: Registry[OperatorKind] = Registry("operator")
+register = OPERATOR_KINDS.register
+operator_kind = OPERATOR_KINDS.lookup
 
 
 def ridge_epsilon(gram: torch.Tensor, ridge: float) -> float:
     """eps = ridge * mean diagonal of G: scale-free, so one default fits every depth and model."""
-    if ridge < 0:
-        raise ValueError(f"ridge must be >= 0, got {ridge}.")
+    if not ridge >= 0:
+        raise GhostedError(f"ridge must be >= 0, got {ridge}.")
     return ridge * float(torch.diagonal(gram).mean())
 
 
@@ -60,14 +73,12 @@ def squared_residual(gram: torch.Tensor, cross: torch.Tensor, energy: float, w: 
     return float(((gram @ w) * w).sum() - 2.0 * (w * cross).sum()) + energy
 
 
-def fit_figures(stats: CalibrationStatistics, s: int, e: int, w: torch.Tensor) -> dict[str, float]:
-    """Relative residuals of `w` on the calibration tokens (where the pair statistics exist)."""
-    if not stats.has_pair(s, e):
-        return {}
-    gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    untouched = squared_residual(gram, cross, energy, eye)
-    residual = squared_residual(gram, cross, energy, w)
+def _ratio(numerator: float, denominator: float) -> float:
+    """numerator / denominator, 0 when there was nothing to explain (a block that is exactly the identity)."""
+    return max(numerator, 0.0) / denominator if denominator > 0 else 0.0
+
+
+def residual_figures(residual: float, untouched: float, energy: float) -> dict[str, float]:
     return {
         # ||X W - X_e||^2 / ||X_e - X||^2: share of the pruning error left (1 = no recovery).
         "relative_residual": _ratio(residual, untouched),
@@ -77,23 +88,19 @@ def fit_figures(stats: CalibrationStatistics, s: int, e: int, w: torch.Tensor) -
     }
 
 
-def _ratio(numerator: float, denominator: float) -> float:
-    """numerator / denominator, 0 when there was nothing to explain (a block that is exactly the identity)."""
-    return max(numerator, 0.0) / denominator if denominator > 0 else 0.0
+def fit_figures(stats: CalibrationStatistics, s: int, e: int, w: torch.Tensor) -> dict[str, float]:
+    """Relative residuals of `w` on the calibration tokens (where the pair statistics exist)."""
+    if not stats.has_pair(s, e):
+        return {}
+    gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    return residual_figures(squared_residual(gram, cross, energy, w), squared_residual(gram, cross, energy, eye), energy)
 
 
-def ghost_fit(stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
-    gram, cross = stats.gram(s), stats.cross(s, e)
-    m, eps = solve_ghost(gram, cross, ridge)
-    w = m + torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
-    eigenvalues = torch.linalg.eigvalsh(gram)
-    figures = fit_figures(stats, s, e, w)
-    figures.update(
-        condition_number=float(eigenvalues[-1] / eigenvalues[0].clamp_min(torch.finfo(torch.float64).tiny)),
-        antisymmetric_share=float(torch.linalg.norm((m - m.T) / 2) / torch.linalg.norm(m).clamp_min(1e-300)),
-        ridge_eps=eps,
-    )
-    return BoundaryFit("ghost", s, e, operator=w, figures=figures)
+def ghost_operator(stats: CalibrationStatistics, s: int, e: int, ridge: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(W = I + M, M, eps) of the ghost least-squares fit."""
+    m, eps = solve_ghost(stats.gram(s), stats.cross(s, e), ridge)
+    return m + torch.eye(m.shape[0], dtype=m.dtype, device=m.device), m, eps
 
 
 def _safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
@@ -101,52 +108,101 @@ def _safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Ten
     return torch.where(denominator > 0, ratio, torch.ones_like(ratio))
 
 
-def linearpatch_diag_fit(stats: CalibrationStatistics, s: int, e: int) -> BoundaryFit:
-    w = torch.diag(_safe_ratio(stats.abs_mean(e), stats.abs_mean(s)))
-    return BoundaryFit("linearpatch-diag", s, e, operator=w, figures=fit_figures(stats, s, e, w))
+@register
+class Ghost(OperatorKind):
+    name = "ghost"
+    summary = "W = I + M, (X_s^T X_s + eps I) M = X_s^T (X_e - X_s) (Ghosted Layers)"
+
+    def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
+        w, m, eps = ghost_operator(stats, s, e, ridge)
+        eigenvalues = torch.linalg.eigvalsh(stats.gram(s))
+        figures = fit_figures(stats, s, e, w)
+        figures.update(
+            condition_number=float(eigenvalues[-1] / eigenvalues[0].clamp_min(torch.finfo(torch.float64).tiny)),
+            antisymmetric_share=float(torch.linalg.norm((m - m.T) / 2) / torch.linalg.norm(m).clamp_min(1e-300)),
+            ridge_eps=eps,
+        )
+        return BoundaryFit(self.name, s, e, operator=w, figures=figures)
 
 
-def linearpatch_rotate_fit(stats: CalibrationStatistics, s: int, e: int) -> BoundaryFit:
-    h, kind = rotation(stats.hidden_size)
-    if kind != stats.rotation_kind:
-        raise ValueError(f"Statistics were rotated with {stats.rotation_kind}, but {kind} is available now.")
-    h = h.to(stats.rotated_abs_mean(s).device)
-    w = h @ torch.diag(_safe_ratio(stats.rotated_abs_mean(e), stats.rotated_abs_mean(s))) @ h.T
-    figures = fit_figures(stats, s, e, w)
-    figures["rotation"] = kind
-    return BoundaryFit("linearpatch-rotate", s, e, operator=w, figures=figures)
+@register
+class NoOperator(OperatorKind):
+    name = "none"
+    summary = "W = I: plain pruning"
+    sequential = False
+
+    def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
+        w = torch.eye(stats.hidden_size, dtype=torch.float64)
+        return BoundaryFit(self.name, s, e, operator=w, figures=fit_figures(stats, s, e, w))
 
 
-def replaceme_fit(stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
-    """T minimising ||M T - (X_e - Y)||, with M the MLP output of layer s-1 and Y = X_s - M its residual."""
-    mm, m_source, m_target = stats.mlp_terms(s, e)
-    rhs = m_target - m_source + mm  # M^T (X_e - X_s + M)
-    eps = ridge_epsilon(mm, ridge)
-    t = torch.linalg.solve(mm + eps * torch.eye(mm.shape[0], dtype=mm.dtype, device=mm.device), rhs)
-    figures: dict[str, float] = {"ridge_eps": eps}
-    if stats.has_pair(s, e) and stats.weighting == "none":
-        gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
-        untouched = energy - 2.0 * float(torch.trace(cross)) + float(torch.trace(gram))  # ||X_e - X_s||^2
-        target = untouched + 2.0 * float(torch.trace(m_target) - torch.trace(m_source)) + float(torch.trace(mm))
-        residual = float(((mm @ t) * t).sum() - 2.0 * (t * rhs).sum()) + target
-        figures.update(relative_residual=_ratio(residual, untouched), residual_vs_target=_ratio(residual, energy),
-                       pruned_residual_vs_target=_ratio(untouched, energy))
-    return BoundaryFit("replaceme-ls", s, e, fused=t, figures=figures)
+@register
+class LinearPatchDiag(OperatorKind):
+    name = "linearpatch-diag"
+    summary = "per-channel scale mean|X_e| / mean|X_s|"
+
+    def statistics(self, s: int, e: int) -> StatisticsPlan:
+        return super().statistics(s, e) | StatisticsPlan(abs_sums=frozenset({s, e}))
+
+    def channel_means(self, stats: CalibrationStatistics, i: int) -> torch.Tensor:
+        return stats.abs_mean(i)
+
+    def basis(self, stats: CalibrationStatistics) -> torch.Tensor | None:
+        """The orthonormal basis the scale acts in (None: the channels themselves)."""
+        return None
+
+    def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
+        w = torch.diag(_safe_ratio(self.channel_means(stats, e), self.channel_means(stats, s)))
+        h = self.basis(stats)
+        if h is not None:
+            w = h.to(w) @ w @ h.to(w).T
+        figures: dict[str, Any] = fit_figures(stats, s, e, w)
+        if h is not None:
+            figures["rotation"] = stats.rotation_kind
+        return BoundaryFit(self.name, s, e, operator=w, figures=figures)
 
 
-def identity_fit(stats: CalibrationStatistics, s: int, e: int) -> BoundaryFit:
-    w = torch.eye(stats.hidden_size, dtype=torch.float64)
-    return BoundaryFit("none", s, e, operator=w, figures=fit_figures(stats, s, e, w))
+@register
+class LinearPatchRotate(LinearPatchDiag):
+    name = "linearpatch-rotate"
+    summary = "the same scale in a Hadamard basis, W = H diag(d) H^T (LinearPatch)"
+
+    def statistics(self, s: int, e: int) -> StatisticsPlan:
+        return OperatorKind.statistics(self, s, e) | StatisticsPlan(rotated_abs_sums=frozenset({s, e}))
+
+    def channel_means(self, stats: CalibrationStatistics, i: int) -> torch.Tensor:
+        return stats.rotated_abs_mean(i)
+
+    def basis(self, stats: CalibrationStatistics) -> torch.Tensor:
+        h, kind = rotation(stats.hidden_size)
+        if kind != stats.rotation_kind:
+            raise GhostedError(f"Statistics were rotated with {stats.rotation_kind}, but {kind} is available now.")
+        return h
 
 
-def fit_boundary(stats: CalibrationStatistics, kind: str, s: int, e: int, ridge: float) -> BoundaryFit:
-    check_operator_kind(kind)
-    if kind == "ghost":
-        return ghost_fit(stats, s, e, ridge)
-    if kind == "linearpatch-diag":
-        return linearpatch_diag_fit(stats, s, e)
-    if kind == "linearpatch-rotate":
-        return linearpatch_rotate_fit(stats, s, e)
-    if kind == "replaceme-ls":
-        return replaceme_fit(stats, s, e, ridge)
-    return identity_fit(stats, s, e)
+@register
+class ReplaceMeLS(OperatorKind):
+    name = "replaceme-ls"
+    summary = ("least-squares T on the MLP output of the last kept layer before the boundary, folded into its "
+               "down_proj (ReplaceMe): a plain Llama/Qwen checkpoint")
+    fused = True
+    sequential = False
+    first_removable = 1  # needs a kept layer before the boundary to fold into
+
+    def statistics(self, s: int, e: int) -> StatisticsPlan:
+        return super().statistics(s, e) | StatisticsPlan(mlp_terms=frozenset({(s, e)}))
+
+    def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
+        """T minimising ||M T - (X_e - Y)||, with M the MLP output of layer s-1 and Y = X_s - M its residual."""
+        mm, m_source, m_target = stats.mlp_terms(s, e)
+        rhs = m_target - m_source + mm  # M^T (X_e - X_s + M)
+        eps = ridge_epsilon(mm, ridge)
+        t = torch.linalg.solve(mm + eps * torch.eye(mm.shape[0], dtype=mm.dtype, device=mm.device), rhs)
+        figures: dict[str, Any] = {"ridge_eps": eps}
+        if stats.has_pair(s, e) and stats.weighting == "none":
+            gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
+            untouched = energy - 2.0 * float(torch.trace(cross)) + float(torch.trace(gram))  # ||X_e - X_s||^2
+            target = untouched + 2.0 * float(torch.trace(m_target) - torch.trace(m_source)) + float(torch.trace(mm))
+            residual = float(((mm @ t) * t).sum() - 2.0 * (t * rhs).sum()) + target
+            figures.update(residual_figures(residual, untouched, energy))
+        return BoundaryFit(self.name, s, e, fused=t, figures=figures)

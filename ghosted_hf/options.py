@@ -1,72 +1,103 @@
-"""The options of `ghost_prune`, defined once: the Python API validates them and the CLI is generated
-from them, so the two cannot drift."""
+"""Options, defined once as dataclasses: the Python API validates them and the CLI flags are generated
+from them (type, default, choices, help), so the two cannot drift."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .calibration import WEIGHTINGS
-from .operators import OPERATORS
+from .errors import GhostedError, UnknownOptionError
+from .operators import OPERATOR_KINDS
+from .remote.configuration_ghosted import OPERATOR_DTYPES
 from .selection import CRITERIA
 
 FITTINGS = ("sequential", "independent")
-OPERATOR_DTYPES = ("float32", "bfloat16")
+
+T = TypeVar("T")
 
 
-def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def option(default: Any = dataclasses.MISSING, help: str = "", choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None, *,
+           positional: bool = False, flag: str | None = None) -> Any:
+    """A dataclass field that is also a command-line option (`choices` may be a callable read at use)."""
+    metadata = {"help": help, "choices": choices, "positional": positional, "flag": flag}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
-@dataclass
-class PruneOptions:
-    num_layers: int = _option(8, "Number of decoder layers to remove (ignored with --criterion manual).")
-    criterion: str = _option("ghost-aware", "How to choose the layers.", CRITERIA)
-    layers: list[int] | None = _option(None, "Layer indices to remove with criterion 'manual' (dense numbering).")
-    operator: str = _option("ghost", "How to recover each boundary.", OPERATORS)
-    fitting: str = _option(
-        "sequential",
-        "With several boundaries: fit each on the model already pruned and patched before it (sequential), "
-        "or all on the dense model (independent, as in the paper).",
-        FITTINGS,
-    )
-    ridge: float = _option(1e-6, "Ridge eps relative to the mean diagonal of X^T X.")
-    weighting: str = _option(
-        "none", "Token weighting of the least-squares fit: none, or rms (each token divided by its RMS).", WEIGHTINGS
-    )
-    skip_first_tokens: int = _option(0, "Leave the first N tokens of each sequence (attention sinks) out of the fit.")
-    seq_len: int = _option(512, "Calibration sequence length in tokens.")
-    num_sequences: int = _option(128, "Number of calibration sequences.")
-    batch_size: int = _option(4, "Calibration sequences per forward pass.")
-    operator_dtype: str = _option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
-    stats_device: str | None = _option(None, "Device that accumulates the float64 statistics (default: the model's first).")
+def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
+    choices = f.metadata.get("choices")
+    return tuple(choices()) if callable(choices) else choices
+
+
+def _base_type(annotation: Any) -> tuple[Any, bool]:
+    """(the type without `| None`, whether None is allowed)."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(annotation))
+    return annotation, False
+
+
+def _coerce(name: str, value: Any, annotation: Any) -> Any:
+    """`value` checked against the field type; ints accept integer-valued numpy/torch scalars."""
+    kind, optional = _base_type(annotation)
+    if value is None:
+        if optional:
+            return None
+        raise GhostedError(f"{name} must be given (got None).")
+    if typing.get_origin(kind) is list:
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            raise GhostedError(f"{name} must be a list, got {value!r}.")
+        return [_coerce(name, v, typing.get_args(kind)[0]) for v in value]
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise GhostedError(f"{name} must be True or False, got {value!r}.")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise GhostedError(f"{name} must be an integer, got {value!r} ({type(value).__name__}).")
+        return int(value.__index__())
+    if kind is float:
+        if isinstance(value, (bool, str)) or not hasattr(value, "__float__"):
+            raise GhostedError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+        value = float(value)
+        if not math.isfinite(value):
+            raise GhostedError(f"{name} must be a finite number, got {value}.")
+        return value
+    if kind is str and not isinstance(value, str):
+        raise GhostedError(f"{name} must be a string, got {value!r} ({type(value).__name__}).")
+    return value
+
+
+class Options:
+    """Base of option dataclasses: typed, checked against `choices`, built from keyword overrides."""
 
     def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            value = getattr(self, f.name)
-            if choices and value not in choices:
-                raise ValueError(f"Unknown {f.name} {value!r}; choose one of: {', '.join(choices)}.")
-        if self.criterion == "manual" and not self.layers:
-            raise ValueError("criterion 'manual' needs the layer indices to remove (layers=[...]).")
-        if self.layers and self.criterion != "manual":
-            raise ValueError("layers=[...] is only used with criterion='manual'.")
-        for name in ("seq_len", "num_sequences", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
-        if self.ridge < 0 or self.skip_first_tokens < 0:
-            raise ValueError("ridge and skip_first_tokens must be >= 0.")
+            value = _coerce(f.name, getattr(self, f.name), hints[f.name])
+            choices = _choices(f)
+            if choices and value is not None and value not in choices:
+                raise GhostedError(f"Unknown {f.name} {value!r}; choose one of: {', '.join(choices)}.")
+            object.__setattr__(self, f.name, value)
+        self.check()
+
+    def check(self) -> None:
+        """Rules that span several fields."""
 
     @classmethod
-    def build(cls, options: PruneOptions | None = None, **overrides: Any) -> PruneOptions:
+    def build(cls: type[T], options: T | None = None, **overrides: Any) -> T:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise TypeError(f"Unknown option(s) {unknown}; valid options: {sorted(known)}.")
+            raise UnknownOptionError(f"Unknown option(s) {unknown}; valid options: {sorted(known)}.")
         base = dataclasses.asdict(options) if options is not None else {}
         return cls(**{**base, **overrides})
 
@@ -74,29 +105,83 @@ class PruneOptions:
         return dataclasses.asdict(self)
 
 
-def _base_type(annotation: Any) -> Any:
-    if isinstance(annotation, str):
-        annotation = eval(annotation, {"list": list, "int": int, "str": str, "float": float, "None": None})
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return _base_type(args[0])
-    return annotation
+def positive(options: Options, *names: str) -> None:
+    for name in names:
+        if getattr(options, name) < 1:
+            raise GhostedError(f"{name} must be positive, got {getattr(options, name)}.")
 
 
-def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
-    """One `--flag` per `PruneOptions` field, with its type, default, choices and help."""
-    for f in dataclasses.fields(PruneOptions):
-        kind = _base_type(f.type)
-        flag = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"], "dest": f.name}
-        if typing.get_origin(kind) is list:
+@dataclass
+class PruneOptions(Options):
+    num_layers: int = option(8, "Number of decoder layers to remove (ignored with --criterion manual).")
+    criterion: str = option("ghost-aware", "How to choose the layers to remove.", lambda: tuple(CRITERIA))
+    layers: list[int] | None = option(None, "Layer indices to remove with criterion 'manual' (dense numbering).")
+    operator: str = option("ghost", "Operator kind that recovers each boundary.", lambda: tuple(OPERATOR_KINDS))
+    fitting: str = option(
+        "sequential",
+        "With several boundaries: fit each on the model already pruned and patched before it (sequential), "
+        "or all on the dense model (independent, as in the paper).",
+        FITTINGS,
+    )
+    ridge: float = option(1e-6, "Ridge eps relative to the mean diagonal of X^T X.")
+    weighting: str = option(
+        "none", "Token weighting of the least-squares fit: none, or rms (each token divided by its RMS).", WEIGHTINGS
+    )
+    skip_first_tokens: int = option(0, "Leave the first N tokens of each sequence (attention sinks) out of the fit.")
+    seq_len: int = option(512, "Calibration sequence length in tokens.")
+    num_sequences: int = option(128, "Number of calibration sequences.")
+    batch_size: int = option(4, "Calibration sequences per forward pass.")
+    operator_dtype: str = option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
+    stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
+
+    def check(self) -> None:
+        takes_layers = CRITERIA[self.criterion].takes_layers
+        if takes_layers and not self.layers:
+            raise GhostedError(f"criterion {self.criterion!r} needs the layer indices to remove (layers=[...]).")
+        if self.layers and not takes_layers:
+            raise GhostedError(f"layers=[...] is only used with criterion='manual', not {self.criterion!r}.")
+        positive(self, "seq_len", "num_sequences", "batch_size")
+        if self.seq_len < 2:
+            raise GhostedError(f"seq_len must be at least 2, got {self.seq_len}.")
+        if self.ridge < 0 or self.skip_first_tokens < 0:
+            raise GhostedError(f"ridge and skip_first_tokens must be >= 0, got {self.ridge} and {self.skip_first_tokens}.")
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One argument per field of dataclass `cls`, with its type, default, choices and help. A field
+    without a default is a required positional argument; `positional=True` makes an optional one."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind, _ = _base_type(hints[f.name])
+        default = _default(f)
+        kwargs: dict[str, Any] = {"help": f.metadata["help"]}
+        if _choices(f):
+            kwargs["choices"] = _choices(f)
+        if kind is bool:
+            kwargs["action"] = "store_true"
+        elif typing.get_origin(kind) is list:
             kwargs.update(type=typing.get_args(kind)[0], nargs="+")
         else:
             kwargs["type"] = kind
-        if f.metadata.get("choices"):
-            kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument(flag, **kwargs)
+        if default is dataclasses.MISSING:
+            parser.add_argument(f.name, **kwargs)
+        elif f.metadata.get("positional"):
+            parser.add_argument(f.name, nargs="?", default=default, **kwargs)
+        else:
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            parser.add_argument(flag, dest=f.name, default=default, **kwargs)
 
 
-def options_from_namespace(namespace: argparse.Namespace) -> PruneOptions:
-    return PruneOptions(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(PruneOptions)})
+def from_namespace(cls: type[T], namespace: argparse.Namespace) -> T:
+    return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})

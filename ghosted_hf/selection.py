@@ -1,98 +1,159 @@
-"""Which layers to remove, scored from calibration statistics.
+"""Which layers to remove, scored from calibration statistics, as a registry of criteria.
 
-Contiguous criteria score every block of `n` layers, from the one starting at layer 0 to the one ending
-at the last layer (whose target is the input of the final norm): none is excluded.
-
-- ``streamline`` (LLM-Streamline): highest mean cosine between the block's input and output;
-- ``angular`` (Gromov et al.): lowest mean angular distance arccos(cos)/pi, over all real tokens;
-- ``ghost-aware``: lowest ghost-fitted residual ||X_s W - X_e||^2 / ||X_e||^2, i.e. the block the
-  operator can best stand in for;
-- ``shortgpt`` (Block Influence): the `n` layers, anywhere, with the lowest BI = 1 - mean cos(x_i, x_{i+1});
-- ``manual``: explicit indices.
+Contiguous criteria score every candidate boundary of `num_layers` layers, from the one starting at
+layer 0 (or at the operator kind's first removable layer) to the one ending at the last layer (whose
+target is the input of the final norm): none is excluded. A criterion is one `Criterion` subclass
+registered with `@register`; nothing outside its class compares its name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from .calibration import CalibrationStatistics, StatisticsPlan
-from .operators import fit_figures, solve_ghost
+from .errors import GhostedError
+from .operators import fit_figures, ghost_operator
+from .registry import Registry
 
-CRITERIA = ("ghost-aware", "streamline", "angular", "shortgpt", "manual")
+
+@dataclass(frozen=True)
+class SelectionRequest:
+    """What a criterion is asked to choose."""
+
+    depth: int  # layers of the dense model
+    num_layers: int  # how many to remove
+    first: int = 0  # the lowest removable layer (set by the operator kind)
+    ridge: float = 1e-6
+    layers: tuple[int, ...] = ()  # explicit indices, for criteria that take them
 
 
 @dataclass
 class Selection:
     removed: list[int]
     criterion: str
-    scores: dict[str, float]  # candidate ("12-19" for a block, "7" for a layer) -> score
-    better: str  # "higher" or "lower"
+    scores: dict[str, float]  # candidate name (see `candidate_name`) -> score
+    better: str  # "higher", "lower" or "n/a"
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"criterion": self.criterion, "removed": self.removed, "better": self.better, "scores": self.scores}
 
 
-def check_criterion(criterion: str) -> None:
-    if criterion not in CRITERIA:
-        raise ValueError(f"Unknown criterion {criterion!r}; choose one of: {', '.join(CRITERIA)}.")
+def candidate_name(s: int, e: int) -> str:
+    """"12-19" for the candidate removing layers 12..19, "7" for a single layer."""
+    return f"{s}" if e == s + 1 else f"{s}-{e - 1}"
 
 
-def check_num_layers(num_layers: int, total: int) -> None:
-    if not 1 <= num_layers < total:
-        raise ValueError(f"num_layers must be between 1 and {total - 1} for a model with {total} layers, got {num_layers}.")
+def candidate_layers(name: str) -> list[int]:
+    first, _, last = name.partition("-")
+    return list(range(int(first), int(last or first) + 1))
 
 
-def candidate_blocks(total: int, n: int, first: int = 0) -> list[tuple[int, int]]:
-    """(s, e) for every contiguous block s..e-1 of n layers with s >= first; e == total is the final
-    norm's input. `first` is 0 except for replaceme-ls, which needs a kept layer before the block."""
-    return [(s, s + n) for s in range(first, total - n + 1)]
+def candidate_spans(depth: int, n: int, first: int = 0) -> list[tuple[int, int]]:
+    """(s, e) for every contiguous span s..e-1 of n layers with s >= first; e == depth is the final norm's input."""
+    return [(s, s + n) for s in range(first, depth - n + 1)]
 
 
-def selection_plan(criterion: str, num_layers: int, total: int, weighting: str = "none",
-                   skip_first_tokens: int = 0, first: int = 0) -> StatisticsPlan:
-    """The statistics a criterion needs, for one pass over the calibration data."""
-    check_criterion(criterion)
-    blocks = frozenset(candidate_blocks(total, num_layers, first)) if criterion != "manual" else frozenset()
-    if criterion in ("streamline", "angular"):
-        return StatisticsPlan(cosines=blocks, weighting=weighting, skip_first_tokens=skip_first_tokens)
-    if criterion == "ghost-aware":
-        return StatisticsPlan(grams=frozenset(s for s, _ in blocks), pairs=blocks, weighting=weighting,
-                              skip_first_tokens=skip_first_tokens)
-    if criterion == "shortgpt":
-        return StatisticsPlan(cosines=frozenset((i, i + 1) for i in range(first, total)), weighting=weighting,
-                              skip_first_tokens=skip_first_tokens)
-    return StatisticsPlan(weighting=weighting, skip_first_tokens=skip_first_tokens)
+def check_num_layers(num_layers: int, depth: int) -> None:
+    if not 1 <= num_layers < depth:
+        raise GhostedError(f"num_layers must be between 1 and {depth - 1} for a model with {depth} layers, got {num_layers}.")
 
 
-def _block_name(s: int, e: int) -> str:
-    return f"{s}-{e - 1}"
+class Criterion:
+    """One way to choose the layers. Subclasses set the class attributes and implement `statistics`/`select`."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    takes_layers: ClassVar[bool] = False  # uses SelectionRequest.layers instead of statistics
+
+    def statistics(self, request: SelectionRequest) -> StatisticsPlan:
+        raise NotImplementedError
+
+    def select(self, stats: CalibrationStatistics | None, request: SelectionRequest) -> Selection:
+        raise NotImplementedError
 
 
-def select_layers(stats: CalibrationStatistics, criterion: str, num_layers: int, ridge: float = 1e-6,
-                  layers: list[int] | None = None, first: int = 0) -> Selection:
-    check_criterion(criterion)
-    total = stats.num_layers
-    if criterion == "manual":
-        if not layers:
-            raise ValueError("criterion='manual' needs the layer indices to remove (layers=[...]).")
-        return Selection(sorted(layers), criterion, {}, "n/a")
-    check_num_layers(num_layers, total)
-    if criterion == "shortgpt":
-        scores = {str(i): 1.0 - stats.mean_cosine(i, i + 1) for i in range(first, total)}
-        ranked = sorted(range(first, total), key=lambda i: (scores[str(i)], i))
-        return Selection(sorted(ranked[:num_layers]), criterion, scores, "lower")
-    blocks = candidate_blocks(total, num_layers, first)
-    if criterion == "streamline":
-        scores = {_block_name(s, e): stats.mean_cosine(s, e) for s, e in blocks}
-        best = max(blocks, key=lambda b: scores[_block_name(*b)])
-        return Selection(list(range(*best)), criterion, scores, "higher")
-    if criterion == "angular":
-        scores = {_block_name(s, e): stats.mean_angular(s, e) for s, e in blocks}
-    else:  # ghost-aware
-        scores = {}
-        for s, e in blocks:
-            m, _ = solve_ghost(stats.gram(s), stats.cross(s, e), ridge)
-            m.diagonal().add_(1.0)
-            scores[_block_name(s, e)] = fit_figures(stats, s, e, m)["residual_vs_target"]
-    best = min(blocks, key=lambda b: scores[_block_name(*b)])
-    return Selection(list(range(*best)), criterion, scores, "lower")
+class ContiguousCriterion(Criterion):
+    """Scores every candidate span of `num_layers` layers and removes the best one."""
+
+    better: ClassVar[str]
+
+    def score(self, stats: CalibrationStatistics, s: int, e: int, request: SelectionRequest) -> float:
+        raise NotImplementedError
+
+    def select(self, stats: CalibrationStatistics | None, request: SelectionRequest) -> Selection:
+        spans = candidate_spans(request.depth, request.num_layers, request.first)
+        scores = {candidate_name(s, e): self.score(stats, s, e, request) for s, e in spans}
+        sign = 1 if self.better == "higher" else -1
+        best = max(spans, key=lambda span: sign * scores[candidate_name(*span)])
+        return Selection(list(range(*best)), self.name, scores, self.better)
+
+
+CRITERIA: Registry[Criterion] = Registry("criterion")
+register = CRITERIA.register
+criterion = CRITERIA.lookup
+
+
+@register
+class GhostAware(ContiguousCriterion):
+    name = "ghost-aware"
+    summary = "span whose ghost-fitted residual ||X_s W - X_e||^2 / ||X_e||^2 is smallest"
+    better = "lower"
+
+    def statistics(self, request: SelectionRequest) -> StatisticsPlan:
+        spans = frozenset(candidate_spans(request.depth, request.num_layers, request.first))
+        return StatisticsPlan(grams=frozenset(s for s, _ in spans), pairs=spans)
+
+    def score(self, stats: CalibrationStatistics, s: int, e: int, request: SelectionRequest) -> float:
+        w, _, _ = ghost_operator(stats, s, e, request.ridge)
+        return fit_figures(stats, s, e, w)["residual_vs_target"]
+
+
+@register
+class Streamline(ContiguousCriterion):
+    name = "streamline"
+    summary = "highest mean cosine between the span's input and output (LLM-Streamline)"
+    better = "higher"
+    measure: ClassVar[str] = "mean_cosine"  # the CalibrationStatistics method that scores a span
+
+    def statistics(self, request: SelectionRequest) -> StatisticsPlan:
+        return StatisticsPlan(cosines=frozenset(candidate_spans(request.depth, request.num_layers, request.first)))
+
+    def score(self, stats: CalibrationStatistics, s: int, e: int, request: SelectionRequest) -> float:
+        return getattr(stats, self.measure)(s, e)
+
+
+@register
+class Angular(Streamline):
+    name = "angular"
+    summary = "lowest mean angular distance arccos(cos)/pi over all real tokens (Gromov et al.)"
+    better = "lower"
+    measure = "mean_angular"
+
+
+@register
+class ShortGPT(Criterion):
+    name = "shortgpt"
+    summary = "the num_layers layers, anywhere, of lowest Block Influence 1 - mean cos(x_i, x_i+1) (ShortGPT)"
+
+    def statistics(self, request: SelectionRequest) -> StatisticsPlan:
+        return StatisticsPlan(cosines=frozenset(candidate_spans(request.depth, 1, request.first)))
+
+    def select(self, stats: CalibrationStatistics | None, request: SelectionRequest) -> Selection:
+        layers = range(request.first, request.depth)
+        scores = {candidate_name(i, i + 1): 1.0 - stats.mean_cosine(i, i + 1) for i in layers}
+        ranked = sorted(layers, key=lambda i: (scores[candidate_name(i, i + 1)], i))
+        return Selection(sorted(ranked[: request.num_layers]), self.name, scores, "lower")
+
+
+@register
+class Manual(Criterion):
+    name = "manual"
+    summary = "the layer indices given with --layers"
+    takes_layers = True
+
+    def statistics(self, request: SelectionRequest) -> StatisticsPlan:
+        return StatisticsPlan()
+
+    def select(self, stats: CalibrationStatistics | None, request: SelectionRequest) -> Selection:
+        return Selection(sorted(request.layers), self.name, {}, "n/a")

@@ -14,7 +14,14 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .remote.configuration_ghosted import SUPPORTED_MODEL_TYPES, GhostedConfig, expected_boundaries
+from .errors import GhostedError, NonFiniteError
+from .remote.configuration_ghosted import (
+    OPERATOR_DTYPES,
+    SUPPORTED_MODEL_TYPES,
+    GhostedConfig,
+    expected_boundaries,
+    pruned_index,
+)
 from .remote.modeling_ghosted import GHOST_MODULE, GhostedForCausalLM, ghost_tensor_key
 
 logger = logging.getLogger(__name__)
@@ -23,39 +30,53 @@ logger = logging.getLogger(__name__)
 PER_LAYER_FIELDS = ("layer_types",)
 
 
-def validate_removal(remove: Iterable[int], num_layers: int) -> list[int]:
-    """Sorted removed indices, or a ValueError that says what is wrong with them."""
-    remove = list(remove)
-    bad_type = [i for i in remove if isinstance(i, bool) or not isinstance(i, int)]
-    if bad_type:
-        raise ValueError(f"Layer indices must be integers, got {bad_type}.")
-    out_of_range = [i for i in remove if not 0 <= i < num_layers]
+def as_layer_index(value: object) -> int:
+    """`value` as a Python int: ints, numpy and torch integer scalars; refuses bools, floats and strings."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise GhostedError(f"Layer indices must be integers, got {value!r} ({type(value).__name__}).")
+    if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.is_floating_point()):
+        raise GhostedError(f"Layer indices must be integers, got the tensor {value!r}.")
+    return int(value.__index__())
+
+
+def validate_removal(remove: Iterable[int], depth: int) -> list[int]:
+    """Sorted removed indices, or a GhostedError that says what is wrong with them."""
+    if isinstance(remove, (str, bytes)) or not isinstance(remove, Iterable):
+        raise GhostedError(f"Layer indices must be a list of integers, got {remove!r}.")
+    remove = [as_layer_index(i) for i in remove]
+    out_of_range = [i for i in remove if not 0 <= i < depth]
     if out_of_range:
-        raise ValueError(f"Layer indices {out_of_range} are out of range: the model has layers 0..{num_layers - 1}.")
+        raise GhostedError(f"Layer indices {out_of_range} are out of range: the model has layers 0..{depth - 1}.")
     duplicated = sorted({i for i in remove if remove.count(i) > 1})
     if duplicated:
-        raise ValueError(f"Layer indices {duplicated} are listed more than once.")
+        raise GhostedError(f"Layer indices {duplicated} are listed more than once.")
     if not remove:
-        raise ValueError("No layer to remove: pass at least one layer index.")
-    if len(remove) >= num_layers:
-        raise ValueError(f"Cannot remove all {num_layers} layers: at least one decoder layer must remain.")
+        raise GhostedError("No layer to remove: pass at least one layer index.")
+    if len(remove) >= depth:
+        raise GhostedError(f"Cannot remove all {depth} layers: at least one decoder layer must remain.")
     return sorted(remove)
 
 
-def validate_operator(operator: torch.Tensor, hidden_size: int, where: str) -> torch.Tensor:
-    """Check shape, dtype and finiteness of one boundary operator."""
+def validate_operator(operator: torch.Tensor, hidden_size: int, where: str,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The operator cast to its storage `dtype`, after checking shape, dtype, device and finiteness (of the
+    stored values: a float64 operator that overflows float32 is refused)."""
     if not isinstance(operator, torch.Tensor):
-        raise TypeError(f"Operator for {where} must be a torch.Tensor, got {type(operator).__name__}.")
+        raise GhostedError(f"Operator for {where} must be a torch.Tensor, got {type(operator).__name__}.")
     if tuple(operator.shape) != (hidden_size, hidden_size):
-        raise ValueError(
+        raise GhostedError(
             f"Operator for {where} has shape {tuple(operator.shape)}; expected ({hidden_size}, {hidden_size}) "
             "(hidden size x hidden size, applied as x @ W)."
         )
     if not operator.is_floating_point():
-        raise ValueError(f"Operator for {where} must be a floating-point tensor, got {operator.dtype}.")
-    if not torch.isfinite(operator).all():
-        raise ValueError(f"Operator for {where} contains NaN or Inf values.")
-    return operator
+        raise GhostedError(f"Operator for {where} must be a floating-point tensor, got {operator.dtype}.")
+    if operator.device.type == "meta":
+        raise GhostedError(f"Operator for {where} is on the meta device (it holds no values); pass a real tensor.")
+    stored = operator.detach().to(dtype)
+    if not torch.isfinite(stored).all():
+        problem = "contains NaN or Inf values" if not torch.isfinite(operator).all() else f"overflows {dtype}"
+        raise NonFiniteError(f"Operator for {where} {problem}.")
+    return stored
 
 
 def pruned_text_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig:
@@ -108,25 +129,23 @@ def _adopt_tensors(target: nn.Module, source: nn.Module, source_name: Callable[[
 
 
 def _check_dense_model(model: PreTrainedModel) -> None:
-    model_type = getattr(model.config, "model_type", None)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type == "ghosted":
-        raise ValueError(
-            "This model is already ghosted. Prune the dense model once, listing every layer to remove."
-        )
+        raise GhostedError("This model is already ghosted. Prune the dense model once, listing every layer to remove.")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise GhostedError(
             f"Unsupported architecture {model_type!r} ({type(model).__name__}); supported model types: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}."
         )
     if not hasattr(model, "lm_head") or not hasattr(getattr(model, "model", None), "layers"):
-        raise ValueError(
+        raise GhostedError(
             f"Expected a causal LM with `model.layers` and `lm_head` (e.g. LlamaForCausalLM), got {type(model).__name__}."
         )
     offloaded = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if offloaded:
-        raise ValueError(
-            f"{len(offloaded)} weights are offloaded (on the meta device, e.g. {offloaded[0]}); layer surgery needs "
-            "every kept weight in memory. Load the model without disk offload to prune it."
+        raise GhostedError(
+            f"{len(offloaded)} weights are on the meta device (not loaded, or offloaded to disk; e.g. {offloaded[0]}): "
+            "layer surgery needs every kept weight in memory. Load the model with real weights, without disk offload."
         )
 
 
@@ -142,41 +161,47 @@ def prune_layers(
 
     Consecutive removed layers form one boundary; `operators` maps the first removed index of a boundary
     to its (C, C) operator, applied as ``x @ W`` to the hidden state that reaches the next kept layer (or
-    the final norm). Boundaries without an operator get the identity, i.e. plain pruning.
+    the final norm). Boundaries without an operator get the identity (operator kind "none": plain
+    pruning); the others are recorded as `operator_kind`.
 
     The returned model shares the dense model's tensors (no copy, so peak memory stays one model): treat
     `model` as consumed.
     """
     _check_dense_model(model)
     base_config = model.config
-    total = base_config.num_hidden_layers
-    removed = validate_removal(remove, total)
-    kept = [i for i in range(total) if i not in set(removed)]
+    depth = base_config.num_hidden_layers
+    removed = validate_removal(remove, depth)
+    kept = [i for i in range(depth) if i not in set(removed)]
     hidden = base_config.hidden_size
-    boundaries = expected_boundaries(total, removed)
+    boundaries = expected_boundaries(depth, removed)
 
-    operators = dict(operators or {})
+    if operators is not None and not isinstance(operators, Mapping):
+        raise GhostedError(
+            f"operators must map the first removed layer of each boundary to its tensor (a dict such as "
+            f"{{{removed[0]}: W}}), got a {type(operators).__name__}."
+        )
+    operators = {as_layer_index(k): v for k, v in (operators or {}).items()}
     starts = {b["removed"][0]: b for b in boundaries}
     unknown = sorted(set(operators) - set(starts))
     if unknown:
-        raise ValueError(
+        raise GhostedError(
             f"Operators given for {unknown}, but boundaries start at {sorted(starts)} "
             "(key each operator by the first removed layer of its run of consecutive removed layers)."
         )
-    if operator_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"operator_dtype must be torch.float32 or torch.bfloat16, got {operator_dtype}.")
-    for start, op in operators.items():
-        validate_operator(op, hidden, f"the boundary after removed layers {starts[start]['removed']}")
+    dtype_name = str(operator_dtype).removeprefix("torch.")
+    if dtype_name not in OPERATOR_DTYPES:
+        raise GhostedError(f"operator_dtype must be one of {OPERATOR_DTYPES}, got {operator_dtype}.")
+    stored = {start: validate_operator(op, hidden, f"the boundary after removed layers {starts[start]['removed']}",
+                                       operator_dtype) for start, op in operators.items()}
 
     config = GhostedConfig(
         text_config=pruned_text_config(base_config, kept),
-        original_num_hidden_layers=total,
+        original_num_hidden_layers=depth,
         removed_layers=removed,
         ghost_boundaries=[
-            {**b, "operator": operator_kind if b["removed"][0] in operators else "identity", "fit": {}}
-            for b in boundaries
+            {**b, "operator": operator_kind if b["removed"][0] in stored else "none", "fit": {}} for b in boundaries
         ],
-        operator_dtype=str(operator_dtype).removeprefix("torch."),
+        operator_dtype=dtype_name,
         ghost_provenance={"base_model": base_config._name_or_path or None},
     )
     config._attn_implementation = base_config._attn_implementation
@@ -191,9 +216,8 @@ def prune_layers(
         key = ghost_tensor_key(boundary)
         parent = pruned.get_submodule(key.rsplit(".", 2)[0])
         device = next(p.device for n, p in parent.named_parameters() if not n.startswith(GHOST_MODULE))
-        start = boundary["removed"][0]
-        value = operators[start] if start in operators else torch.eye(hidden)
-        _take_tensor(pruned, key, nn.Parameter(value.detach().to(device=device, dtype=operator_dtype).clone()))
+        value = stored.get(boundary["removed"][0], torch.eye(hidden, dtype=operator_dtype))
+        _take_tensor(pruned, key, nn.Parameter(value.to(device=device).clone()))
 
     still_meta = [n for n, t in {**dict(pruned.named_parameters()), **dict(pruned.named_buffers())}.items()
                   if t.device.type == "meta"]
@@ -201,8 +225,24 @@ def prune_layers(
         raise RuntimeError(f"Layer surgery left tensors unassigned: {still_meta}")
     pruned.generation_config = copy.deepcopy(model.generation_config)
     pruned.train(model.training)
-    logger.info("Removed layers %s of %d; %d boundaries.", removed, total, len(boundaries))
+    logger.info("Removed layers %s of %d; %d boundaries.", removed, depth, len(boundaries))
     return pruned
+
+
+def fold_into_down_proj(model: GhostedForCausalLM, dense_layer: int, transform: torch.Tensor) -> str:
+    """Replace the MLP output m of kept dense layer `dense_layer` by m @ T (ReplaceMe's fused export);
+    returns the name of the edited module."""
+    layer = pruned_index(dense_layer, model.config.removed_layers)
+    down = model.model.layers[layer].mlp.down_proj
+    t = transform.to(device=down.weight.device, dtype=torch.float64)
+    down.weight = nn.Parameter((t.T @ down.weight.double()).to(down.weight.dtype))
+    if down.bias is not None:
+        down.bias = nn.Parameter((down.bias.double() @ t).to(down.bias.dtype))
+    return f"model.layers.{layer}.mlp.down_proj"
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def export_plain(model: GhostedForCausalLM) -> PreTrainedModel:
@@ -213,7 +253,7 @@ def export_plain(model: GhostedForCausalLM) -> PreTrainedModel:
     for name, operator in model.ghost_operators().items():
         eye = torch.eye(operator.shape[0], dtype=operator.dtype, device=operator.device)
         if not torch.equal(operator, eye):
-            raise ValueError(
+            raise GhostedError(
                 f"{name} is not the identity: this model needs its operators and cannot be exported as a plain "
                 "checkpoint. Use operator='replaceme-ls' for a fused export, or save it as a ghosted model."
             )

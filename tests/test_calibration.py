@@ -9,8 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ghosted_hf.calibration import CalibrationStatistics, StatisticsPlan, collect_statistics
+from ghosted_hf.errors import GhostedError
 from ghosted_hf.data import batch_sequences
-from tiny import LAYERS, PAD, VOCAB, build
+from tiny import LAYERS, PAD, build, sequences
 
 PLAN = StatisticsPlan(
     grams=frozenset({0, 2}),
@@ -18,13 +19,8 @@ PLAN = StatisticsPlan(
     cosines=frozenset({(1, 2), (2, 6)}),
     abs_sums=frozenset({2, 6}),
     rotated_abs_sums=frozenset({2}),
-    mlp_blocks=frozenset({(2, 4)}),
+    mlp_terms=frozenset({(2, 4)}),
 )
-
-
-def sequences(lengths=(9, 16, 5, 12, 16, 7), seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -85,9 +81,9 @@ def test_pass_stops_after_deepest_needed_layer() -> None:
     for i, layer in enumerate(model.model.layers):
         layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
     plan = StatisticsPlan(grams=frozenset({1}), pairs=frozenset({(1, 3)}))
-    stats = collect_statistics(model, batch_sequences(sequences(), 2, PAD), plan, progress=False)
+    collect_statistics(model, batch_sequences(sequences(), 2, PAD), plan, progress=False)
     assert set(calls) == {0, 1, 2}  # layer 3 is never run: its input is the deepest statistic
-    assert stats.passes[0]["deepest_layer_input"] == 3
+    assert plan.deepest() == 3
 
 
 def test_non_finite_activations_name_the_layer() -> None:
@@ -102,8 +98,8 @@ def test_non_finite_activations_name_the_layer() -> None:
 def test_skip_first_tokens_masks_leading_positions() -> None:
     model = build("llama")
     seqs = sequences()
-    plan = StatisticsPlan(grams=frozenset({0}), skip_first_tokens=2)
-    stats = collect_statistics(model, batch_sequences(seqs, 3, PAD), plan, progress=False)
+    plan = StatisticsPlan(grams=frozenset({0}))
+    stats = collect_statistics(model, batch_sequences(seqs, 3, PAD), plan, skip_first_tokens=2, progress=False)
     assert stats.tokens == sum(len(s) - 2 for s in seqs)
     embed = model.model.embed_tokens.weight.double()
     x = torch.cat([embed[torch.tensor(s[2:])] for s in seqs])
@@ -115,7 +111,7 @@ def test_statistics_file_round_trip(tmp_path: Path) -> None:
     stats = collect_statistics(model, batch_sequences(sequences(), 2, PAD), PLAN, progress=False)
     stats.save(tmp_path / "stats.safetensors")
     loaded = CalibrationStatistics.load(tmp_path / "stats.safetensors")
-    assert (loaded.tokens, loaded.num_layers, loaded.hidden_size) == (stats.tokens, stats.num_layers, stats.hidden_size)
+    assert (loaded.tokens, loaded.depth, loaded.hidden_size) == (stats.tokens, stats.depth, stats.hidden_size)
     assert loaded.rotation_kind == "hadamard"
     assert set(loaded.tensors) == set(stats.tensors)
     for key in stats.tensors:
@@ -138,8 +134,34 @@ def test_statistics_with_disk_offloaded_model(tmp_path: Path) -> None:
         assert relative_error(got.tensors[key], expected.tensors[key]) < 1e-12, key
 
 
-def test_plan_rejects_unknown_weighting_and_replaceme_at_layer_zero() -> None:
-    with pytest.raises(ValueError, match="Unknown token weighting 'cube'"):
-        StatisticsPlan(weighting="cube")
-    with pytest.raises(ValueError, match="cannot remove layer 0"):
-        StatisticsPlan(mlp_blocks=frozenset({(0, 2)}))
+def test_unknown_weighting_and_mlp_terms_at_layer_zero_are_refused() -> None:
+    with pytest.raises(GhostedError, match="Unknown token weighting 'cube'; choose one of: none, rms"):
+        collect_statistics(build("llama"), batch_sequences(sequences(), 2, PAD), PLAN, weighting="cube", progress=False)
+    with pytest.raises(GhostedError, match="MLP terms need a layer before the source index"):
+        StatisticsPlan(mlp_terms=frozenset({(0, 2)}))
+
+
+def test_plans_combine_and_know_what_is_missing() -> None:
+    a = StatisticsPlan(grams=frozenset({1}), pairs=frozenset({(1, 3)}))
+    b = StatisticsPlan(grams=frozenset({2}), abs_sums=frozenset({1, 3}))
+    union = a | b
+    assert union == StatisticsPlan(grams=frozenset({1, 2}), pairs=frozenset({(1, 3)}), abs_sums=frozenset({1, 3}))
+    assert StatisticsPlan.union([a, b]) == union and not StatisticsPlan()
+    stats = collect_statistics(build("llama"), batch_sequences(sequences(), 2, PAD), a, progress=False)
+    assert set(stats.tensors) == {"gram.1", "cross.1.3", "energy.1.3"}
+    assert union.missing_from(stats) == StatisticsPlan(grams=frozenset({2}), abs_sums=frozenset({1, 3}))
+    assert not a.missing_from(stats)
+    at_source, rest = union.split_at(1)
+    assert at_source == StatisticsPlan(grams=frozenset({1}), pairs=frozenset({(1, 3)}), abs_sums=frozenset({1}))
+    assert rest == StatisticsPlan(grams=frozenset({2}), abs_sums=frozenset({3}))
+
+
+def test_calibration_runs_in_eval_mode_and_restores_the_mode() -> None:
+    dropout = build("llama", attention_dropout=0.5)
+    batches = batch_sequences(sequences(), 3, PAD)
+    expected = collect_statistics(dropout, batches, PLAN, progress=False)
+    dropout.train()
+    got = collect_statistics(dropout, batches, PLAN, progress=False)
+    assert dropout.training and all(m.training for m in dropout.modules())
+    for key in expected.tensors:
+        assert torch.equal(got.tensors[key], expected.tensors[key]), key

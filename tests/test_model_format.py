@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import ghosted_hf
 from ghosted_hf import GhostedForCausalLM, prune_layers
+from fake_hub import build_hub_cache
 from isolated import assert_loads_with_same_logits, run_without_ghosted
 from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, deleted_reference, random_operator
 
@@ -151,15 +151,6 @@ def test_remote_code_load_without_ghosted_hf(arch: str, tmp_path: Path) -> None:
     assert "LOADED transformers_modules" in out and "GhostedForCausalLM" in out
 
 
-def build_hub_cache(cache: Path, repo_id: str, folder: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> None:
-    """Lay out `folder` as the Hugging Face cache does for a downloaded `repo_id` at `main`."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / commit
-    shutil.copytree(folder, snapshot)
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-
-
 def test_load_by_repo_id_from_offline_hub_cache(tmp_path: Path) -> None:
     ghosted = prune_layers(build("qwen3"), [2, 3], {2: random_operator(7)})
     folder = _save(ghosted, tmp_path / "model", with_tokenizer=True)
@@ -216,9 +207,21 @@ def test_eager_and_sdpa_agree_and_hidden_states(tmp_path: Path) -> None:
     assert sdpa.model.config._attn_implementation == "sdpa"
     real = inputs["attention_mask"].bool()  # fully masked (padding) rows differ between kernels by design
     torch.testing.assert_close(logits(eager, inputs)[real], logits(sdpa, inputs)[real], rtol=1e-4, atol=1e-4)
+    # hidden_states are what the decoder computes: the embeddings, then each kept layer's output (the
+    # operator is applied as the next layer reads its input, so it does not show here), the last one normed.
+    outputs: list[torch.Tensor] = []
+    hooks = [sdpa.model.embed_tokens.register_forward_hook(lambda m, a, o: outputs.append(o))]
+    hooks += [layer.register_forward_hook(lambda m, a, o: outputs.append(o[0] if isinstance(o, tuple) else o))
+              for layer in sdpa.model.layers]
+    hooks.append(sdpa.model.norm.register_forward_hook(lambda m, a, o: outputs.append(o)))
     with torch.no_grad():
         out = sdpa(**inputs, output_hidden_states=True)
+    for hook in hooks:
+        hook.remove()
     assert len(out.hidden_states) == LAYERS - 2 + 1
+    expected = outputs[:-2] + outputs[-1:]  # the last layer's output is reported after the final norm
+    for i, (got, want) in enumerate(zip(out.hidden_states, expected)):
+        assert torch.equal(got, want), i
 
 
 def test_gradient_checkpointing_trains_operators() -> None:

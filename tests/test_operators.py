@@ -7,7 +7,8 @@ import torch
 
 from ghosted_hf.calibration import StatisticsAccumulator, StatisticsPlan
 from ghosted_hf.hadamard import hadamard, rotation
-from ghosted_hf.operators import fit_boundary, solve_ghost, squared_residual
+from ghosted_hf.errors import GhostedError
+from ghosted_hf.operators import OPERATOR_KINDS, operator_kind, solve_ghost, squared_residual
 
 C = 24
 
@@ -22,13 +23,17 @@ def synthetic(n: int = 3000, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     return x, y
 
 
-def stats_of(x: torch.Tensor, y: torch.Tensor, batches: int = 7, **plan_fields):
+def stats_of(x: torch.Tensor, y: torch.Tensor, batches: int = 7, weighting: str = "none"):
     plan = StatisticsPlan(grams=frozenset({0}), pairs=frozenset({(0, 1)}), abs_sums=frozenset({0, 1}),
-                          rotated_abs_sums=frozenset({0, 1}), **plan_fields)
-    acc = StatisticsAccumulator(plan, C)
+                          rotated_abs_sums=frozenset({0, 1}))
+    acc = StatisticsAccumulator(plan, C, weighting=weighting)
     for xs, ys in zip(x.chunk(batches), y.chunk(batches)):
         acc.update({0: xs, 1: ys})
-    return acc.result(num_layers=1)
+    return acc.result(depth=1)
+
+
+def fit_boundary(stats, kind: str, s: int, e: int, ridge: float):
+    return OPERATOR_KINDS[kind].fit(stats, s, e, ridge)
 
 
 def residual(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> float:
@@ -95,9 +100,26 @@ def test_rms_weighting_changes_the_fit_toward_small_tokens() -> None:
 
 
 def test_unknown_operator_lists_valid_ones() -> None:
+    with pytest.raises(GhostedError, match="Unknown operator 'magic'; choose one of: ghost, none, linearpatch-diag, "
+                                           "linearpatch-rotate, replaceme-ls"):
+        operator_kind("magic")
+
+
+def test_every_kind_declares_what_its_fit_reads() -> None:
+    """Each registry entry's `statistics` plan is exactly enough for its `fit`: statistics collected from
+    that plan alone fit without a missing-statistic error, and every kind reports its residual figures."""
     x, y = synthetic()
-    with pytest.raises(ValueError, match="ghost, none, linearpatch-diag, linearpatch-rotate, replaceme-ls"):
-        fit_boundary(stats_of(x, y), "magic", 0, 1, 0.0)
+    m = x.flip(1) * 0.1  # stands in for the MLP output of the layer before the boundary
+    for kind in OPERATOR_KINDS.values():
+        plan = kind.statistics(1, 2)
+        acc = StatisticsAccumulator(plan, C)
+        for xs, ys, ms in zip(x.chunk(5), y.chunk(5), m.chunk(5)):
+            acc.update({1: xs, 2: ys, ("mlp", 0): ms})
+        fit = kind.fit(acc.result(depth=2), 1, 2, 1e-8)
+        assert fit.kind == kind.name and (fit.operator is None) == kind.fused
+        assert fit.figures["relative_residual"] >= 0.0, kind.name
+        if kind.name in ("ghost", "replaceme-ls"):  # least-squares fits never do worse than leaving X_s as is
+            assert fit.figures["relative_residual"] < 1.0, kind.name
 
 
 @pytest.mark.parametrize("n", [12, 20, 28, 36, 64, 576, 896, 1536, 2048])
@@ -113,3 +135,27 @@ def test_rotation_falls_back_to_seeded_orthogonal() -> None:
     assert kind.startswith("random-orthogonal")
     torch.testing.assert_close(h @ h.T, torch.eye(100, dtype=torch.float64))
     assert torch.equal(h, rotation(100)[0])
+
+
+def test_readme_worked_example_adds_an_operator_kind() -> None:
+    """The README's 'Adding an operator kind' snippet: one registry entry is all a new kind needs."""
+    from pathlib import Path
+
+    from ghosted_hf import ghost_prune
+    from ghosted_hf.options import PruneOptions
+    from tiny import build, char_tokenizer, texts
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    snippet = readme.split("### Adding an operator kind", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(snippet, "README.md", "exec"), {})
+    try:
+        assert "diagonal-ls" in OPERATOR_KINDS
+        model = ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[1, 3],
+                            operator="diagonal-ls", seq_len=48, num_sequences=24)
+        for record in model.config.ghost_boundaries:
+            assert record["operator"] == "diagonal-ls" and record["fit"]["relative_residual"] < 1.0
+        w = model.model.layers[1].ghost.operator
+        assert torch.count_nonzero(w - torch.diag(torch.diagonal(w))) == 0
+        assert PruneOptions(operator="diagonal-ls").operator == "diagonal-ls"
+    finally:
+        OPERATOR_KINDS.pop("diagonal-ls", None)

