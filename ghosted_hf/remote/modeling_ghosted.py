@@ -17,14 +17,66 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModel, GenerationMixin, PreTrainedModel
+from transformers import AutoModel, GenerationMixin, LlamaForCausalLM, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.utils import can_return_tuple
 
-from .configuration_ghosted import LAYER_TARGET, GhostedConfig
+from .configuration_ghosted import LAYER_TARGET, OPERATOR_DTYPES, GhostedConfig
+
+# Oldest transformers this file is tested on. Support is decided by the features below, never by the version.
+MIN_TRANSFORMERS = "4.57"
+_lacking = [
+    name
+    for name, present in (
+        ("PreTrainedModel.loss_function", hasattr(PreTrainedModel, "loss_function")),
+        # keeps float32 operators float32 under from_pretrained(dtype=torch.bfloat16)
+        ("PreTrainedModel._keep_in_fp32_modules_strict", hasattr(PreTrainedModel, "_keep_in_fp32_modules_strict")),
+    )
+    if not present
+]
+if _lacking:
+    import transformers as _transformers
+
+    raise ImportError(
+        f"ghosted remote code needs transformers >= {MIN_TRANSFORMERS}; found {_transformers.__version__} "
+        f"(no {', '.join(_lacking)}): pip install -U transformers"
+    )
+
+try:
+    from transformers.utils import can_return_tuple
+except ImportError:  # older releases: the same behaviour, here
+    import functools
+
+    def can_return_tuple(forward):
+        """`return_dict=False` (argument or config) turns the ModelOutput into a tuple."""
+
+        @functools.wraps(forward)
+        def wrapper(self, *args, **kwargs):
+            return_dict = kwargs.pop("return_dict", None)
+            if return_dict is None:
+                return_dict = getattr(self.config, "return_dict", True)
+            output = forward(self, *args, **kwargs)
+            return output if return_dict else output.to_tuple()
+
+        return wrapper
+
 
 GHOST_MODULE = "ghost"
 GHOST_PARAM = "operator"
+
+# How this transformers declares tied weights, read off its own Llama: a {tied: source} dict (5.x) or a list
+# of tied names (4.x).
+if isinstance(getattr(LlamaForCausalLM, "_tied_weights_keys", None), dict):
+    TIED_WEIGHTS_KEYS: Any = {"lm_head.weight": "model.embed_tokens.weight"}
+else:
+    TIED_WEIGHTS_KEYS = ["lm_head.weight"]
+
+
+def operator_sha256(operator: torch.Tensor, dtype: str) -> str:
+    """Hex sha256 of an operator's raw bytes in its storage dtype `dtype` (CPU, C-contiguous; bf16 as bytes)."""
+    import hashlib  # (standard library; imported here to keep this file's top-level imports to torch/transformers)
+
+    tensor = operator.detach().to(device="cpu", dtype=getattr(torch, dtype)).contiguous()
+    return hashlib.sha256(tensor.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def ghost_tensor_key(boundary: dict[str, Any]) -> str:
@@ -88,7 +140,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
 
 
 class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tied_weights_keys = TIED_WEIGHTS_KEYS
 
     def __init__(self, config: GhostedConfig) -> None:
         config.validate_ghost_layout()
@@ -110,6 +162,56 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
     def ghost_operators(self) -> dict[str, nn.Parameter]:
         """The operator of every boundary, keyed by its state-dict name."""
         return {ghost_tensor_key(b): self.get_parameter(ghost_tensor_key(b)) for b in self.config.ghost_boundaries}
+
+    def operator_value_problems(self) -> list[str]:
+        """What is wrong with the operators' values: non-finite in the storage dtype, or not the bytes whose
+        sha256 config.json records. Empty when they are sound."""
+        problems = []
+        storage = self.config.operator_dtype
+        recorded = {ghost_tensor_key(b): b.get("sha256") for b in self.config.ghost_boundaries}
+        for name, operator in self.ghost_operators().items():
+            if operator.device.type == "meta":
+                continue
+            # In the storage dtype: a value finite in a wider checkpoint dtype (1e300) may not be once stored.
+            stored = operator.detach().to(getattr(torch, storage))
+            if not (torch.isfinite(operator).all() and torch.isfinite(stored).all()):
+                problems.append(f"operator {name} holds NaN or Inf values (as {storage})")
+            elif recorded.get(name) and operator_sha256(stored, storage) != recorded[name]:
+                problems.append(
+                    f"operator {name} does not match the sha256 recorded for it in config.json "
+                    "(the tensor was altered, or config.json comes from another save)"
+                )
+        return problems
+
+    def _refresh_ghost_integrity(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Make `config.operator_dtype` and each boundary's `sha256` describe the tensors about to be saved."""
+        operators = self.ghost_operators()
+        if state_dict is not None:
+            operators = {name: state_dict.get(name, operator) for name, operator in operators.items()}
+        dtypes = {str(op.dtype).removeprefix("torch.") for op in operators.values()}
+        if len(dtypes) > 1 or not dtypes <= set(OPERATOR_DTYPES):
+            found = ", ".join(f"{name}: {str(op.dtype).removeprefix('torch.')}" for name, op in operators.items())
+            raise ValueError(
+                f"Cannot save ghost operators as {found}: they must all be one of {', '.join(OPERATOR_DTYPES)}. "
+                "Cast them back first, e.g. `for op in model.ghost_operators().values(): op.data = op.data.float()`."
+            )
+        if dtypes:
+            self.config.operator_dtype = dtypes.pop()
+        boundaries = []
+        for boundary in self.config.ghost_boundaries:
+            boundary = dict(boundary)
+            operator = operators[ghost_tensor_key(boundary)]
+            if operator.device.type == "meta":  # offloaded and not materialised: never keep a stale hash
+                boundary.pop("sha256", None)
+            else:
+                boundary["sha256"] = operator_sha256(operator, self.config.operator_dtype)
+            boundaries.append(boundary)
+        self.config.ghost_boundaries = boundaries
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any):
+        # Before the parent writes config.json: the operator dtype and hashes always match the saved tensors.
+        self._refresh_ghost_integrity(kwargs.get("state_dict"))
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any):
@@ -133,9 +235,7 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
         ]
         if mismatched:
             problems.append(f"tensors of the wrong shape: {mismatched}")
-        for name, operator in model.ghost_operators().items():
-            if operator.device.type != "meta" and not torch.isfinite(operator).all():
-                problems.append(f"operator {name} holds NaN or Inf values")
+        problems += model.operator_value_problems()
         if problems:
             raise ValueError(
                 "This ghosted checkpoint does not match its config.json: "
