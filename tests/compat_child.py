@@ -25,7 +25,7 @@ from pathlib import Path  # noqa: E402
 
 CHECKS = (
     "load", "config", "logits", "return_tuple", "generate_cache", "loss", "hidden_states", "pipeline",
-    "bf16_fp32_operators", "missing_operator", "tampered_operator", "resave",
+    "bf16_fp32_operators", "missing_operator", "tampered_operator", "wrong_shape", "resave",
 )
 
 
@@ -73,6 +73,30 @@ def flip_byte(key: str):
         start, end = header[key]["data_offsets"]
         data[start + (end - start) // 2] ^= 0x01
         return header, data
+    return edit
+
+
+def grow_tensor(key: str):
+    """Make `key` one row and column larger (identity padding), as a checkpoint of another width would be."""
+    def edit(header, data):
+        import array
+
+        entry = header[key]
+        n = entry["shape"][0]
+        a, b = entry["data_offsets"]
+        old = array.array("f", bytes(data[a:b]))
+        new = array.array("f", [0.0] * (n + 1) ** 2)
+        for i in range(n):
+            new[i * (n + 1):i * (n + 1) + n] = old[i * n:(i + 1) * n]
+        new[-1] = 1.0
+        entry["shape"] = [n + 1, n + 1]
+        moved = new.tobytes()
+        out = bytearray(data[:a]) + moved + bytearray(data[b:])
+        for other in header.values():
+            if isinstance(other, dict) and "data_offsets" in other and other is not entry and other["data_offsets"][0] >= b:
+                other["data_offsets"] = [o + len(moved) - (b - a) for o in other["data_offsets"]]
+        entry["data_offsets"] = [a, a + len(moved)]
+        return header, out
     return edit
 
 
@@ -177,7 +201,7 @@ def run_model(name: str, spec: dict, work: Path) -> None:
             raise AssertionError(f"{None if states is None else len(states)} hidden states for {meta['kept']} layers")
 
     def do_pipeline():
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
         generator = pipeline("text-generation", model=model, tokenizer=tokenizer, trust_remote_code=True)
         out = generator("hello world", max_new_tokens=4, do_sample=False)
         text = out[0]["generated_text"]
@@ -208,6 +232,12 @@ def run_model(name: str, spec: dict, work: Path) -> None:
         rewrite_checkpoint(folder, broken, flip_byte(key))
         expect_refusal(load, broken, key)
 
+    def do_wrong_shape():
+        key = meta["operators"][-1]
+        broken = work / f"{name}-shape"
+        rewrite_checkpoint(folder, broken, grow_tensor(key))
+        expect_refusal(load, broken, key)
+
     def do_resave():
         # Saved again by this version's remote code: the same network, a clean config.json, verified hashes.
         again = work / f"{name}-resaved"
@@ -232,6 +262,7 @@ def run_model(name: str, spec: dict, work: Path) -> None:
     check("bf16_fp32_operators", do_bf16)
     check("missing_operator", do_missing)
     check("tampered_operator", do_tampered)
+    check("wrong_shape", do_wrong_shape)
     check("resave", do_resave)
 
 

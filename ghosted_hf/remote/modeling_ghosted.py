@@ -86,6 +86,19 @@ def ghost_tensor_key(boundary: dict[str, Any]) -> str:
     return f"model.norm.{GHOST_MODULE}.{GHOST_PARAM}"
 
 
+def _mismatch_key(entry: Any) -> str:
+    # `output_loading_info` lists a shape mismatch as (key, checkpoint shape, model shape) in 5.x, as the bare
+    # key in 4.x.
+    return entry if isinstance(entry, str) else entry[0]
+
+
+def _describe_mismatch(entry: Any) -> str:
+    if not isinstance(entry, str) and len(entry) == 3:
+        key, saved, expected = entry
+        return f"{key} (checkpoint {tuple(saved)}, config {tuple(expected)})"
+    return f"{_mismatch_key(entry)} (checkpoint shape differs from the config's)"
+
+
 class GhostOperator(nn.Module):
     """Maps the residual stream entering its parent module: ``x -> x @ operator``.
 
@@ -229,9 +242,9 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
         if unexpected:
             problems.append(f"operator tensors in the checkpoint that the config has no boundary for: {unexpected}")
         mismatched = [
-            f"{key} (checkpoint {tuple(saved)}, config {tuple(expected)})"
-            for key, saved, expected in info.get("mismatched_keys", ())
-            if f".{GHOST_MODULE}." in key or not ignore_mismatched
+            _describe_mismatch(entry)
+            for entry in info.get("mismatched_keys", ())
+            if f".{GHOST_MODULE}." in _mismatch_key(entry) or not ignore_mismatched
         ]
         if mismatched:
             problems.append(f"tensors of the wrong shape: {mismatched}")
