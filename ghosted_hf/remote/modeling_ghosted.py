@@ -13,6 +13,13 @@ the tensor ``model.layers.{i}.ghost.operator`` (applied to the hidden state ente
 
 from __future__ import annotations
 
+import fnmatch
+import functools
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +51,6 @@ if _lacking:
 try:
     from transformers.utils import can_return_tuple
 except ImportError:  # older releases: the same behaviour, here
-    import functools
 
     def can_return_tuple(forward):
         """`return_dict=False` (argument or config) turns the ModelOutput into a tuple."""
@@ -73,8 +79,6 @@ else:
 
 def operator_sha256(operator: torch.Tensor, dtype: str) -> str:
     """Hex sha256 of an operator's raw bytes in its storage dtype `dtype` (CPU, C-contiguous; bf16 as bytes)."""
-    import hashlib  # (standard library; imported here to keep this file's top-level imports to torch/transformers)
-
     tensor = operator.detach().to(device="cpu", dtype=getattr(torch, dtype)).contiguous()
     return hashlib.sha256(tensor.view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -84,6 +88,40 @@ def ghost_tensor_key(boundary: dict[str, Any]) -> str:
     if boundary["target"] == LAYER_TARGET:
         return f"model.layers.{boundary['layer']}.{GHOST_MODULE}.{GHOST_PARAM}"
     return f"model.norm.{GHOST_MODULE}.{GHOST_PARAM}"
+
+
+# What `save_pretrained` writes; files of an earlier save matching these never survive into a new one.
+MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "config.json",
+               "generation_config.json", "*.py")
+
+
+def replace_folder(staging: Path, target: Path) -> None:
+    """Move the complete folder `staging` to `target`. The previous `target` is renamed aside first and removed
+    only once the new folder is in place, so it is never partly overwritten."""
+    backup = None
+    if target.exists():
+        backup = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.previous-"))
+        os.rmdir(backup)
+        os.rename(target, backup)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        if backup is not None:
+            os.rename(backup, target)
+        raise
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+def _carry_over(folder: Path, staging: Path) -> None:
+    """Copy the files of `folder` that a model save does not write (tokenizer, card, ...) into `staging`."""
+    for item in folder.iterdir():
+        if any(fnmatch.fnmatch(item.name, pattern) for pattern in MODEL_FILES):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, staging / item.name)
+        else:
+            shutil.copy2(item, staging / item.name)
 
 
 def _mismatch_key(entry: Any) -> str:
@@ -151,17 +189,11 @@ class GhostedPreTrainedModel(PreTrainedModel):
         else:
             super()._init_weights(module)
 
-
-class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = TIED_WEIGHTS_KEYS
-
-    def __init__(self, config: GhostedConfig) -> None:
+    def _build_decoder(self, config: GhostedConfig) -> None:
+        """The pruned base decoder (`self.model`, standard weight names) with an operator before every boundary."""
         config.validate_ghost_layout()
-        super().__init__(config)
         text_config = config.text_config
         self.model = AutoModel.from_config(text_config)
-        self.vocab_size = text_config.vocab_size
-        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         operator_dtype = getattr(torch, config.operator_dtype)
         if operator_dtype == torch.float32:
             # from_pretrained(dtype=torch.bfloat16) must not round the operators.
@@ -170,7 +202,6 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
             parent = self.model.layers[boundary["layer"]] if boundary["target"] == LAYER_TARGET else self.model.norm
             parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size, operator_dtype))
             parent.register_forward_pre_hook(apply_ghost_operator, with_kwargs=True)
-        self.post_init()
 
     def ghost_operators(self) -> dict[str, nn.Parameter]:
         """The operator of every boundary, keyed by its state-dict name."""
@@ -222,9 +253,24 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
         self.config.ghost_boundaries = boundaries
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any):
+        """`PreTrainedModel.save_pretrained`, all or nothing: the files are written into a sibling folder that then
+        replaces `save_directory`. Files of an earlier save that this one does not write again (a single weights
+        file beside new shards, an old index) are gone; files a model save never writes (tokenizer, card) stay."""
         # Before the parent writes config.json: the operator dtype and hashes always match the saved tensors.
         self._refresh_ghost_integrity(kwargs.get("state_dict"))
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        target = Path(save_directory)
+        if kwargs.get("push_to_hub") or not kwargs.get("is_main_process", True) or target.is_file():
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.saving-"))
+        try:
+            if target.is_dir():
+                _carry_over(target, staging)
+            result = super().save_pretrained(staging, *args, **kwargs)
+            replace_folder(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return result
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any):
@@ -258,6 +304,35 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
             )
         return (model, info) if want_info else model
 
+
+
+class GhostedModel(GhostedPreTrainedModel):
+    """The pruned decoder with its operators and no LM head (`AutoModel`): hidden states for embeddings or
+    feature extraction. Loads from the same checkpoint as `GhostedForCausalLM` (the head's weight is unused)."""
+
+    def __init__(self, config: GhostedConfig) -> None:
+        super().__init__(config)
+        self._build_decoder(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def forward(self, *args: Any, **kwargs: Any):
+        return self.model(*args, **kwargs)
+
+
+class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = TIED_WEIGHTS_KEYS
+
+    def __init__(self, config: GhostedConfig) -> None:
+        super().__init__(config)
+        self._build_decoder(config)
+        text_config = config.text_config
+        self.vocab_size = text_config.vocab_size
+        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        self.post_init()
+
     @can_return_tuple
     def forward(
         self,
@@ -289,4 +364,4 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, **extras)
 
 
-__all__ = ["GhostedForCausalLM", "GhostedPreTrainedModel", "GhostOperator"]
+__all__ = ["GhostedForCausalLM", "GhostedModel", "GhostedPreTrainedModel", "GhostOperator"]
