@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> str:
     ghosted_hf.save_with_card(model, args.output, tokenizer, repo_id=args.repo_id)
     print(f"Removed layers {model.config.removed_layers}; saved to {args.output}")
     if args.repo_id:
-        url = ghosted_hf.push_to_hub(args.output, args.repo_id, token=args.token, endpoint=args.endpoint)
-        print(f"Pushed: {url}")
+        pushed = ghosted_hf.push_to_hub(args.output, args.repo_id, token=args.token, endpoint=args.endpoint)
+        print(f"Pushed in commit {pushed.commit}: {pushed.commit_url}")
     return args.output
 
 

@@ -12,6 +12,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .assets import base_model_info
 from .errors import GhostedError
+from .files import staged_folder
 from .remote.configuration_ghosted import GhostedConfig
 from .summary import summarize
 
@@ -89,14 +90,17 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
 
 def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_id: str | None = None,
                    license: str | None = None) -> Path:
-    """`save_pretrained` plus the generated README.md (and score plot); the way to save a ghosted model."""
+    """`save_pretrained` plus the tokenizer, the generated README.md and the score plot; the way to save a
+    ghosted model. All or nothing: the folder is written beside `folder` and replaces it whole, so an
+    interrupted save leaves the previous folder as it was and nothing of an earlier save survives."""
     config = model.config
     if getattr(config, "model_type", None) != "ghosted":
         raise GhostedError("save_with_card expects a GhostedForCausalLM; a plain export carries no ghost metadata.")
     folder = Path(folder)
-    model.save_pretrained(folder)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    plot = write_score_plot(config, folder)
-    build_card(config, repo_id=repo_id or folder.name, license=license, plot=plot).save(folder / "README.md")
+    with staged_folder(folder) as staging:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        plot = write_score_plot(config, staging)
+        build_card(config, repo_id=repo_id or folder.name, license=license, plot=plot).save(staging / "README.md")
     return folder

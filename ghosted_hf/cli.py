@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import assets
 from .errors import GhostedError
+from .files import staged_folder, verify_folder
 from .loading import DTYPES, load_model
 from .options import PruneOptions, add_arguments, from_namespace, option
 
@@ -121,8 +122,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
         print("\n--dry-run: nothing written.")
         return 0
     if any(b.get("fused_into") for b in ghosted.config.ghost_boundaries):
-        export_plain(ghosted).save_pretrained(run.output)  # fused: a plain checkpoint, no remote code
-        tokenizer.save_pretrained(run.output)
+        with staged_folder(run.output) as staging:  # fused: a plain checkpoint, no remote code
+            export_plain(ghosted).save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
     else:
         save_with_card(ghosted, run.output, tokenizer)
     print(f"\nSaved to {run.output}")
@@ -167,10 +169,10 @@ def cmd_push(args: argparse.Namespace) -> int:
     from .hub import push_to_hub
 
     run = from_namespace(PushArgs, args)
-    url = push_to_hub(run.folder, run.repo_id, private=run.private, revision=run.revision)
-    print(f"Pushed {run.folder} to {url}")
-    print(f'Load it with AutoModelForCausalLM.from_pretrained("{run.repo_id}", trust_remote_code=True'
-          + (f', revision="{run.revision}")' if run.revision else ")"))
+    pushed = push_to_hub(run.folder, run.repo_id, private=run.private, revision=run.revision)
+    print(f"Pushed {run.folder} to {run.repo_id} in commit {pushed.commit} ({pushed.commit_url})")
+    print(f'Load it with AutoModelForCausalLM.from_pretrained("{run.repo_id}", revision="{pushed.commit}", '
+          "trust_remote_code=True)")
     return 0
 
 
@@ -191,7 +193,8 @@ def cmd_heal(args: argparse.Namespace) -> int:
     print(f"loss: first 5 steps {sum(losses[:5]) / len(losses[:5]):.4f}, last 5 steps "
           f"{sum(losses[-5:]) / len(losses[-5:]):.4f}")
     if run.adapter_only:
-        peft_model.save_pretrained(run.output)
+        with staged_folder(run.output) as staging:
+            peft_model.save_pretrained(staging)
         print(f"Saved the adapter to {run.output} (load with PeftModel.from_pretrained(base, path)).")
     else:
         save_with_card(merge(peft_model), run.output, tokenizer)
@@ -210,7 +213,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise GhostedError(f"{folder} has no config.json: it is not a saved model folder.")
-    raw = json.loads(config_path.read_text())
+    raw = verify_folder(folder)  # a truncated or altered weight file is named here, not deep in a load
     if raw.get("model_type") != "ghosted":
         raise GhostedError(f"{folder} holds a {raw.get('model_type')!r} model, not a ghosted one.")
     config = GhostedConfig.from_pretrained(folder)

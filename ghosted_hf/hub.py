@@ -1,7 +1,8 @@
 """Push a saved ghosted model (weights, remote code, card) to the Hugging Face Hub with huggingface_hub.
 
-Pulling needs no code of ours: ``AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True,
-revision=...)``, where `revision` pins both the weights and the remote code.
+The folder is verified first (every weight file read completely, index and operator hashes checked), then
+uploaded in one commit; a second commit pins that commit in the card's code sample. Pulling needs no code
+of ours: ``AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True, revision=<commit>)``.
 """
 
 from __future__ import annotations
@@ -9,35 +10,45 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import HfApi, get_token
+from huggingface_hub import HfApi, ModelCard, get_token
 from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
-from .card import save_with_card
+from .card import PLOT_FILE, build_card, save_with_card
 from .errors import GhostedError
+from .files import REMOTE_FILES, verify_folder
+from .remote.configuration_ghosted import GhostedConfig
 
 logger = logging.getLogger(__name__)
 
-REMOTE_FILES = ("configuration_ghosted.py", "modeling_ghosted.py")
+@dataclass
+class PushResult:
+    commit: str  # the commit holding the weights and code: the revision to pin
+    commit_url: str
+    card_commit: str | None  # the follow-up commit that pins `commit` in the card
 
 
 def check_ghosted_folder(folder: Path) -> dict[str, Any]:
-    """The folder's config, or a ValueError saying why it is not a complete ghosted model."""
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise GhostedError(f"{folder} is not a saved model folder (no config.json).")
-    config = json.loads(config_path.read_text())
+    """The folder's config, or a GhostedError saying why it is not a complete, intact ghosted model."""
+    config = verify_folder(folder)
     if config.get("model_type") != "ghosted":
         raise GhostedError(f"{folder} holds a {config.get('model_type')!r} model, not a ghosted one; push it with "
-                         "huggingface_hub directly.")
-    missing = [f for f in (*REMOTE_FILES, "model.safetensors", "README.md") if not (folder / f).is_file()]
+                           "huggingface_hub directly.")
+    missing = [f for f in (*REMOTE_FILES, "README.md") if not (folder / f).is_file()]
     if missing:
         raise GhostedError(f"{folder} lacks {missing}; save it with ghosted_hf.save_with_card(model, folder).")
     if "auto_map" not in config:
         raise GhostedError(f"{folder}/config.json has no auto_map: it would not load with trust_remote_code.")
     return config
+
+
+def _is_connection_error(error: Exception) -> bool:
+    """No answer from the Hub: offline mode, refused or failed connections, whatever HTTP client
+    huggingface_hub uses (requests, httpx and its successors name it TransportError)."""
+    return isinstance(error, OSError) or any(c.__name__ == "TransportError" for c in type(error).__mro__)
 
 
 def _remote_model_type(api: HfApi, repo_id: str, revision: str | None) -> str | None:
@@ -47,6 +58,14 @@ def _remote_model_type(api: HfApi, repo_id: str, revision: str | None) -> str | 
     except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
         return None
     return json.loads(Path(path).read_text()).get("model_type")
+
+
+def _pinned_card(folder: Path, repo_id: str, commit: str) -> str:
+    """The folder's card rendered again with `commit` pinned in its code sample (license kept)."""
+    config = GhostedConfig.from_pretrained(folder)
+    license = ModelCard.load(folder / "README.md").data.license
+    plot = PLOT_FILE if (folder / PLOT_FILE).is_file() else None
+    return str(build_card(config, repo_id=repo_id, license=license, plot=plot, revision=commit))
 
 
 def push_to_hub(
@@ -60,10 +79,10 @@ def push_to_hub(
     commit_message: str = "Upload ghosted model (ghosted_hf)",
     overwrite_other_model: bool = False,
     endpoint: str | None = None,
-) -> str:
+) -> PushResult:
     """Upload a ghosted model (a `GhostedForCausalLM` or a folder saved with `save_with_card`) to `repo_id`
-    at branch `revision` (created if needed); returns the commit URL. `endpoint` selects another Hub
-    deployment (default: $HF_ENDPOINT or huggingface.co)."""
+    at branch `revision` (created if needed). `endpoint` selects another Hub deployment (default:
+    $HF_ENDPOINT or huggingface.co)."""
     token = token or get_token()
     if not token:
         raise GhostedError("No Hugging Face token: run `hf auth login`, set HF_TOKEN, or pass token=...")
@@ -72,16 +91,25 @@ def push_to_hub(
         if isinstance(model_or_folder, (str, Path)):
             folder = Path(model_or_folder)
         else:
-            folder = save_with_card(model_or_folder, staging, tokenizer=tokenizer, repo_id=repo_id)
+            folder = save_with_card(model_or_folder, Path(staging) / "model", tokenizer=tokenizer, repo_id=repo_id)
         check_ghosted_folder(folder)
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        except Exception as error:
+            if not _is_connection_error(error):
+                raise
+            raise GhostedError(f"Cannot reach the Hub at {api.endpoint} to push {repo_id} ({type(error).__name__}: "
+                               f"{error}); check the network, HF_ENDPOINT and HF_HUB_OFFLINE, then push again.") from None
         existing = _remote_model_type(api, repo_id, revision)
         if existing not in (None, "ghosted") and not overwrite_other_model:
             raise GhostedError(f"{repo_id} already holds a {existing!r} model; choose another repo id or pass "
-                             "overwrite_other_model=True.")
+                               "overwrite_other_model=True.")
         if revision is not None:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
                                  commit_message=commit_message)
+        card = api.upload_file(path_or_fileobj=_pinned_card(folder, repo_id, info.oid).encode(),
+                               path_in_repo="README.md", repo_id=repo_id, revision=revision,
+                               commit_message=f"Model card: pin revision {info.oid}")
     logger.info("Pushed %s to %s", folder, info.commit_url)
-    return info.commit_url
+    return PushResult(commit=info.oid, commit_url=info.commit_url, card_commit=getattr(card, "oid", None))

@@ -13,11 +13,11 @@ import torch
 
 from . import assets
 from .errors import GhostedError, MissingFileError
+from .files import REMOTE_FILES
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-REMOTE_FILES = ("configuration_ghosted.py", "modeling_ghosted.py")
 
 
 def own_remote_code() -> dict[str, bytes]:
@@ -67,21 +67,13 @@ def resolve(ref: str | None) -> str:
     return resolved
 
 
-def trust_for(ref: str, trust_remote_code: bool, revision: str | None) -> bool:
-    if trust_remote_code:
-        return True
-    if is_own_ghosted_model(ref, revision):
-        return True
-    return False
-
-
 def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | None = None,
                trust_remote_code: bool = False, revision: str | None = None) -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) from a folder or Hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ref = resolve(ref)
-    trust = trust_for(ref, trust_remote_code, revision)
+    trust = trust_remote_code or is_own_ghosted_model(ref, revision)
     common: dict[str, Any] = {"revision": revision, "trust_remote_code": trust}
     model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPES[dtype], device_map=device_map, **common)
     return model.eval(), AutoTokenizer.from_pretrained(ref, **common)

@@ -14,7 +14,7 @@ LAYERS = {
     2: {"calibration"},
     3: {"operators", "selection"},
     4: {"surgery"},
-    5: {"summary", "card", "hub", "loading", "evaluate"},
+    5: {"summary", "card", "hub", "loading", "evaluate", "files"},
     6: {"options", "recipe", "healing", "demo"},
     7: {"cli", "__init__"},
 }

@@ -123,6 +123,21 @@ def test_cli_errors_are_one_line(dense_folder: Path, tmp_path: Path, capsys) -> 
     assert "heal expects a ghosted model (GhostedForCausalLM), got LlamaForCausalLM" in err
     err = one_line_error(capsys, "inspect", dense_folder)
     assert "holds a 'llama' model, not a ghosted one" in err
+    err = one_line_error(capsys, "heal", dense_folder, "--output", dense_folder)
+    assert f"--output {dense_folder} exists and is not empty" in err
+    err = one_line_error(capsys, "demo", "--output", dense_folder)
+    assert f"--output {dense_folder} exists and is not empty" in err
+
+
+def test_inspect_names_a_truncated_weight_file(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "ghosted"
+    prune_layers(build("llama"), [2], {2: random_operator(1)}).save_pretrained(folder)
+    assert main(["inspect", str(folder)]) == 0
+    capsys.readouterr()
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    err = one_line_error(capsys, "inspect", folder)
+    assert f"{folder / 'model.safetensors'} is damaged or truncated" in err
 
 
 def test_cli_reports_non_finite_activations_in_one_line(tmp_path: Path, capsys) -> None:

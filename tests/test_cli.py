@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,69 @@ def test_cli_flags_are_generated_from_the_options() -> None:
     assert {f.name for f in dataclasses.fields(PruneOptions)} <= dests
     args = build_parser().parse_args(["prune", "m", "--criterion", "manual", "--layers", "3", "4", "--ridge", "0.01"])
     assert (args.layers, args.ridge, args.num_layers) == ([3, 4], 0.01, PruneOptions().num_layers)
+
+
+EVIL = """
+import os
+open(os.environ["EVIL_MARKER"], "w").write("ran")
+from transformers import LlamaForCausalLM
+
+
+class EvilForCausalLM(LlamaForCausalLM):
+    pass
+"""
+
+
+def test_eval_runs_custom_code_only_when_trusted(tmp_path: Path, monkeypatch) -> None:
+    """A plain folder whose config points at its own Python code: `ghosted eval` loads the stock class
+    unless --trust-remote-code is given."""
+    from ghosted_hf.cli import main
+
+    folder = tmp_path / "custom"
+    build("llama").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_evil.py").write_text(EVIL)
+    (tmp_path / "text.txt").write_text("\n\n".join(texts(4)))
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("EVIL_MARKER", str(marker))
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    common = ["eval", str(folder), "--text", str(tmp_path / "text.txt"), "--windows", "1", "--seq-len", "32"]
+    assert main(common) == 0 and not marker.exists()
+    assert main([*common, "--trust-remote-code"]) == 0 and marker.read_text() == "ran"
+
+
+def test_own_ghosted_code_is_trusted_and_altered_code_is_not(tmp_path: Path) -> None:
+    from ghosted_hf import prune_layers
+    from ghosted_hf.loading import is_own_ghosted_model
+    from tiny import random_operator
+
+    folder = tmp_path / "ghosted"
+    prune_layers(build("llama"), [2], {2: random_operator(1)}).save_pretrained(folder)
+    assert is_own_ghosted_model(str(folder))
+    with (folder / "modeling_ghosted.py").open("a") as handle:
+        handle.write("\n# altered\n")
+    assert not is_own_ghosted_model(str(folder))
+    build("llama").save_pretrained(tmp_path / "plain")
+    assert not is_own_ghosted_model(str(tmp_path / "plain"))
+
+
+def test_eval_a_hub_id_at_a_revision_offline(tmp_path: Path) -> None:
+    from fake_hub import build_hub_cache
+    from ghosted_hf import prune_layers
+    from tiny import random_operator
+
+    folder = tmp_path / "ghosted"
+    prune_layers(build("llama"), [2], {2: random_operator(1)}).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    build_hub_cache(tmp_path / "cache", "tester/tiny-ghost", folder, commit=commit)
+    (tmp_path / "text.txt").write_text("\n\n".join(texts(4)))
+    done = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", "eval", "tester/tiny-ghost", "--revision", commit,
+                           "--text", tmp_path / "text.txt", "--windows", "1", "--seq-len", "32"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["perplexity_tokens"] == 32

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,11 +142,13 @@ def test_remote_code_load_without_ghosted_hf(arch: str, tmp_path: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"] == {
         "AutoConfig": "configuration_ghosted.GhostedConfig",
+        "AutoModel": "modeling_ghosted.GhostedModel",
         "AutoModelForCausalLM": "modeling_ghosted.GhostedForCausalLM",
     }
     for source in ("configuration_ghosted.py", "modeling_ghosted.py"):
         imports = [l for l in (folder / source).read_text().splitlines() if l.startswith(("import ", "from "))]
-        assert all(l.split()[1].split(".")[0] in {"__future__", "typing", "torch", "transformers", ""} for l in imports), imports
+        allowed = {"__future__", "torch", "transformers", ""} | set(sys.stdlib_module_names)
+        assert all(l.split()[1].split(".")[0] in allowed for l in imports), imports
 
     out = assert_loads_with_same_logits(folder, ghosted, batch(), tmp_path)
     assert "LOADED transformers_modules" in out and "GhostedForCausalLM" in out
@@ -158,6 +161,30 @@ def test_load_by_repo_id_from_offline_hub_cache(tmp_path: Path) -> None:
     out = assert_loads_with_same_logits("ghosted-test/tiny-qwen3-ghost", ghosted, batch(), tmp_path,
                                         env={"HF_HUB_CACHE": str(tmp_path / "hub")})
     assert "LOADED transformers_modules" in out
+
+
+def test_automodel_loads_the_decoder_with_its_operators(tmp_path: Path) -> None:
+    ghosted = prune_layers(build("qwen3"), [2, 3], {2: random_operator(7)})
+    folder = _save(ghosted, tmp_path / "model")
+    inputs = batch()
+    with torch.no_grad():
+        expected = ghosted(**inputs, output_hidden_states=True).hidden_states[-1]
+    save_file({"expected": expected, **inputs}, tmp_path / "io.safetensors")
+    out = run_without_ghosted(
+        f"""
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModel
+        io = load_file("io.safetensors")
+        model = AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        with torch.no_grad():
+            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).last_hidden_state
+        assert torch.equal(got, io["expected"])
+        print("AUTOMODEL", type(model).__name__)
+        """,
+        cwd=tmp_path,
+    )
+    assert "AUTOMODEL GhostedModel" in out
 
 
 def test_pipeline_text_generation(tmp_path: Path) -> None:

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard
+from safetensors.torch import load_file, save_file
 
 from fake_hub import FakeHub, build_hub_cache
 from ghosted_hf import ghost_prune
 from ghosted_hf.card import build_card, save_with_card
+from ghosted_hf.errors import GhostedError
 from ghosted_hf.hub import push_to_hub
+from ghosted_hf.remote.modeling_ghosted import ghost_tensor_key
 from isolated import assert_loads_with_same_logits
 from tiny import batch, build, char_tokenizer, texts
 
@@ -65,7 +68,34 @@ def test_cli_push(ghosted, tmp_path: Path) -> None:
                                "--revision", "v2"], capture_output=True, text=True, timeout=300,
                               env={**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": hub.token})
     assert done.returncode == 0, done.stderr
-    assert 'revision="v2"' in done.stdout and "model.safetensors" in hub.repos["tester/cli-ghost"]["branches"]["v2"]
+    commit = hub.repos["tester/cli-ghost"]["commits"][0]["oid"]
+    assert f"in commit {commit}" in done.stdout and f'revision="{commit}"' in done.stdout
+    assert "model.safetensors" in hub.repos["tester/cli-ghost"]["branches"]["v2"]
+
+
+def test_push_refuses_a_truncated_or_altered_folder(ghosted, tmp_path: Path) -> None:
+    folder = save_with_card(ghosted, tmp_path / "model", char_tokenizer())
+    weights = folder / "model.safetensors"
+    intact = weights.read_bytes()
+    with FakeHub() as hub:
+        weights.write_bytes(intact[: len(intact) // 2])  # a save killed while writing the weights
+        with pytest.raises(GhostedError, match=r"model.safetensors is damaged or truncated"):
+            push_to_hub(folder, "tester/broken", token=hub.token, endpoint=hub.url)
+        config = json.loads((folder / "config.json").read_text())
+        key = ghost_tensor_key(config["ghost_boundaries"][0])
+        weights.write_bytes(intact)
+        tensors = load_file(weights)
+        tensors[key][0, 0] += 1.0  # finite, well-formed, but not what was saved
+        save_file(tensors, weights, metadata={"format": "pt"})
+        with pytest.raises(GhostedError, match=rf"Operator tensor {key} does not match the sha256 in config.json"):
+            push_to_hub(folder, "tester/broken", token=hub.token, endpoint=hub.url)
+    assert "tester/broken" not in hub.repos  # nothing was uploaded, not even an empty repo
+
+
+def test_push_while_offline_is_one_clear_error(ghosted, tmp_path: Path) -> None:
+    folder = save_with_card(ghosted, tmp_path / "model", char_tokenizer())
+    with pytest.raises(GhostedError, match=r"Cannot reach the Hub at http://127.0.0.1:9 to push tester/x"):
+        push_to_hub(folder, "tester/x", token="t", endpoint="http://127.0.0.1:9")
 
 
 def test_card_base_model_and_license_come_from_a_converted_base(ghosted, tmp_path: Path) -> None:
@@ -78,10 +108,15 @@ def test_card_base_model_and_license_come_from_a_converted_base(ghosted, tmp_pat
 
 def test_push_then_load_by_repo_id_in_a_fresh_process(ghosted, tmp_path: Path, monkeypatch) -> None:
     with FakeHub() as hub:
-        url = push_to_hub(ghosted, "tester/tiny-ghost", tokenizer=char_tokenizer(), token=hub.token, revision="v1",
-                          endpoint=hub.url)
-        assert url.startswith(hub.url) and "/commit/" in url
+        pushed = push_to_hub(ghosted, "tester/tiny-ghost", tokenizer=char_tokenizer(), token=hub.token,
+                             revision="v1", endpoint=hub.url)
+    commits = hub.repos["tester/tiny-ghost"]["commits"]
+    assert [c["oid"] for c in commits] == [pushed.commit, pushed.card_commit]  # files, then the pinned card
+    assert pushed.commit_url == f"{hub.url}/tester/tiny-ghost/commit/{pushed.commit}"
     arrived = hub.repos["tester/tiny-ghost"]["branches"]["v1"]
+    card = arrived["README.md"].decode()
+    assert f'revision = "{pushed.commit}"' in card and 'AutoTokenizer.from_pretrained("tester/tiny-ghost", ' \
+        "revision=revision, trust_remote_code=True)" in card
     assert {"config.json", "model.safetensors", "README.md", "configuration_ghosted.py", "modeling_ghosted.py",
             "tokenizer.json"} <= set(arrived)
     assert hub.validated and "ghosted-layers" in hub.validated[-1]["tags"]  # the Hub's metadata check passed

@@ -13,12 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
-from transformers.configuration_utils import SubConfigSpec
+
+try:  # transformers >= 5.20: composite configs declare sub-configs with a spec that names a default model type
+    from transformers.configuration_utils import SubConfigSpec
+except ImportError:  # 4.x and 5.0-5.19: a plain {key: config class} map; the dict -> config conversion is ours
+    SubConfigSpec = None
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 OPERATOR_DTYPES = ("float32", "bfloat16")
 NORM_TARGET = "norm"
 LAYER_TARGET = "layer"
+_READY = "_ghosted_init_done"
 
 
 class GhostedConfig(PretrainedConfig):
@@ -45,7 +50,10 @@ class GhostedConfig(PretrainedConfig):
     """
 
     model_type = "ghosted"
-    sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
+    if SubConfigSpec is not None:
+        sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
+    else:
+        sub_configs = {"text_config": AutoConfig}
 
     def __init__(
         self,
@@ -57,8 +65,9 @@ class GhostedConfig(PretrainedConfig):
         ghost_provenance: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        # Set before the parent init, which turns a dict into the right config class through `model_type`.
-        self.text_config = text_config
+        # Set before the parent init (recent versions read it there). Turned into a config object here on every
+        # version: older parents leave a dict as it is.
+        self.text_config = _text_config_object(text_config)
         self.original_num_hidden_layers = original_num_hidden_layers
         self.removed_layers = [int(i) for i in (removed_layers or [])]
         self.ghost_boundaries = [dict(b) for b in (ghost_boundaries or [])]
@@ -70,18 +79,25 @@ class GhostedConfig(PretrainedConfig):
             self.original_num_hidden_layers = self.text_config.num_hidden_layers + len(self.removed_layers)
         # Generation and weight tying read these from the top-level config: keep one source of truth.
         self.tie_word_embeddings = self.text_config.tie_word_embeddings if tie is None else tie
+        # Our own end-of-init marker: the parent's `_post_init_done` only exists from transformers 5.22 on.
+        self.__dict__[_READY] = True
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: expose the base decoder's fields (hidden_size, vocab_size, ...)
         # so that generic tools (generate, PEFT, lm-eval) can read them from `model.config`.
         # Not during __init__, where the parent probes optional fields with hasattr().
-        if name.startswith("__") or not self.__dict__.get("_post_init_done"):
+        if name.startswith("__") or not self.__dict__.get(_READY):
             raise AttributeError(name)
         text_config = self.__dict__["text_config"]
         try:
             return getattr(text_config, name)
         except AttributeError:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        output = super().to_dict()
+        output.pop(_READY, None)  # older versions serialise every instance attribute
+        return output
 
     def validate_ghost_layout(self) -> None:
         """Raise a ValueError naming the problem if the pruning metadata contradicts itself."""
@@ -111,6 +127,15 @@ class GhostedConfig(PretrainedConfig):
                 f"ghost_boundaries {found} do not match removed_layers {removed} "
                 f"(expected {[(b['target'], b['layer'], b['removed']) for b in expected]})."
             )
+
+
+def _text_config_object(text_config: dict | PretrainedConfig | None) -> PretrainedConfig:
+    """The base decoder's config object, from a dict (as read from config.json) or None (Llama defaults)."""
+    if isinstance(text_config, PretrainedConfig):
+        return text_config
+    values = dict(text_config or {})
+    model_type = values.pop("model_type", "llama")
+    return AutoConfig.for_model(model_type, **values)
 
 
 def expected_boundaries(total_layers: int, removed: list[int]) -> list[dict[str, Any]]:

@@ -13,18 +13,74 @@ the tensor ``model.layers.{i}.ghost.operator`` (applied to the hidden state ente
 
 from __future__ import annotations
 
+import fnmatch
+import functools
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModel, GenerationMixin, PreTrainedModel
+from transformers import AutoModel, GenerationMixin, LlamaForCausalLM, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.utils import can_return_tuple
 
-from .configuration_ghosted import LAYER_TARGET, GhostedConfig
+from .configuration_ghosted import LAYER_TARGET, OPERATOR_DTYPES, GhostedConfig
+
+# Oldest transformers this file is tested on. Support is decided by the features below, never by the version.
+MIN_TRANSFORMERS = "4.57"
+_lacking = [
+    name
+    for name, present in (
+        ("PreTrainedModel.loss_function", hasattr(PreTrainedModel, "loss_function")),
+        # keeps float32 operators float32 under from_pretrained(dtype=torch.bfloat16)
+        ("PreTrainedModel._keep_in_fp32_modules_strict", hasattr(PreTrainedModel, "_keep_in_fp32_modules_strict")),
+    )
+    if not present
+]
+if _lacking:
+    import transformers as _transformers
+
+    raise ImportError(
+        f"ghosted remote code needs transformers >= {MIN_TRANSFORMERS}; found {_transformers.__version__} "
+        f"(no {', '.join(_lacking)}): pip install -U transformers"
+    )
+
+try:
+    from transformers.utils import can_return_tuple
+except ImportError:  # older releases: the same behaviour, here
+
+    def can_return_tuple(forward):
+        """`return_dict=False` (argument or config) turns the ModelOutput into a tuple."""
+
+        @functools.wraps(forward)
+        def wrapper(self, *args, **kwargs):
+            return_dict = kwargs.pop("return_dict", None)
+            if return_dict is None:
+                return_dict = getattr(self.config, "return_dict", True)
+            output = forward(self, *args, **kwargs)
+            return output if return_dict else output.to_tuple()
+
+        return wrapper
+
 
 GHOST_MODULE = "ghost"
 GHOST_PARAM = "operator"
+
+# How this transformers declares tied weights, read off its own Llama: a {tied: source} dict (5.x) or a list
+# of tied names (4.x).
+if isinstance(getattr(LlamaForCausalLM, "_tied_weights_keys", None), dict):
+    TIED_WEIGHTS_KEYS: Any = {"lm_head.weight": "model.embed_tokens.weight"}
+else:
+    TIED_WEIGHTS_KEYS = ["lm_head.weight"]
+
+
+def operator_sha256(operator: torch.Tensor, dtype: str) -> str:
+    """Hex sha256 of an operator's raw bytes in its storage dtype `dtype` (CPU, C-contiguous; bf16 as bytes)."""
+    tensor = operator.detach().to(device="cpu", dtype=getattr(torch, dtype)).contiguous()
+    return hashlib.sha256(tensor.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def ghost_tensor_key(boundary: dict[str, Any]) -> str:
@@ -32,6 +88,53 @@ def ghost_tensor_key(boundary: dict[str, Any]) -> str:
     if boundary["target"] == LAYER_TARGET:
         return f"model.layers.{boundary['layer']}.{GHOST_MODULE}.{GHOST_PARAM}"
     return f"model.norm.{GHOST_MODULE}.{GHOST_PARAM}"
+
+
+# What `save_pretrained` writes; files of an earlier save matching these never survive into a new one.
+MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "config.json",
+               "generation_config.json", "*.py")
+
+
+def replace_folder(staging: Path, target: Path) -> None:
+    """Move the complete folder `staging` to `target`. The previous `target` is renamed aside first and removed
+    only once the new folder is in place, so it is never partly overwritten."""
+    backup = None
+    if target.exists():
+        backup = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.previous-"))
+        os.rmdir(backup)
+        os.rename(target, backup)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        if backup is not None:
+            os.rename(backup, target)
+        raise
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+def _carry_over(folder: Path, staging: Path) -> None:
+    """Copy the files of `folder` that a model save does not write (tokenizer, card, ...) into `staging`."""
+    for item in folder.iterdir():
+        if any(fnmatch.fnmatch(item.name, pattern) for pattern in MODEL_FILES):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, staging / item.name)
+        else:
+            shutil.copy2(item, staging / item.name)
+
+
+def _mismatch_key(entry: Any) -> str:
+    # `output_loading_info` lists a shape mismatch as (key, checkpoint shape, model shape) in 5.x, as the bare
+    # key in 4.x.
+    return entry if isinstance(entry, str) else entry[0]
+
+
+def _describe_mismatch(entry: Any) -> str:
+    if not isinstance(entry, str) and len(entry) == 3:
+        key, saved, expected = entry
+        return f"{key} (checkpoint {tuple(saved)}, config {tuple(expected)})"
+    return f"{_mismatch_key(entry)} (checkpoint shape differs from the config's)"
 
 
 class GhostOperator(nn.Module):
@@ -86,17 +189,11 @@ class GhostedPreTrainedModel(PreTrainedModel):
         else:
             super()._init_weights(module)
 
-
-class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-    def __init__(self, config: GhostedConfig) -> None:
+    def _build_decoder(self, config: GhostedConfig) -> None:
+        """The pruned base decoder (`self.model`, standard weight names) with an operator before every boundary."""
         config.validate_ghost_layout()
-        super().__init__(config)
         text_config = config.text_config
         self.model = AutoModel.from_config(text_config)
-        self.vocab_size = text_config.vocab_size
-        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         operator_dtype = getattr(torch, config.operator_dtype)
         if operator_dtype == torch.float32:
             # from_pretrained(dtype=torch.bfloat16) must not round the operators.
@@ -105,11 +202,78 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
             parent = self.model.layers[boundary["layer"]] if boundary["target"] == LAYER_TARGET else self.model.norm
             parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size, operator_dtype))
             parent.register_forward_pre_hook(apply_ghost_operator, with_kwargs=True)
-        self.post_init()
 
     def ghost_operators(self) -> dict[str, nn.Parameter]:
         """The operator of every boundary, keyed by its state-dict name."""
         return {ghost_tensor_key(b): self.get_parameter(ghost_tensor_key(b)) for b in self.config.ghost_boundaries}
+
+    def operator_value_problems(self) -> list[str]:
+        """What is wrong with the operators' values: non-finite in the storage dtype, or not the bytes whose
+        sha256 config.json records. Empty when they are sound."""
+        problems = []
+        storage = self.config.operator_dtype
+        recorded = {ghost_tensor_key(b): b.get("sha256") for b in self.config.ghost_boundaries}
+        for name, operator in self.ghost_operators().items():
+            if operator.device.type == "meta":
+                continue
+            # In the storage dtype: a value finite in a wider checkpoint dtype (1e300) may not be once stored.
+            stored = operator.detach().to(getattr(torch, storage))
+            if not (torch.isfinite(operator).all() and torch.isfinite(stored).all()):
+                problems.append(f"operator {name} holds NaN or Inf values (as {storage})")
+            elif recorded.get(name) and operator_sha256(stored, storage) != recorded[name]:
+                problems.append(
+                    f"operator {name} does not match the sha256 recorded for it in config.json "
+                    "(the tensor was altered, or config.json comes from another save)"
+                )
+        return problems
+
+    def _refresh_ghost_integrity(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Make `config.operator_dtype` and each boundary's `sha256` describe the tensors about to be saved."""
+        operators = self.ghost_operators()
+        if state_dict is not None:
+            operators = {name: state_dict.get(name, operator) for name, operator in operators.items()}
+        dtypes = {str(op.dtype).removeprefix("torch.") for op in operators.values()}
+        if len(dtypes) > 1 or not dtypes <= set(OPERATOR_DTYPES):
+            found = ", ".join(f"{name}: {str(op.dtype).removeprefix('torch.')}" for name, op in operators.items())
+            raise ValueError(
+                f"Cannot save ghost operators as {found}: they must all be one of {', '.join(OPERATOR_DTYPES)}. "
+                "Cast them back first, e.g. `for op in model.ghost_operators().values(): op.data = op.data.float()`."
+            )
+        if dtypes:
+            self.config.operator_dtype = dtypes.pop()
+        boundaries = []
+        for boundary in self.config.ghost_boundaries:
+            boundary = dict(boundary)
+            operator = operators[ghost_tensor_key(boundary)]
+            if operator.device.type == "meta":  # offloaded and not materialised: never keep a stale hash
+                boundary.pop("sha256", None)
+            else:
+                boundary["sha256"] = operator_sha256(operator, self.config.operator_dtype)
+            boundaries.append(boundary)
+        self.config.ghost_boundaries = boundaries
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any):
+        """`PreTrainedModel.save_pretrained`, all or nothing: the files are written into a sibling folder that then
+        replaces `save_directory`. Files of an earlier save that this one does not write again (a single weights
+        file beside new shards, an old index) are gone; files a model save never writes (tokenizer, card) stay."""
+        # Before the parent writes config.json: the operator dtype and hashes always match the saved tensors.
+        self._refresh_ghost_integrity(kwargs.get("state_dict"))
+        if self._auto_class is not None:  # the parent adds this class's own entry (and the config's) to auto_map
+            module = type(self).__module__.rsplit(".", 1)[-1]
+            self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), "AutoModel": f"{module}.GhostedModel"}
+        target = Path(save_directory)
+        if kwargs.get("push_to_hub") or not kwargs.get("is_main_process", True) or target.is_file():
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.saving-"))
+        try:
+            if target.is_dir():
+                _carry_over(target, staging)
+            result = super().save_pretrained(staging, *args, **kwargs)
+            replace_folder(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return result
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any):
@@ -127,15 +291,13 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
         if unexpected:
             problems.append(f"operator tensors in the checkpoint that the config has no boundary for: {unexpected}")
         mismatched = [
-            f"{key} (checkpoint {tuple(saved)}, config {tuple(expected)})"
-            for key, saved, expected in info.get("mismatched_keys", ())
-            if f".{GHOST_MODULE}." in key or not ignore_mismatched
+            _describe_mismatch(entry)
+            for entry in info.get("mismatched_keys", ())
+            if f".{GHOST_MODULE}." in _mismatch_key(entry) or not ignore_mismatched
         ]
         if mismatched:
             problems.append(f"tensors of the wrong shape: {mismatched}")
-        for name, operator in model.ghost_operators().items():
-            if operator.device.type != "meta" and not torch.isfinite(operator).all():
-                problems.append(f"operator {name} holds NaN or Inf values")
+        problems += model.operator_value_problems()
         if problems:
             raise ValueError(
                 "This ghosted checkpoint does not match its config.json: "
@@ -144,6 +306,35 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
                 "replaced by identity or random values."
             )
         return (model, info) if want_info else model
+
+
+
+class GhostedModel(GhostedPreTrainedModel):
+    """The pruned decoder with its operators and no LM head (`AutoModel`): hidden states for embeddings or
+    feature extraction. Loads from the same checkpoint as `GhostedForCausalLM` (the head's weight is unused)."""
+
+    def __init__(self, config: GhostedConfig) -> None:
+        super().__init__(config)
+        self._build_decoder(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def forward(self, *args: Any, **kwargs: Any):
+        return self.model(*args, **kwargs)
+
+
+class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = TIED_WEIGHTS_KEYS
+
+    def __init__(self, config: GhostedConfig) -> None:
+        super().__init__(config)
+        self._build_decoder(config)
+        text_config = config.text_config
+        self.vocab_size = text_config.vocab_size
+        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        self.post_init()
 
     @can_return_tuple
     def forward(
@@ -176,4 +367,4 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, **extras)
 
 
-__all__ = ["GhostedForCausalLM", "GhostedPreTrainedModel", "GhostOperator"]
+__all__ = ["GhostedForCausalLM", "GhostedModel", "GhostedPreTrainedModel", "GhostOperator"]

@@ -1,0 +1,102 @@
+"""Saved folders that are complete or untouched, and verified before they are shared.
+
+`staged_folder` writes a whole model folder beside its destination and moves it into place only when
+every file is written, so an interrupted save leaves the previous folder as it was and no file of an
+earlier save survives into the new one. `verify_folder` reads every weight file completely before a push.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .errors import GhostedError, MissingFileError
+from .remote.modeling_ghosted import ghost_tensor_key, operator_sha256, replace_folder
+
+logger = logging.getLogger(__name__)
+
+INDEX_SUFFIX = ".safetensors.index.json"
+REMOTE_FILES = ("configuration_ghosted.py", "modeling_ghosted.py")  # copied next to the weights
+
+
+@contextlib.contextmanager
+def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty sibling folder of `target` to write a whole model into; on success it replaces
+    `target`, on any error it is removed and `target` is left as it was."""
+    target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise GhostedError(f"{target} is an existing file; save to a folder.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.saving-"))
+    try:
+        yield staging
+        replace_folder(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """(the safetensors files the folder's model loads, the index's weight map or None when unsharded)."""
+    indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"))
+    if indexes:
+        weight_map = json.loads(indexes[0].read_text()).get("weight_map") or {}
+        return [folder / name for name in sorted(set(weight_map.values()))], weight_map
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise MissingFileError(f"{folder} holds no model.safetensors and no safetensors index: save the model first.")
+    return [single], None
+
+
+def verify_folder(folder: str | os.PathLike) -> dict[str, Any]:
+    """Read every weight file completely and check it against its index and the config's operator hashes;
+    returns the config. Raises a GhostedError naming the first broken file or tensor."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise MissingFileError(f"{folder} is not a saved model folder (no config.json).")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise GhostedError(f"{config_path} is not valid JSON ({error}); the folder is damaged: save it again.") from None
+    files, weight_map = weight_files(folder)
+    found: dict[str, str] = {}
+    tensors: dict[str, Any] = {}
+    for file in files:
+        if not file.is_file():
+            raise MissingFileError(f"{file.name} is listed in the safetensors index of {folder} but missing.")
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    tensor = handle.get_tensor(key)  # reads the bytes: a truncated file fails here
+                    found[key] = file.name
+                    if ".ghost." in key:
+                        tensors[key] = tensor
+        except Exception as error:  # safetensors raises its own error type for damaged files
+            raise GhostedError(f"{file} is damaged or truncated ({error}); save the model again.") from None
+    if weight_map is not None and found != weight_map:
+        missing = sorted(set(weight_map) - set(found))[:3]
+        raise GhostedError(f"The safetensors index of {folder} does not match its files (e.g. {missing}); save again.")
+    if config.get("model_type") == "ghosted":
+        check_operator_hashes(config, tensors)
+    return config
+
+
+def check_operator_hashes(config: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """Compare each operator with the sha256 its config recorded (when it recorded one)."""
+    for boundary in config.get("ghost_boundaries", []):
+        key = ghost_tensor_key(boundary)
+        if key not in tensors:
+            raise GhostedError(f"Operator tensor {key} is missing from the weight files; save the model again.")
+        expected = boundary.get("sha256")
+        if expected is not None and operator_sha256(tensors[key], config.get("operator_dtype", "float32")) != expected:
+            raise GhostedError(f"Operator tensor {key} does not match the sha256 in config.json: the file was "
+                               "changed or damaged after saving; save the model again.")

@@ -1,0 +1,292 @@
+"""One matrix cell: run in a venv holding one transformers version, as a user WITHOUT ghosted_hf.
+
+    python compat_child.py SPEC.json
+
+SPEC names the saved folders and their reference outputs (written by compat_matrix.py with the current code
+on the system's transformers). Every folder is loaded with `AutoModelForCausalLM.from_pretrained(folder,
+trust_remote_code=True)` and checked; one JSON line is printed per (model, check):
+``{"model": ..., "check": ..., "ok": true|false, "error": "first line"}``.
+
+Only the standard library, torch, safetensors and transformers are imported here: this file must not depend on
+ghosted_hf or on the rest of tests/.
+"""
+
+import sys
+
+if __name__ == "__main__":  # (compat_matrix.py imports CHECKS from here and needs ghosted_hf itself)
+    sys.modules["ghosted_hf"] = None  # any import of ghosted_hf now raises ImportError
+
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import struct  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+CHECKS = (
+    "load", "config", "logits", "return_tuple", "generate_cache", "loss", "hidden_states", "pipeline",
+    "bf16_fp32_operators", "missing_operator", "tampered_operator", "wrong_shape", "resave",
+)
+
+
+RESULTS = sys.stdout  # results only; anything else printed (prompts, progress) goes to stderr
+
+
+def emit(model: str, check: str, ok: bool, error: str = "") -> None:
+    print(json.dumps({"model": model, "check": check, "ok": ok, "error": error}), file=RESULTS, flush=True)
+
+
+def first_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0][:300]
+
+
+def rewrite_checkpoint(folder: Path, target: Path, edit) -> None:
+    """Copy `folder` to `target` with `edit(header, data)` applied to model.safetensors' header and bytes."""
+    shutil.copytree(folder, target)
+    path = target / "model.safetensors"
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    data = bytearray(raw[8 + size:])
+    header, data = edit(header, data)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(data))
+
+
+def drop_tensor(key: str):
+    def edit(header, data):
+        start, end = header.pop(key)["data_offsets"]
+        out = bytearray()
+        entries = sorted((v["data_offsets"][0], k) for k, v in header.items() if k != "__metadata__")
+        for _, name in entries:
+            a, b = header[name]["data_offsets"]
+            header[name]["data_offsets"] = [len(out), len(out) + (b - a)]
+            out += data[a:b]
+        return header, out
+    return edit
+
+
+def flip_byte(key: str):
+    def edit(header, data):
+        start, end = header[key]["data_offsets"]
+        data[start + (end - start) // 2] ^= 0x01
+        return header, data
+    return edit
+
+
+def grow_tensor(key: str):
+    """Make `key` one row and column larger (identity padding), as a checkpoint of another width would be."""
+    def edit(header, data):
+        import array
+
+        entry = header[key]
+        n = entry["shape"][0]
+        a, b = entry["data_offsets"]
+        old = array.array("f", bytes(data[a:b]))
+        new = array.array("f", [0.0] * (n + 1) ** 2)
+        for i in range(n):
+            new[i * (n + 1):i * (n + 1) + n] = old[i * n:(i + 1) * n]
+        new[-1] = 1.0
+        entry["shape"] = [n + 1, n + 1]
+        moved = new.tobytes()
+        out = bytearray(data[:a]) + moved + bytearray(data[b:])
+        for other in header.values():
+            if isinstance(other, dict) and "data_offsets" in other and other is not entry and other["data_offsets"][0] >= b:
+                other["data_offsets"] = [o + len(moved) - (b - a) for o in other["data_offsets"]]
+        entry["data_offsets"] = [a, a + len(moved)]
+        return header, out
+    return edit
+
+
+def expect_refusal(load, folder: Path, key: str) -> None:
+    try:
+        load(folder)
+    except ValueError as exc:
+        if key not in str(exc):
+            raise AssertionError(f"refused without naming {key}: {first_line(exc)}") from None
+        return
+    raise AssertionError(f"checkpoint with a broken {key} loaded without error")
+
+
+def run_model(name: str, spec: dict, work: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    folder = Path(spec["folder"])
+    ref = load_file(spec["reference"])
+    meta = spec["meta"]
+
+    def load(path, **kwargs):
+        return AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True, **kwargs).eval()
+
+    def check(check_name, fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - every failure is a matrix cell
+            emit(name, check_name, False, first_line(exc))
+            if os.environ.get("GHOSTED_COMPAT_TRACEBACK"):
+                traceback.print_exc(file=sys.stderr)
+        else:
+            emit(name, check_name, True)
+
+    state = {}
+
+    def do_load():
+        model = load(folder)
+        module = type(model).__module__
+        if not module.startswith("transformers_modules"):
+            raise AssertionError(f"class came from {module}, not from the folder's remote code")
+        if sys.modules.get("ghosted_hf") is not None:
+            raise AssertionError("ghosted_hf got imported")
+        state["model"] = model
+
+    check("load", do_load)
+    model = state.get("model")
+    if model is None:
+        for check_name in CHECKS[1:]:
+            emit(name, check_name, False, "not loaded")
+        return
+    inputs = {"input_ids": ref["input_ids"], "attention_mask": ref["attention_mask"]}
+
+    def do_config():
+        c = model.config
+        got = {k: getattr(c, k, "<missing>") for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
+        if got != meta["config"]:
+            raise AssertionError(f"config fields {got} != {meta['config']}")
+
+    def do_logits():
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
+
+    def do_return_tuple():
+        with torch.no_grad():
+            out = model(**inputs, return_dict=False)
+        if not isinstance(out, tuple):
+            raise AssertionError(f"return_dict=False gave {type(out).__name__}")
+        torch.testing.assert_close(out[0], ref["logits"], rtol=0, atol=1e-5)
+
+    def do_generate():
+        kwargs = dict(**inputs, max_new_tokens=meta["new_tokens"], do_sample=False, pad_token_id=meta["pad"])
+        with torch.no_grad():
+            cached = model.generate(**kwargs, use_cache=True)
+            uncached = model.generate(**kwargs, use_cache=False)
+        if not torch.equal(cached, uncached):
+            raise AssertionError(f"cache {cached[:, -meta['new_tokens']:].tolist()} != "
+                                 f"no cache {uncached[:, -meta['new_tokens']:].tolist()}")
+        if not torch.equal(cached, ref["generated"]):
+            raise AssertionError(f"tokens {cached[:, -meta['new_tokens']:].tolist()} != saving version's "
+                                 f"{ref['generated'][:, -meta['new_tokens']:].tolist()}")
+
+    def do_loss():
+        labels = ref["labels"]
+        with torch.no_grad():
+            out = model(**inputs, labels=labels)
+        manual = torch.nn.functional.cross_entropy(
+            out.logits[:, :-1].reshape(-1, out.logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
+        if out.loss is None or not torch.isfinite(out.loss):
+            raise AssertionError(f"loss is {out.loss}")
+        torch.testing.assert_close(out.loss, manual, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out.loss, ref["loss"], rtol=0, atol=1e-5)
+
+    def do_hidden_states():
+        with torch.no_grad():
+            out = model(**inputs, output_hidden_states=True)
+        states = out.hidden_states
+        if states is None or len(states) != meta["kept"] + 1:
+            raise AssertionError(f"{None if states is None else len(states)} hidden states for {meta['kept']} layers")
+
+    def do_pipeline():
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
+        generator = pipeline("text-generation", model=model, tokenizer=tokenizer, trust_remote_code=True)
+        out = generator("hello world", max_new_tokens=4, do_sample=False)
+        text = out[0]["generated_text"]
+        if not isinstance(text, str) or not text.startswith("hello world"):
+            raise AssertionError(f"pipeline returned {out!r}")
+
+    def do_bf16():
+        half = load(folder, dtype=torch.bfloat16)
+        ops = {n: p.dtype for n, p in half.named_parameters() if ".ghost." in n}
+        if set(ops.values()) != {torch.float32}:
+            raise AssertionError(f"operators loaded as {ops}")
+        if half.model.embed_tokens.weight.dtype != torch.bfloat16:
+            raise AssertionError(f"base weights are {half.model.embed_tokens.weight.dtype}")
+        with torch.no_grad():
+            logits = half(**inputs).logits
+        if not torch.isfinite(logits).all():
+            raise AssertionError("bf16 logits not finite")
+
+    def do_missing():
+        key = meta["operators"][len(meta["operators"]) // 2]
+        broken = work / f"{name}-missing"
+        rewrite_checkpoint(folder, broken, drop_tensor(key))
+        expect_refusal(load, broken, key)
+
+    def do_tampered():
+        key = meta["operators"][0]
+        broken = work / f"{name}-tampered"
+        rewrite_checkpoint(folder, broken, flip_byte(key))
+        expect_refusal(load, broken, key)
+
+    def do_wrong_shape():
+        key = meta["operators"][-1]
+        broken = work / f"{name}-shape"
+        rewrite_checkpoint(folder, broken, grow_tensor(key))
+        expect_refusal(load, broken, key)
+
+    def do_resave():
+        # Saved again by this version's remote code: the same network, a clean config.json, verified hashes.
+        again = work / f"{name}-resaved"
+        model.save_pretrained(str(again))
+        text = (again / "config.json").read_text()
+        if "_ghosted_init_done" in text or "_post_init_done" in text:
+            raise AssertionError("config.json holds an internal init marker")
+        if not all(b.get("sha256") for b in json.loads(text)["ghost_boundaries"]):
+            raise AssertionError("re-saved config.json lacks operator hashes")
+        reloaded = load(again)
+        with torch.no_grad():
+            logits = reloaded(**inputs).logits
+        torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
+
+    check("config", do_config)
+    check("logits", do_logits)
+    check("return_tuple", do_return_tuple)
+    check("generate_cache", do_generate)
+    check("loss", do_loss)
+    check("hidden_states", do_hidden_states)
+    check("pipeline", do_pipeline)
+    check("bf16_fp32_operators", do_bf16)
+    check("missing_operator", do_missing)
+    check("tampered_operator", do_tampered)
+    check("wrong_shape", do_wrong_shape)
+    check("resave", do_resave)
+
+
+def main() -> None:
+    sys.stdout = sys.stderr
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    work = Path(spec["work"])
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        torch.set_num_threads(1)
+        transformers.logging.set_verbosity_error()
+        print(json.dumps({"transformers": transformers.__version__}), file=RESULTS, flush=True)
+    except Exception as exc:  # noqa: BLE001
+        for name in spec["models"]:
+            for check_name in CHECKS:
+                emit(name, check_name, False, first_line(exc))
+        return
+    for name, model_spec in spec["models"].items():
+        run_model(name, model_spec, work)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Saves are all or nothing, a re-save leaves no stale file behind, and calibration ignores train mode."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from ghosted_hf import ghost_prune, prune_layers, save_with_card
+from tiny import batch, build, char_tokenizer, random_operator, texts
+
+
+def ghosted(seed: int = 1):
+    return prune_layers(build("llama"), [1, 4], {1: random_operator(seed), 4: random_operator(seed + 1)})
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**batch()).logits
+
+
+def test_save_killed_while_writing_the_weights_keeps_the_previous_folder(tmp_path: Path) -> None:
+    old = ghosted(seed=1)
+    folder = save_with_card(old, tmp_path / "model", char_tokenizer())
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    script = tmp_path / "killed_save.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import transformers.modeling_utils as modeling_utils
+        from safetensors.torch import save as to_bytes
+        from ghosted_hf import prune_layers, save_with_card
+        from tiny import build, char_tokenizer, random_operator
+
+        def dies_half_way(tensors, filename, metadata=None):
+            data = to_bytes(tensors, metadata=metadata)
+            with open(filename, "wb") as handle:
+                handle.write(data[: len(data) // 2])
+                handle.flush()
+            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup of any kind runs
+
+        modeling_utils.safe_save_file = dies_half_way
+        new = prune_layers(build("llama", seed=5), [1, 4], {{1: random_operator(7), 4: random_operator(8)}})
+        save_with_card(new, {str(folder)!r}, char_tokenizer())
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(folder)), logits(old))
+
+
+def test_sharded_resave_over_an_unsharded_save_loads_the_new_weights(tmp_path: Path) -> None:
+    old, new = ghosted(seed=1), prune_layers(build("llama", seed=3), [1, 4], {1: random_operator(5)})
+    old.save_pretrained(tmp_path / "model")
+    char_tokenizer().save_pretrained(tmp_path / "model")
+    new.save_pretrained(tmp_path / "model", max_shard_size="20KB")
+    names = {p.name for p in (tmp_path / "model").iterdir()}
+    assert "model.safetensors" not in names and "model.safetensors.index.json" in names
+    assert "tokenizer.json" in names  # what a model save never writes is kept
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "model")), logits(new))
+    assert not list(tmp_path.glob(".model.*"))  # no staging or backup folder is left behind
+
+
+def test_save_with_card_leaves_nothing_of_an_earlier_save(tmp_path: Path) -> None:
+    folder = save_with_card(ghosted(), tmp_path / "model", char_tokenizer())
+    (folder / "old-notes.txt").write_text("from an earlier save")
+    (folder / "selection_scores.png").write_bytes(b"old plot")
+    save_with_card(ghosted(seed=9), folder)  # no tokenizer this time, and a model with no selection scores
+    names = {p.name for p in folder.iterdir()}
+    assert names == {"README.md", "config.json", "configuration_ghosted.py", "generation_config.json",
+                     "model.safetensors", "modeling_ghosted.py"}
+
+
+def test_train_mode_calibration_gives_the_eval_mode_operators() -> None:
+    options = dict(num_layers=2, seq_len=48, num_sequences=24)
+    expected = ghost_prune(build("llama", attention_dropout=0.5), char_tokenizer(), texts(), **options)
+    training = build("llama", attention_dropout=0.5).train()
+    got = ghost_prune(training, char_tokenizer(), texts(), **options)
+    assert got.config.removed_layers == expected.config.removed_layers
+    for name, operator in expected.ghost_operators().items():
+        assert torch.equal(got.get_parameter(name), operator), name
+    assert training.training  # the caller's model gets its mode back
