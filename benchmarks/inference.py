@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from ghosted_hf import assets, ghost_prune, prune_layers
+from ghosted_hf import assets, export_plain, ghost_prune, prune_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -56,9 +56,12 @@ def build_models(args):
         tokenizer = AutoTokenizer.from_pretrained(folder)
         load = lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[args.dtype]).eval()  # noqa: E731
         removed = list(range(12, 20))
-        ghosted = ghost_prune(load(), tokenizer, assets.wikipedia_split("calibration"), criterion="manual",
-                              layers=removed, num_sequences=8)
-        return load(), prune_layers(load(), removed), ghosted, f"SmolLM2-135M, layers {removed[0]}-{removed[-1]} removed"
+        calibration = assets.wikipedia_split("calibration")
+        ghosted = ghost_prune(load(), tokenizer, calibration, criterion="manual", layers=removed, num_sequences=8)
+        folded = ghost_prune(load(), tokenizer, calibration, criterion="manual", layers=removed, num_sequences=8,
+                             operator="folded")
+        return ({"dense": load(), "plainly pruned": prune_layers(load(), removed), "ghosted": ghosted,
+                 "folded (stock)": folded}, f"SmolLM2-135M, layers {removed[0]}-{removed[-1]} removed")
     config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
     with torch.device(args.device):
@@ -67,9 +70,12 @@ def build_models(args):
     removed = list(range(22, 29))
     c = config.hidden_size
     operator = torch.eye(c) + 0.01 * torch.randn(c, c)
+    rotation, _ = torch.linalg.qr(torch.randn(c, c, dtype=torch.float64))
     plain = prune_layers(dense, removed)
     ghosted = prune_layers(dense, removed, {removed[0]: operator})
-    return dense, plain, ghosted, "Llama-3-8B shape (random weights), layers 22-28 removed"
+    folded = export_plain(prune_layers(dense, removed, {removed[0]: (1.1 * rotation).float()}))
+    return ({"dense": dense, "plainly pruned": plain, "ghosted": ghosted, "folded (stock)": folded},
+            "Llama-3-8B shape (random weights), layers 22-28 removed")
 
 
 def main() -> None:
@@ -82,8 +88,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    dense, plain, ghosted, title = build_models(args)
-    models = {"dense": dense.to(args.device), "plainly pruned": plain.to(args.device), "ghosted": ghosted.to(args.device)}
+    models, title = build_models(args)
+    models = {name: model.to(args.device) for name, model in models.items()}
+    dense = models["dense"]
     generator = torch.Generator().manual_seed(0)
     vocab = dense.config.vocab_size
     ids = torch.randint(10, vocab - 10, (1, args.prompt_len), generator=generator).to(args.device)

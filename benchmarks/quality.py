@@ -24,7 +24,7 @@ from ghosted_hf.evaluate import ZERO_SHOT_TASKS, gap_closed, perplexity, zero_sh
 from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.recipe import boundary_spans
-from ghosted_hf.surgery import export_plain
+from ghosted_hf.surgery import count_parameters
 
 from common import held_out_windows, packaged_model
 
@@ -33,6 +33,9 @@ METHODS = [  # (row name, options)
     ("linearpatch-diag", dict(operator="linearpatch-diag")),
     ("linearpatch-rotate", dict(operator="linearpatch-rotate")),
     ("replaceme-ls (fused)", dict(operator="replaceme-ls")),
+    ("folded (c, Q only)", dict(operator="folded-cq")),
+    ("folded (c, T; tied)", dict(operator="folded-tied")),
+    ("folded", dict(operator="folded")),
     ("ghost independent", dict(operator="ghost", fitting="independent")),
     ("ghost sequential", dict(operator="ghost", fitting="sequential")),
 ]
@@ -94,8 +97,6 @@ def main() -> None:
                 if method.get("fitting") == "independent" and len(spans) == 1:
                     continue  # one boundary: identical to sequential
                 model = ghost_prune(load(), tokenizer, calibration, options, statistics=stats, **method)
-                if OPERATOR_KINDS[method["operator"]].fused:
-                    model = export_plain(model)
                 result = score(model)
                 baseline = baseline or result["ppl"]
                 closed = gap_closed(result["ppl"], baseline, dense["ppl"])

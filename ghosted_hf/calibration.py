@@ -369,8 +369,8 @@ def collect_statistics(
 
     `weighting` ("none" or "rms": each token divided by its RMS) and `skip_first_tokens` (leave the first
     real positions of every sequence out) define the least-squares objective. With
-    `source=(patched_model, index_map)`, source-side hidden states (grams, the first index of every pair)
-    come from `patched_model` (whose layer `index_map[i]` plays dense layer `i`), targets from `model`:
+    `source=(patched_model, index_map)`, source-side hidden states (grams, the first index of every pair, MLP
+    outputs) come from `patched_model` (whose layer `index_map[i]` plays dense layer `i`), targets from `model`:
     this is how operators are fitted sequentially on an already pruned and patched model.
     The models run in eval mode (dropout off) and get their own mode back afterwards.
     """
@@ -380,8 +380,12 @@ def collect_statistics(
     hidden_size = model.get_input_embeddings().weight.shape[1]
     device = torch.device(device) if device is not None else input_device(model)
     accumulator = StatisticsAccumulator(plan, hidden_size, device, weighting)
+    # With a patched source model, everything read at or before the boundary (inputs X_s, MLP outputs) comes
+    # from it and only the targets from `model`.
     source_side = plan.source_inputs() if source is not None else set()
+    source_mlp = plan.mlp_layers() if source is not None else set()
     target_side = (plan.source_inputs() | plan.target_inputs()) - source_side
+    target_mlp = plan.mlp_layers() - source_mlp
     models = [model] + ([source[0]] if source is not None else [])
     modes = [m.training for m in models]
     try:
@@ -392,12 +396,14 @@ def collect_statistics(
             if not keep.any():
                 continue
             captured = {}
-            if target_side or plan.mlp_layers():
-                captured.update(capture_hidden_states(model, batch, target_side, plan.mlp_layers(), keep, device))
+            if target_side or target_mlp:
+                captured.update(capture_hidden_states(model, batch, target_side, target_mlp, keep, device))
             if source is not None:
                 patched, index_map = source
-                got = capture_hidden_states(patched, batch, {index_map[i] for i in source_side}, set(), keep, device)
+                got = capture_hidden_states(patched, batch, {index_map[i] for i in source_side},
+                                            {index_map[i] for i in source_mlp}, keep, device)
                 captured.update({i: got[index_map[i]] for i in source_side})
+                captured.update({("mlp", i): got[("mlp", index_map[i])] for i in source_mlp})
             accumulator.update(captured)
     finally:
         for m, mode in zip(models, modes):
@@ -440,7 +446,7 @@ class Calibrator:
         stats = collect_statistics(self.model, batches, plan, weighting=self.weighting,
                                    skip_first_tokens=self.skip_first_tokens, device=self.device, source=source,
                                    description=f"Calibration pass: {purpose}")
-        models_run = 1 if source is None else 1 + bool(plan.target_inputs() or plan.mlp_layers())
+        models_run = 1 if source is None else 1 + bool(plan.target_inputs())
         self.passes.append({"purpose": purpose, "batches": len(batches), "forwards": len(batches) * models_run,
                             "deepest_layer_input": plan.deepest(), "sequential": source is not None,
                             "seconds": round(time.perf_counter() - started, 3)})

@@ -11,7 +11,6 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .assets import base_model_info
-from .errors import GhostedError
 from .files import staged_folder
 from .remote.configuration_ghosted import GhostedConfig
 from .summary import summarize
@@ -19,6 +18,7 @@ from .summary import summarize
 logger = logging.getLogger(__name__)
 
 TAGS = ["ghosted-layers", "layer-pruning", "custom_code", "pruned"]
+PLAIN_TAGS = ["ghosted-layers", "layer-pruning", "pruned"]  # a stock checkpoint: no custom code
 PLOT_FILE = "selection_scores.png"
 
 
@@ -70,7 +70,7 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
         library_name="transformers",
         pipeline_tag="text-generation",
         license=license or prov.get("base_model_license") or folder_license,
-        tags=TAGS,
+        tags=PLAIN_TAGS if summary.plain else TAGS,
         model_name=model_name,
         eval_results=eval_results(config) or None,
     )
@@ -91,11 +91,10 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
 def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_id: str | None = None,
                    license: str | None = None) -> Path:
     """`save_pretrained` plus the tokenizer, the generated README.md and the score plot; the way to save a
-    ghosted model. All or nothing: the folder is written beside `folder` and replaces it whole, so an
+    ghosted model or a plain export. All or nothing: the folder is written beside `folder` and replaces it whole, so an
     interrupted save leaves the previous folder as it was and nothing of an earlier save survives."""
     config = model.config
-    if getattr(config, "model_type", None) != "ghosted":
-        raise GhostedError("save_with_card expects a GhostedForCausalLM; a plain export carries no ghost metadata.")
+    summarize(config)  # refuses a model that ghosted_hf did not make
     folder = Path(folder)
     with staged_folder(folder) as staging:
         model.save_pretrained(staging)

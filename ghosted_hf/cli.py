@@ -78,6 +78,13 @@ class HealArgs(LoadArgs):
 
 
 @dataclass(kw_only=True)
+class ExportArgs(LoadArgs):
+    folder: str = option(help="Saved ghosted model folder or Hub id.")
+    output: str | None = option(None, "New folder for the stock checkpoint (required).")
+    calibration: str | None = option(None, "Calibration text file (None: the packaged Wikipedia calibration articles).")
+
+
+@dataclass(kw_only=True)
 class InspectArgs:
     folder: str = option(help="Saved ghosted model folder.")
     top: int = option(8, "Selection scores to show.")
@@ -98,11 +105,9 @@ def check_new_output(output: str | Path, *inputs: str | None) -> Path:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     from .card import save_with_card
+    from .data import load_texts
     from .recipe import ghost_prune
     from .summary import render_text, summarize
-    from .surgery import export_plain
-
-    from .data import load_texts
 
     run, options = from_namespace(PruneArgs, args), from_namespace(PruneOptions, args)
     if not run.dry_run:
@@ -116,17 +121,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
     calibration = run.calibration
     if calibration is None and run.statistics is None:
         calibration = assets.wikipedia_split("calibration")  # the packaged default corpus
-    ghosted = ghost_prune(model, tokenizer, calibration, options, statistics=run.statistics)
-    print(render_text(summarize(ghosted.config)))
+    pruned = ghost_prune(model, tokenizer, calibration, options, statistics=run.statistics)
+    print(render_text(summarize(pruned.config)))
     if run.dry_run:
         print("\n--dry-run: nothing written.")
         return 0
-    if any(b.get("fused_into") for b in ghosted.config.ghost_boundaries):
-        with staged_folder(run.output) as staging:  # fused: a plain checkpoint, no remote code
-            export_plain(ghosted).save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-    else:
-        save_with_card(ghosted, run.output, tokenizer)
+    save_with_card(pruned, run.output, tokenizer)  # a plain export saves as a stock checkpoint, with its card
     print(f"\nSaved to {run.output}")
     return 0
 
@@ -202,6 +202,27 @@ def cmd_heal(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_plain(args: argparse.Namespace) -> int:
+    from .card import save_with_card
+    from .options import ExportOptions
+    from .recipe import plain_export
+    from .summary import render_text, summarize
+
+    run, options = from_namespace(ExportArgs, args), from_namespace(ExportOptions, args)
+    if run.output is None:
+        raise GhostedError("--output DIR is required.")
+    check_new_output(run.output, run.folder)
+    model, tokenizer = load_model(run.folder, trust_remote_code=run.trust_remote_code, revision=run.revision)
+    if getattr(model.config, "model_type", None) != "ghosted":
+        raise GhostedError(f"{run.folder} holds a {model.config.model_type!r} model, not a ghosted one: it is plain already.")
+    calibration = run.calibration if run.calibration is not None else assets.wikipedia_split("calibration")
+    plain = plain_export(model, tokenizer, calibration, options)
+    print(render_text(summarize(plain.config)))
+    save_with_card(plain, run.output, tokenizer)
+    print(f"\nSaved the stock checkpoint to {run.output} (loads with AutoModelForCausalLM, no trust_remote_code).")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
@@ -227,6 +248,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .healing import HealOptions
+    from .options import ExportOptions
 
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="ghosted", description="Layer pruning with closed-form Ghosted Layers recovery.",
@@ -240,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("eval", "Perplexity on held-out text and, optionally, zero-shot tasks.", [EvalArgs], cmd_eval),
         ("push", "Upload a saved ghosted model folder (with its card) to the Hub.", [PushArgs], cmd_push),
         ("heal", "LoRA-heal a ghosted model with PEFT and save it merged.", [HealArgs, HealOptions], cmd_heal),
+        ("export-plain", "Turn a ghosted model into the best stock Llama/Qwen checkpoint: each operator refitted as a "
+                         "scaled rotation (and a down_proj transform) folded into the weights.",
+         [ExportArgs, ExportOptions], cmd_export_plain),
         ("inspect", "Print what a saved ghosted model contains.", [InspectArgs], cmd_inspect),
     ]
     for name, help, groups, handler in subcommands:

@@ -36,7 +36,8 @@ class OperatorKind:
 
     name: ClassVar[str]
     summary: ClassVar[str]
-    fused: ClassVar[bool] = False  # folded into the weights before the boundary: exports as a plain checkpoint
+    fused: ClassVar[bool] = False  # its fit is a transform of the last upstream MLP output, folded into down_proj
+    plain: ClassVar[bool] = False  # the result is a stock Llama/Qwen checkpoint: ghost_prune returns the plain model
     sequential: ClassVar[bool] = True  # can be refitted on the model already pruned and patched upstream
     first_removable: ClassVar[int] = 0  # the lowest layer a boundary of this kind may start at
 
@@ -186,6 +187,7 @@ class ReplaceMeLS(OperatorKind):
     summary = ("least-squares T on the MLP output of the last kept layer before the boundary, folded into its "
                "down_proj (ReplaceMe): a plain Llama/Qwen checkpoint")
     fused = True
+    plain = True
     sequential = False
     first_removable = 1  # needs a kept layer before the boundary to fold into
 
@@ -206,3 +208,80 @@ class ReplaceMeLS(OperatorKind):
             residual = float(((mm @ t) * t).sum() - 2.0 * (t * rhs).sum()) + target
             figures.update(residual_figures(residual, untouched, energy))
         return BoundaryFit(self.name, s, e, fused=t, figures=figures)
+
+
+def scaled_procrustes(z_gram_trace: float, z_cross: torch.Tensor) -> tuple[float, torch.Tensor, float]:
+    """(c, Q, tr S) minimising ||c Z Q - X_e||^2 over c >= 0 and orthogonal Q, from tr(Z^T Z) and Z^T X_e = U S V^T:
+    Q = U V^T, c = tr(S) / tr(Z^T Z)."""
+    u, singular, vh = torch.linalg.svd(z_cross)
+    trace = float(singular.sum())
+    return (trace / z_gram_trace if z_gram_trace > 0 else 1.0), u @ vh, trace
+
+
+def fit_folded(stats: CalibrationStatistics, s: int, e: int, ridge: float, *, rotation: bool = True,
+               transform: bool = True, iterations: int = 100) -> tuple[float, torch.Tensor, torch.Tensor | None, float]:
+    """(c, Q, T, squared residual) minimising ||c (Y + M T) Q - X_e||^2 over c > 0, orthogonal Q and T, with M
+    the MLP output of layer s-1 and Y = X_s - M (transform=False: T = I, returned as None; rotation=False:
+    Q = I). Alternates the closed forms, each of which lowers the residual: scaled Procrustes (or the best
+    scale) for (c, Q) given T, least squares for T given (c, Q)."""
+    gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    if transform:
+        mm, m_source, m_target = stats.mlp_terms(s, e)  # M^T M, M^T X_s, M^T X_e
+        eps = ridge_epsilon(mm, ridge)
+        mm_inverse_solve = lambda rhs: torch.linalg.solve(mm + eps * eye, rhs)  # noqa: E731
+    delta = torch.zeros_like(gram)  # T - I: Z = X_s + M delta
+    residual = float("inf")
+    for _ in range(iterations):
+        z_cross = cross + delta.T @ m_target if transform else cross  # Z^T X_e
+        z_gram = float(torch.trace(gram)) if not transform else float(
+            torch.trace(gram) + 2.0 * (delta * m_source).sum() + ((mm @ delta) * delta).sum())  # tr(Z^T Z)
+        if rotation:
+            c, q, trace = scaled_procrustes(z_gram, z_cross)
+        else:  # a positive scale alone (a sign flip would not survive the norms downstream)
+            q, trace = eye, float(torch.trace(z_cross))
+            c = max(trace / z_gram, 1e-6) if z_gram > 0 else 1.0
+        previous, residual = residual, c * c * z_gram - 2.0 * c * trace + energy
+        if not transform or previous - residual <= 1e-12 * energy:
+            break
+        delta = mm_inverse_solve(m_target @ q.T / c - m_source)  # c M (T - I) ~ X_e Q^T - c X_s
+    return c, q, (eye + delta if transform else None), max(residual, 0.0)
+
+
+@register
+class Folded(OperatorKind):
+    name = "folded"
+    summary = ("c Q (Q orthogonal) with a transform T of the last upstream MLP output: folds exactly into the "
+               "weights of a stock checkpoint (Q upstream of the boundary, 1/c into the writers after it, T into "
+               "down_proj); tied embeddings are untied when Q rotates them")
+    plain = True
+    rotation: ClassVar[bool] = True
+    transform: ClassVar[bool] = True
+
+    def statistics(self, s: int, e: int) -> StatisticsPlan:
+        plan = super().statistics(s, e)
+        return plan | StatisticsPlan(mlp_terms=frozenset({(s, e)})) if self.transform and s >= 1 else plan
+
+    def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
+        transform = self.transform and s >= 1  # at layer 0 only the embeddings are upstream: no MLP to transform
+        c, q, t, residual = fit_folded(stats, s, e, ridge, rotation=self.rotation, transform=transform)
+        gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
+        eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+        figures: dict[str, Any] = residual_figures(residual, squared_residual(gram, cross, energy, eye), energy)
+        figures["scale"] = c
+        return BoundaryFit(self.name, s, e, operator=c * q, fused=t, figures=figures)
+
+
+@register
+class FoldedRotation(Folded):
+    name = "folded-cq"
+    summary = "the scale and rotation of `folded` alone (T = I): a stock checkpoint, nothing fused into down_proj"
+    transform = False
+
+
+@register
+class FoldedScale(Folded):
+    name = "folded-tied"
+    summary = ("the scale and transform of `folded` without the rotation (Q = I): nothing is folded into the "
+               "embeddings, so tied embeddings stay tied (no extra parameters)")
+    rotation = False

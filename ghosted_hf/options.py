@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from .calibration import WEIGHTINGS
 from .errors import GhostedError, UnknownOptionError
-from .operators import OPERATOR_KINDS
+from .operators import OPERATOR_KINDS, Folded
 from .remote.configuration_ghosted import OPERATOR_DTYPES
 from .selection import CRITERIA
 
@@ -145,6 +145,27 @@ class PruneOptions(Options):
             raise GhostedError(f"seq_len must be at least 2, got {self.seq_len}.")
         if self.ridge < 0 or self.skip_first_tokens < 0:
             raise GhostedError(f"ridge and skip_first_tokens must be >= 0, got {self.ridge} and {self.skip_first_tokens}.")
+
+
+def folded_kinds() -> tuple[str, ...]:
+    return tuple(name for name, kind in OPERATOR_KINDS.items() if isinstance(kind, Folded))
+
+
+@dataclass
+class ExportOptions(Options):
+    """How `plain_export` refits an existing ghosted model's operators as foldable ones."""
+
+    operator: str = option("folded", "Foldable operator kind that imitates each ghost operator.", folded_kinds)
+    ridge: float = option(1e-6, "Ridge eps relative to the mean diagonal of the Gram matrices.")
+    seq_len: int = option(512, "Calibration sequence length in tokens.")
+    num_sequences: int = option(128, "Number of calibration sequences.")
+    batch_size: int = option(4, "Calibration sequences per forward pass.")
+    stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
+
+    def check(self) -> None:
+        positive(self, "seq_len", "num_sequences", "batch_size")
+        if self.ridge < 0:
+            raise GhostedError(f"ridge must be >= 0, got {self.ridge}.")
 
 
 # ---------------------------------------------------------------- command line

@@ -6,6 +6,7 @@ weight edits in surgery.py.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import time
@@ -17,15 +18,15 @@ import transformers
 from transformers import PreTrainedModel
 
 from .assets import base_model_info
-from .calibration import Calibrator, CalibrationStatistics, StatisticsPlan
+from .calibration import Calibrator, CalibrationStatistics, StatisticsPlan, collect_statistics, stat_key
 from .data import CalibrationSource, TokenBatches, tokenize_texts
 from .errors import GhostedError
 from .operators import BoundaryFit, OperatorKind, operator_kind
-from .options import PruneOptions
-from .remote.configuration_ghosted import expected_boundaries, pruned_index
-from .remote.modeling_ghosted import GhostedForCausalLM
+from .options import ExportOptions, PruneOptions
+from .remote.configuration_ghosted import LAYER_TARGET, expected_boundaries, pruned_index
+from .remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
 from .selection import Selection, SelectionRequest, check_num_layers, criterion
-from .surgery import count_parameters, fold_into_down_proj, prune_layers, validate_removal
+from .surgery import count_parameters, export_plain, fold_into_down_proj, prune_layers, validate_removal
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +41,15 @@ def ghost_prune(
     *,
     statistics: CalibrationStatistics | str | Path | None = None,
     **overrides: Any,
-) -> GhostedForCausalLM:
+) -> PreTrainedModel:
     """Remove layers from `model` and recover them in closed form.
 
     `calibration` is a list of strings, a text file or a `datasets.Dataset`; options are `PruneOptions`
     fields (e.g. ``num_layers=8, criterion="ghost-aware", operator="ghost"``). Precomputed `statistics`
-    (object or safetensors file) are used wherever they hold what is needed. The model shares the dense
-    model's tensors (treat `model` as consumed); the report is in ``config.ghost_provenance``.
+    (object or safetensors file) are used wherever they hold what is needed. Returns a `GhostedForCausalLM`,
+    or for operator kinds that fold into the weights (`folded`, `replaceme-ls`) the stock architecture of
+    `model`. It shares the dense model's tensors (treat `model` as consumed); the report is in
+    ``config.ghost_provenance``.
     """
     options = PruneOptions.build(options, **overrides)
     started = time.perf_counter()
@@ -62,7 +65,7 @@ def ghost_prune(
     ghosted.config.ghost_provenance = provenance(ghosted, model.config._name_or_path, dense_parameters, selection,
                                                  calibrator, options, time.perf_counter() - started)
     logger.info("Removed layers %s (%s, %s).", selection.removed, options.criterion, options.operator)
-    return ghosted
+    return export_plain(ghosted) if operator_kind(options.operator).plain else ghosted
 
 
 def select(calibrator: Calibrator, options: PruneOptions) -> Selection:
@@ -110,7 +113,11 @@ def _fit_on_patched(calibrator: Calibrator, kind: OperatorKind, stats: Calibrati
     before = [i for i in removed if i < s]
     patched = prune_layers(calibrator.model, before, {f.source: f.operator.float() for f in fits},
                            operator_kind=kind.name)
-    local = calibrator.collect(plan, purpose, source=(patched, {s: pruned_index(s, before)}))
+    for fit in fits:
+        if fit.fused is not None:
+            fold_into_down_proj(patched, fit.source - 1, fit.fused)
+    index_map = {i: pruned_index(i, before) for i in (s - 1, s) if i >= 0}  # X_s, and layer s-1's MLP output
+    local = calibrator.collect(plan, purpose, source=(patched, index_map))
     fit = kind.fit(stats.with_tensors(local), s, e, options.ridge)
     fit.figures["fitted_on"] = "pruned and patched model"
     return fit
@@ -213,3 +220,55 @@ def check_token_budget(tokens: int, hidden_size: int) -> None:
             f"needs at least {hidden_size} (the hidden size), and about {10 * hidden_size} for a stable fit. "
             "Add calibration text or raise seq_len / num_sequences."
         )
+
+
+def plain_export(model: GhostedForCausalLM, tokenizer: Any, calibration: CalibrationSource,
+                 options: ExportOptions | None = None, **overrides: Any) -> PreTrainedModel:
+    """The best stock checkpoint for an existing ghosted model, without the dense model: boundary by boundary,
+    in order, its operator W is replaced by the foldable fit (`folded`: c (Y + M T) Q) that best imitates
+    X -> X W on the model's own hidden states, then everything is folded into the weights. Each boundary's
+    `fit` records how much of the operator's correction the fold misses (`relative_residual`,
+    ||fold - X W||^2 / ||X W - X||^2). Treat `model` as consumed."""
+    options = ExportOptions.build(options, **overrides)
+    kind = operator_kind(options.operator)
+    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
+    check_token_ids(data, model)
+    config = model.config
+    depth, removed = config.num_hidden_layers, set(config.removed_layers)
+    kept = [i for i in range(config.original_num_hidden_layers) if i not in removed]  # dense index of each layer
+    for record in config.ghost_boundaries:
+        operator = model.get_parameter(ghost_tensor_key(record))
+        s = record["layer"] if record["target"] == LAYER_TARGET else depth  # pruned numbering
+        w = operator.detach().to(device="cpu", dtype=torch.float64)
+        stats = imitation_statistics(model, data, operator, s, w, kind, options)
+        fit = kind.fit(stats, s, s + 1, options.ridge)
+        with torch.no_grad():
+            operator.copy_(fit.operator.to(operator))
+        if fit.fused is not None:
+            record["fused_into"] = fold_into_down_proj(model, kept[s - 1], fit.fused)
+        record.update(operator=kind.name, fit={**fit.figures, "fitted_on": f"imitating the {record['operator']} operator"})
+    return export_plain(model)
+
+
+def imitation_statistics(model: GhostedForCausalLM, data: TokenBatches, operator: torch.Tensor, s: int,
+                         w: torch.Tensor, kind: OperatorKind, options: ExportOptions) -> CalibrationStatistics:
+    """Statistics for fitting a foldable operator to the target X_s W, where X_s enters pruned layer `s` before
+    its operator: only X_s and the MLP output before it are collected; X_s W follows from them."""
+    plan = StatisticsPlan(grams=frozenset({s}))
+    if getattr(kind, "transform", False) and s >= 1:
+        plan = plan | StatisticsPlan(mlp_terms=frozenset({(s, s)}))
+    saved = operator.detach().clone()
+    with torch.no_grad():
+        operator.copy_(torch.eye(operator.shape[0], dtype=operator.dtype))  # the stream as it reaches the operator
+    try:
+        stats = collect_statistics(model, data.batches, plan, device=options.stats_device,
+                                   description=f"Calibration pass: boundary before pruned layer {s}")
+    finally:
+        with torch.no_grad():
+            operator.copy_(saved)
+    gram = stats.gram(s)
+    w = w.to(gram)
+    target = {stat_key("cross", s, s + 1): gram @ w, stat_key("energy", s, s + 1): ((gram @ w) * w).sum().reshape(1)}
+    if plan.mlp_terms:
+        target[stat_key("mlp_target", s, s + 1)] = stats.tensors[stat_key("mlp_source", s)] @ w
+    return dataclasses.replace(stats, tensors={**stats.tensors, **target})

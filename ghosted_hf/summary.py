@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers import PretrainedConfig
+
+from .errors import GhostedError
 from .remote.configuration_ghosted import LAYER_TARGET, GhostedConfig
 from .selection import candidate_layers
 
@@ -45,15 +48,26 @@ class ModelSummary:
     boundaries: list[BoundarySummary]
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     healing: str | None = None
+    plain: bool = False  # a stock checkpoint: operators folded into the weights, no remote code
+    untied_embeddings: bool = False
 
 
-def summarize(config: GhostedConfig) -> ModelSummary:
-    prov = config.ghost_provenance or {}
-    text = config.text_config
+def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
+    """The summary of a ghosted model's config, or of a plain export's (whose provenance keeps the layout)."""
+    prov = getattr(config, "ghost_provenance", None) or {}
+    plain = prov.get("plain_export")
+    if getattr(config, "model_type", None) == "ghosted":
+        text, depth, removed_layers = config.text_config, config.original_num_hidden_layers, config.removed_layers
+        boundaries, storage = config.ghost_boundaries, config.operator_dtype
+    elif plain:
+        text, depth, removed_layers = config, plain["original_num_hidden_layers"], plain["removed_layers"]
+        boundaries, storage = plain["boundaries"], "folded into the weights"
+    else:
+        raise GhostedError(f"This {getattr(config, 'model_type', None)!r} config was not made by ghosted_hf.")
     params = prov.get("parameters")
     selection = prov.get("selection") or {}
     scores = selection.get("scores") or {}
-    removed = set(config.removed_layers)
+    removed = set(removed_layers)
     ranked = sorted(scores.items(), key=lambda kv: kv[1], reverse=selection.get("better") == "higher")
     cal = prov.get("calibration") or {}
     healing = prov.get("healing")
@@ -61,10 +75,10 @@ def summarize(config: GhostedConfig) -> ModelSummary:
         base_model=prov.get("base_model") or "unknown",
         model_type=text.model_type,
         hidden_size=text.hidden_size,
-        depth=config.original_num_hidden_layers,
+        depth=depth,
         kept=text.num_hidden_layers,
-        removed=list(config.removed_layers),
-        operator_dtype=config.operator_dtype,
+        removed=list(removed_layers),
+        operator_dtype=storage,
         parameters=(f"{params['dense']:,} -> {params['pruned']:,} (+ {params['operators']:,} in operators; "
                     f"{1 - (params['pruned'] + params['operators']) / params['dense']:.1%} fewer)" if params else "unknown"),
         criterion=selection.get("criterion"),
@@ -75,9 +89,11 @@ def summarize(config: GhostedConfig) -> ModelSummary:
                      f"{cal.get('sequence_length')}, sha256 {cal.get('sha256')}" if cal else "unknown"),
         solver=", ".join(f"{k}={v}" for k, v in (prov.get("solver") or {}).items()) or "unknown",
         versions=", ".join(f"{k} {v}" for k, v in (prov.get("versions") or {}).items()) or "unknown",
-        boundaries=[_boundary(b) for b in config.ghost_boundaries],
+        boundaries=[_boundary(b) for b in boundaries],
         evaluations=list(prov.get("evaluation", [])),
         healing=", ".join(f"{k}={v}" for k, v in healing.items()) if healing else None,
+        plain=bool(plain) and getattr(config, "model_type", None) != "ghosted",
+        untied_embeddings=bool(plain and plain.get("untied_embeddings")),
     )
 
 
@@ -99,7 +115,8 @@ def render_text(summary: ModelSummary, tensors: dict[str, tuple[int, ...]] | Non
     lines = [
         f"base model      : {s.base_model} ({s.model_type})",
         f"layers          : {s.depth} -> {s.kept} (removed {s.removed})",
-        f"operator dtype  : {s.operator_dtype}",
+        f"operators       : {s.operator_dtype}" + (" (a stock checkpoint; embeddings untied)" if s.untied_embeddings
+                                                  else " (a stock checkpoint)" if s.plain else ""),
         f"parameters      : {s.parameters}",
         f"recovery        : {s.recovery}",
         f"calibration     : {s.calibration}",

@@ -16,6 +16,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from .errors import GhostedError, NonFiniteError
 from .remote.configuration_ghosted import (
+    LAYER_TARGET,
     OPERATOR_DTYPES,
     SUPPORTED_MODEL_TYPES,
     GhostedConfig,
@@ -245,22 +246,120 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def scaled_rotation(operator: torch.Tensor, tolerance: float = 1e-4) -> tuple[float, torch.Tensor] | None:
+    """(c, Q) with operator = c Q, c > 0 and Q orthogonal (within `tolerance`), or None."""
+    w = operator.detach().double().cpu()
+    c = float(torch.linalg.norm(w)) / w.shape[0] ** 0.5
+    if c <= 0:
+        return None
+    q = w / c
+    eye = torch.eye(w.shape[0], dtype=torch.float64)
+    if (q - eye).abs().max() <= 1e-6:  # a pure scale (rounded): no rotation to fold, tied embeddings stay tied
+        return c, eye
+    return (c, q) if (q.T @ q - eye).abs().max() <= tolerance else None
+
+
+def _set_weight(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """A new parameter (never an in-place edit: the tensors may be shared with the model they came from)."""
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(value.to(device=old.device, dtype=old.dtype), requires_grad=old.requires_grad))
+
+
+def _map_input(linear: nn.Linear, m: torch.Tensor) -> None:
+    """The linear layer now reads x @ m^-1 where it read x: weight <- weight @ m."""
+    _set_weight(linear, "weight", linear.weight.double() @ m.to(linear.weight.device))
+
+
+def _map_output(linear: nn.Linear, m: torch.Tensor) -> None:
+    """The linear layer's output y becomes y @ m: weight <- m^T weight, bias <- bias @ m."""
+    m = m.to(linear.weight.device)
+    _set_weight(linear, "weight", m.T @ linear.weight.double())
+    if linear.bias is not None:
+        _set_weight(linear, "bias", linear.bias.double() @ m)
+
+
+def _fold_norm_weight(norm: nn.Module, readers: list[nn.Linear]) -> None:
+    """RMSNorm(x) * g feeding `readers` == RMSNorm(x) feeding readers with g folded into their weights."""
+    g = norm.weight.double()
+    if torch.equal(g, torch.ones_like(g)):
+        return
+    for reader in readers:
+        _map_input(reader, torch.diag(g))
+    _set_weight(norm, "weight", torch.ones_like(g))
+
+
+def fold_scaled_rotation(model: PreTrainedModel, layer: int, c: float, q: torch.Tensor) -> None:
+    """Make a plain decoder compute what it would with ``x -> x @ (c Q)`` applied to the stream entering its
+    layer `layer` (``len(layers)``: the final norm). Exact but for the norms' eps: every norm weight upstream is
+    folded into the linear layers that read it, so that RMSNorm(x Q) = RMSNorm(x) Q; then the embeddings and
+    the writers upstream (o_proj, down_proj) map into the basis Q and their readers (q/k/v, gate/up) back. The
+    scale goes into the embeddings when they are all that is upstream, else downstream, as 1/c on every writer
+    after the boundary: each norm there ignores the scale of the whole stream (up to its eps, which deep in
+    the stream, where its mean square is large, changes nothing measurable)."""
+    q = q.detach().double()
+    layers = model.model.layers
+    embed = model.get_input_embeddings()
+    # Feeding layer 0, only the embeddings are upstream: the scale folds into them exactly (no norm to mind).
+    upstream_scale = c if layer == 0 and not model.config.tie_word_embeddings else 1.0
+    if not torch.equal(q, torch.eye(q.shape[0], dtype=q.dtype)) or upstream_scale != 1.0:
+        _set_weight(embed, "weight", embed.weight.double() @ (upstream_scale * q).to(embed.weight.device))
+        for decoder_layer in layers[:layer]:
+            attn, mlp = decoder_layer.self_attn, decoder_layer.mlp
+            readers = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+            _fold_norm_weight(decoder_layer.input_layernorm, list(readers[0]))
+            _fold_norm_weight(decoder_layer.post_attention_layernorm, list(readers[1]))
+            for reader in (*readers[0], *readers[1]):
+                _map_input(reader, q)
+            for writer in (attn.o_proj, mlp.down_proj):
+                _map_output(writer, q)
+    if upstream_scale == 1.0:
+        for decoder_layer in layers[layer:]:
+            for writer in (decoder_layer.self_attn.o_proj, decoder_layer.mlp.down_proj):
+                _map_output(writer, torch.eye(q.shape[0], dtype=torch.float64) / c)
+
+
 def export_plain(model: GhostedForCausalLM) -> PreTrainedModel:
-    """The same network as a plain Llama/Qwen model (no remote code), when every operator is the identity,
-    e.g. after `replaceme-ls` folded its transform into `down_proj`. Shares tensors with `model`."""
+    """The same network as a plain Llama/Qwen model (no remote code), when every operator is a scaled rotation
+    c Q (the identity included, e.g. after `replaceme-ls`): each is folded into the weights with
+    `fold_scaled_rotation`. Tied embeddings are untied when a rotation must be folded into them (the LM head
+    keeps the original matrix). Shares the tensors it does not change with `model`."""
     from transformers import AutoModelForCausalLM
 
-    for name, operator in model.ghost_operators().items():
-        eye = torch.eye(operator.shape[0], dtype=operator.dtype, device=operator.device)
-        if not torch.equal(operator, eye):
+    folds = []
+    for boundary in model.config.ghost_boundaries:
+        name = ghost_tensor_key(boundary)
+        operator = model.get_parameter(name)
+        if torch.equal(operator, torch.eye(operator.shape[0], dtype=operator.dtype, device=operator.device)):
+            continue
+        found = scaled_rotation(operator)
+        if found is None:
             raise GhostedError(
-                f"{name} is not the identity: this model needs its operators and cannot be exported as a plain "
-                "checkpoint. Use operator='replaceme-ls' for a fused export, or save it as a ghosted model."
+                f"{name} is not a scaled rotation c Q: it cannot be folded into a plain checkpoint. Fit one with "
+                "`ghosted export-plain` (ghosted_hf.plain_export), prune with operator='folded', or save it as a "
+                "ghosted model."
             )
+        layer = boundary["layer"] if boundary["target"] == LAYER_TARGET else model.config.text_config.num_hidden_layers
+        folds.append((layer, *found))
+    eye = torch.eye(model.config.hidden_size, dtype=torch.float64)
     text_config = copy.deepcopy(model.config.text_config)
+    untie = text_config.tie_word_embeddings and any(not torch.equal(q, eye) for _, _, q in folds)
+    if untie:
+        text_config.tie_word_embeddings = False
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(text_config)
     _adopt_tensors(plain, model, lambda name: name)
+    for layer, c, q in folds:
+        fold_scaled_rotation(plain, layer, c, q)
+    provenance = dict(model.config.ghost_provenance or {})
+    if "parameters" in provenance:
+        provenance["parameters"] = {**provenance["parameters"], "pruned": count_parameters(plain), "operators": 0}
+    # How the checkpoint was made travels in its config.json (read by the model card and `ghosted inspect`).
+    plain.config.ghost_provenance = {**provenance, "plain_export": {
+        "original_num_hidden_layers": model.config.original_num_hidden_layers,
+        "removed_layers": list(model.config.removed_layers),
+        "boundaries": copy.deepcopy(model.config.ghost_boundaries),
+        "folded_operators": len(folds), "untied_embeddings": bool(untie),
+    }}
     plain.generation_config = copy.deepcopy(model.generation_config)
     plain.train(model.training)
     return plain

@@ -76,25 +76,25 @@ def test_sequential_fitting_beats_independent_with_several_boundaries() -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_replaceme_fused_export_is_a_plain_checkpoint(arch: str, tmp_path: Path) -> None:
     tokenizer = char_tokenizer()
-    ghosted = ghost_prune(build(arch), tokenizer, texts(), num_layers=2, operator="replaceme-ls", **FAST)
-    record = ghosted.config.ghost_boundaries[0]
-    assert ghosted.config.removed_layers[0] >= 1 and record["fused_into"].endswith("mlp.down_proj")
-    assert record["fit"]["relative_residual"] < 1.0
-    plain = export_plain(ghosted)
+    plain = ghost_prune(build(arch), tokenizer, texts(), num_layers=2, operator="replaceme-ls", **FAST)
     assert type(plain).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    layout = plain.config.ghost_provenance["plain_export"]
+    record = layout["boundaries"][0]
+    assert layout["removed_layers"][0] >= 1 and record["fused_into"].endswith("mlp.down_proj")
+    assert record["fit"]["relative_residual"] < 1.0 and layout["folded_operators"] == 0
     plain.save_pretrained(tmp_path / "plain")
     config = json.loads((tmp_path / "plain" / "config.json").read_text())
     assert config["model_type"] == arch and "auto_map" not in config
     assert not list((tmp_path / "plain").glob("*.py"))
 
-    out = assert_loads_with_same_logits(tmp_path / "plain", ghosted, held_out(tokenizer)[0], tmp_path,
+    out = assert_loads_with_same_logits(tmp_path / "plain", plain, held_out(tokenizer)[0], tmp_path,
                                         trust_remote_code=False, atol=1e-5)
     assert "LOADED transformers.models" in out
 
 
 def test_export_plain_refuses_real_operators() -> None:
     ghosted = ghost_prune(build("llama"), char_tokenizer(), texts(), num_layers=2, **FAST)
-    with pytest.raises(ValueError, match="is not the identity"):
+    with pytest.raises(ValueError, match="is not a scaled rotation c Q"):
         export_plain(ghosted)
 
 

@@ -1,0 +1,83 @@
+"""Plain export benchmark on the packaged SmolLM2-135M-Instruct (30 layers, tied embeddings): how much of the
+ghost operator's gain the stock-checkpoint recoveries keep.
+
+For each number of removed layers, the default (ghost-aware) selection picks the block; every recovery is
+fitted from the SAME calibration statistics and scored on the SAME held-out tokens. "gap closed" is the
+fraction of the log-perplexity gap between this block plainly removed and the dense model; "ghost gain kept"
+is (log ppl_plain - log ppl) / (log ppl_plain - log ppl_ghost).
+
+    python benchmarks/plain_export.py --layers 8 4 > benchmarks/results/plain_export.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from ghosted_hf import assets, ghost_prune
+from ghosted_hf.calibration import StatisticsPlan, collect_statistics
+from ghosted_hf.data import tokenize_texts
+from ghosted_hf.evaluate import gap_closed, perplexity
+from ghosted_hf.operators import OPERATOR_KINDS
+from ghosted_hf.options import PruneOptions
+from ghosted_hf.recipe import boundary_spans
+from ghosted_hf.surgery import count_parameters
+
+from common import held_out_windows, packaged_model
+
+ROWS = [  # (row name, operator kind, needs custom code to run)
+    ("no recovery", "none", False),
+    ("linearpatch-diag", "linearpatch-diag", True),
+    ("linearpatch-rotate", "linearpatch-rotate", True),
+    ("replaceme-ls", "replaceme-ls", False),
+    ("folded (c, Q only)", "folded-cq", False),
+    ("folded (c, T; embeddings stay tied)", "folded-tied", False),
+    ("folded (c, Q, T)", "folded", False),
+    ("ghost", "ghost", True),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[8, 4])
+    parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--num-sequences", type=int, default=PruneOptions().num_sequences)
+    args = parser.parse_args()
+
+    tokenizer, load = packaged_model()
+    calibration = assets.wikipedia_split("calibration")
+    held_out = held_out_windows(tokenizer, args.eval_windows).batches
+    options = PruneOptions(num_sequences=args.num_sequences)
+    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
+    started = time.perf_counter()
+    dense = perplexity(load(), held_out, progress=False)
+    dense_parameters = count_parameters(load())
+    print(f"SmolLM2-135M-Instruct (dequantized Q4_1), fp32; dense perplexity {dense:.2f}, {dense_parameters:,} "
+          f"parameters. Calibration {data.num_tokens} tokens; {args.eval_windows} held-out windows of 512.\n")
+    print("| removed | layers | recovery | stock checkpoint | perplexity | gap closed | ghost gain kept | parameters |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in args.layers:
+        removed = ghost_prune(load(), tokenizer, calibration, options, num_layers=n, operator="none").config.removed_layers
+        spans = boundary_spans(30, removed)
+        plan = StatisticsPlan.union(OPERATOR_KINDS[kind].statistics(s, e) for _, kind, _ in ROWS for s, e in spans
+                                    if s >= OPERATOR_KINDS[kind].first_removable)
+        stats = collect_statistics(load(), data.batches, plan, progress=False)
+        results = {}
+        for name, kind, custom in ROWS:
+            model = ghost_prune(load(), tokenizer, calibration, options, statistics=stats, criterion="manual",
+                                layers=removed, operator=kind)
+            results[name] = (perplexity(model, held_out, progress=False), count_parameters(model), custom)
+        plain, ghost = results["no recovery"][0], results["ghost"][0]
+        for name, (ppl, parameters, custom) in results.items():
+            kept = (math.log(plain) - math.log(ppl)) / (math.log(plain) - math.log(ghost))
+            print(f"| {n}/30 | {removed[0]}-{removed[-1]} | {name} | {'no' if custom else 'yes'} | {ppl:.2f} | "
+                  f"{gap_closed(ppl, plain, dense):.3f} | {kept:.2f} | {parameters / 1e6:.1f} M |", flush=True)
+    print(f"\nTotal {time.perf_counter() - started:.0f} s.")
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
