@@ -24,7 +24,6 @@ from ghosted_hf.evaluate import ZERO_SHOT_TASKS, gap_closed, perplexity, zero_sh
 from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.recipe import boundary_spans
-from ghosted_hf.surgery import count_parameters
 
 from common import held_out_windows, packaged_model
 

@@ -58,6 +58,8 @@ class EvalArgs(LoadArgs):
     tasks: list[str] | None = option(None, "Zero-shot tasks (arc_easy arc_challenge hellaswag piqa winogrande boolq "
                                            "openbookqa).")
     limit: int | None = option(None, "First N validation examples of each zero-shot task (None: 100; needs --tasks).")
+    lambada: int | None = option(None, "Also score the first N LAMBADA (OpenAI) items: last-word accuracy and "
+                                       "perplexity (5153: all).")
 
 
 @dataclass(kw_only=True)
@@ -90,8 +92,10 @@ class InspectArgs:
     top: int = option(8, "Selection scores to show.")
 
 
-def check_new_output(output: str | Path, *inputs: str | None) -> Path:
+def check_new_output(output: str | Path | None, *inputs: str | None) -> Path:
     """An output folder that will not overwrite a file, a non-empty folder or one of the inputs."""
+    if output is None:
+        raise GhostedError("--output DIR is required.")
     path = Path(output)
     if path.is_file():
         raise GhostedError(f"--output {path} is an existing file; name a new folder.")
@@ -147,13 +151,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .data import tokenize_texts
-    from .evaluate import check_zero_shot, perplexity, zero_shot
+    from .evaluate import check_zero_shot, lambada, lambada_items, perplexity, zero_shot
 
     run = from_namespace(EvalArgs, args)
     if run.limit is not None and not run.tasks:
         raise GhostedError("--limit applies to zero-shot tasks: pass --tasks too.")
     if run.tasks:
         check_zero_shot(run.tasks)  # before the perplexity run, not after it
+    if run.lambada:
+        lambada_items(1)
     model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
                                   revision=run.revision)
     text = run.text if run.text is not None else assets.wikipedia_split("evaluation")
@@ -161,6 +167,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     results: dict = {"perplexity": perplexity(model, held_out.batches), "perplexity_tokens": held_out.num_tokens}
     if run.tasks:
         results["zero_shot"] = zero_shot(model, tokenizer, run.tasks, limit=100 if run.limit is None else run.limit)
+    if run.lambada:
+        results["lambada"] = lambada(model, tokenizer, limit=run.lambada)
     print(json.dumps(results, indent=2))
     return 0
 
@@ -181,8 +189,6 @@ def cmd_heal(args: argparse.Namespace) -> int:
     from .healing import HealOptions, heal, merge
 
     run, options = from_namespace(HealArgs, args), from_namespace(HealOptions, args)
-    if run.output is None:
-        raise GhostedError("--output DIR is required.")
     check_new_output(run.output, run.folder)
     model, tokenizer = load_model(run.folder, trust_remote_code=run.trust_remote_code, revision=run.revision)
     teacher = None
@@ -209,8 +215,6 @@ def cmd_export_plain(args: argparse.Namespace) -> int:
     from .summary import render_text, summarize
 
     run, options = from_namespace(ExportArgs, args), from_namespace(ExportOptions, args)
-    if run.output is None:
-        raise GhostedError("--output DIR is required.")
     check_new_output(run.output, run.folder)
     model, tokenizer = load_model(run.folder, trust_remote_code=run.trust_remote_code, revision=run.revision)
     if getattr(model.config, "model_type", None) != "ghosted":

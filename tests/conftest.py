@@ -13,6 +13,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 _skipped: list[str] = []
 
 
+@pytest.fixture
+def dense_folder(tmp_path: Path) -> Path:
+    """A saved tiny dense Llama with its tokenizer, and calibration text in tmp_path / "cal.txt"."""
+    from tiny import build, char_tokenizer, texts
+
+    build("llama").save_pretrained(tmp_path / "dense")
+    char_tokenizer().save_pretrained(tmp_path / "dense")
+    (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
+    return tmp_path / "dense"
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped:
         _skipped.append(report.nodeid)

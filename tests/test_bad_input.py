@@ -91,14 +91,6 @@ def test_non_finite_activations_are_a_ghosted_error() -> None:
 # ---------------------------------------------------------------- command line (in process)
 
 
-@pytest.fixture
-def dense_folder(tmp_path: Path) -> Path:
-    build("llama").save_pretrained(tmp_path / "dense")
-    char_tokenizer().save_pretrained(tmp_path / "dense")
-    (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
-    return tmp_path / "dense"
-
-
 def one_line_error(capsys, *argv) -> str:
     assert main([str(a) for a in argv]) == 2
     err = capsys.readouterr().err

