@@ -536,31 +536,46 @@ class StatisticsAccumulator:
             return x.shape[1] / x.square().sum(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
         return torch.ones(x.shape[0], dtype=torch.float64, device=x.device)
 
-    def update(self, captured: Mapping[Any, torch.Tensor]) -> None:
+    def update(self, captured: Mapping[Any, torch.Tensor], ending_at: int | None = None) -> None:
+        """Add one batch. With `ending_at`, only the sums whose deepest input index is `ending_at` (the
+        layer-wise pass adds each sum as soon as its inputs exist); the caller counts the tokens then."""
         plan = self.plan
         x = {k: v.to(device=self.device, dtype=torch.float64) for k, v in captured.items()}
-        w = {i: self.weights(x[i]) for i in plan.grams | {s for s, _ in plan.pairs}}
-        self.tokens += next(iter(x.values())).shape[0]
-        for i in plan.grams:
-            self.add((x[i] * w[i][:, None]).T @ x[i], "gram", i)
-        for i in plan.abs_sums:
+        now = (lambda i: True) if ending_at is None else (lambda i: i == ending_at)  # noqa: E731
+        w: dict[int, torch.Tensor] = {}
+
+        def weighted(i: int) -> torch.Tensor:
+            """x_i scaled by its token weights (x_i itself when unweighted: no temporary)."""
+            return x[i] if self.weighting == "none" else x[i] * weight(i)[:, None]
+
+        def weight(i: int) -> torch.Tensor:
+            if i not in w:
+                w[i] = self.weights(x[i])
+            return w[i]
+
+        if ending_at is None:
+            self.tokens += next(iter(x.values())).shape[0]
+        # addmm_ into the sums: no (C, C) temporary per product.
+        for i in filter(now, plan.grams):
+            self.sums[stat_key("gram", i)].addmm_(weighted(i).T, x[i])
+        for i in filter(now, plan.abs_sums):
             self.add(x[i].abs().sum(dim=0), "abs", i)
-        for i in plan.rotated_abs_sums:
+        for i in filter(now, plan.rotated_abs_sums):
             self.add((x[i] @ self.rotation).abs().sum(dim=0), "rabs", i)
-        for s, e in plan.pairs:
-            self.add((x[s] * w[s][:, None]).T @ x[e], "cross", s, e)
-            self.add((w[s] * x[e].square().sum(dim=1)).sum().reshape(1), "energy", s, e)
-        for s, e in plan.cosines:
+        for s, e in (p for p in plan.pairs if now(p[1])):
+            self.sums[stat_key("cross", s, e)].addmm_(weighted(s).T, x[e])
+            self.add((weight(s) * x[e].square().sum(dim=1)).sum().reshape(1), "energy", s, e)
+        for s, e in (p for p in plan.cosines if now(p[1])):
             norms = (x[s].norm(dim=1) * x[e].norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
             cos = ((x[s] * x[e]).sum(dim=1) / norms).clamp(-1.0, 1.0)
             self.add(cos.sum().reshape(1), "cos", s, e)
             self.add((torch.arccos(cos) / math.pi).sum().reshape(1), "ang", s, e)
-        for s in {s for s, _ in plan.mlp_terms}:
+        for s in filter(now, {s for s, _ in plan.mlp_terms}):
             m = x[("mlp", s - 1)]
-            self.add(m.T @ m, "mlp_gram", s)
-            self.add(m.T @ x[s], "mlp_source", s)
-        for s, e in plan.mlp_terms:
-            self.add(x[("mlp", s - 1)].T @ x[e], "mlp_target", s, e)
+            self.sums[stat_key("mlp_gram", s)].addmm_(m.T, m)
+            self.sums[stat_key("mlp_source", s)].addmm_(m.T, x[s])
+        for s, e in (p for p in plan.mlp_terms if now(p[1])):
+            self.sums[stat_key("mlp_target", s, e)].addmm_(x[("mlp", s - 1)].T, x[e])
 
 
 def collect_statistics(
@@ -587,6 +602,10 @@ def collect_statistics(
     """
     if not plan:
         raise GhostedError("The statistics plan is empty: nothing to collect.")
+    if hasattr(model, "layerwise_statistics"):  # layerwise.LayerwiseModel: one decoder layer in memory at a time
+        return model.layerwise_statistics(list(batches), plan, weighting=weighting, skip_first_tokens=skip_first_tokens,
+                                          device=device, source=source, progress=progress, description=description,
+                                          allow_empty=allow_empty)
     layers, _ = decoder_parts(model)
     hidden_size = model.get_input_embeddings().weight.shape[1]
     device = torch.device(device) if device is not None else input_device(model)

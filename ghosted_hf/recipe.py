@@ -55,10 +55,11 @@ def ghost_prune(
     calibrator = Calibrator(model, *prepare_calibration(model, tokenizer, calibration, statistics, options),
                             weighting=options.weighting, skip_first_tokens=options.skip_first_tokens,
                             device=options.stats_device)
-    dense_parameters = count_parameters(model)
-
     selection = select(calibrator, options)
     fits = fit_operators(calibrator, selection.removed, options)
+    if hasattr(model, "load_model"):  # layer-wise calibration: the statistics are done; read the model to build
+        model = model.load_model()
+    dense_parameters = count_parameters(model)
     ghosted = build(model, selection.removed, fits, options)
     ghosted.config.ghost_provenance = provenance(ghosted, model.config._name_or_path, dense_parameters, selection,
                                                  calibrator, options, time.perf_counter() - started)
@@ -130,8 +131,11 @@ def _fit_on_patched(calibrator: Calibrator, kind: OperatorKind, stats: Calibrati
     """Fit boundary `span` with its source statistics taken from the model pruned and patched before it."""
     s, e = span
     before = [i for i in removed if i < s]
-    patched = prune_layers(calibrator.model, before, {f.source: f.operator.float() for f in fits},
-                           operator_kind=kind.name)
+    operators = {f.source: f.operator.float() for f in fits}
+    if hasattr(calibrator.model, "patched"):  # layer-wise: a second stream through the same layer reads
+        patched = calibrator.model.patched(before, operators)
+    else:
+        patched = prune_layers(calibrator.model, before, operators, operator_kind=kind.name)
     local = calibrator.collect(plan, purpose, source=(patched, {s: pruned_index(s, before)}))
     fit = kind.fit(stats.with_tensors(local), s, e, options.ridge)
     fit.figures["fitted_on"] = "pruned and patched model"

@@ -1,0 +1,87 @@
+"""Layer-by-layer calibration: the same statistics as the full-model pass, one decoder layer in memory."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from ghosted_hf.calibration import StatisticsPlan, collect_statistics
+from ghosted_hf.data import batch_sequences
+from ghosted_hf.layerwise import LayerwiseModel, parse_memory
+from ghosted_hf.errors import GhostedError
+from ghosted_hf.recipe import ghost_prune
+from tiny import LAYERS, PAD, build, char_tokenizer, sequences, texts
+
+PLAN = StatisticsPlan(
+    grams=frozenset({0, 2}),
+    pairs=frozenset({(0, 3), (2, 6), (1, 5)}),
+    cosines=frozenset({(1, 2), (2, 6)}),
+    abs_sums=frozenset({2, 6}),
+    rotated_abs_sums=frozenset({2}),
+    mlp_terms=frozenset({(2, 4)}),
+)
+
+
+def close(got, expected) -> None:
+    for key, value in expected.tensors.items():
+        torch.testing.assert_close(got.tensors[key], value, rtol=1e-10, atol=1e-10 * float(value.abs().max()),
+                                   msg=key)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("offload", [False, True])
+def test_layerwise_statistics_equal_the_full_model_pass(arch: str, offload: bool, tmp_path: Path) -> None:
+    model = build(arch)
+    model.save_pretrained(tmp_path / "model")
+    batches = batch_sequences(sequences(), 4, PAD)  # padded batches: masks matter
+    full = collect_statistics(model, batches, PLAN, progress=False)
+    layer_params = sum(p.numel() for p in model.model.layers[0].parameters())
+    del model
+    gc.collect()
+
+    lazy = LayerwiseModel(tmp_path / "model", offload_folder=tmp_path if offload else None)
+    resident = []
+
+    def count(i: int) -> None:  # every parameter alive in this process while layer i is in memory
+        gc.collect()
+        resident.append(sum(o.numel() for o in gc.get_objects()
+                            if type(o) is torch.nn.Parameter and o.device.type != "meta"))
+
+    lazy.observer = count
+    stats = collect_statistics(lazy, batches, PLAN, progress=False)
+    assert stats.tokens == full.tokens and set(stats.tensors) == set(full.tensors)
+    close(stats, full)
+    assert len(resident) == LAYERS  # deepest index 6 == depth: all layers run, each alone
+    assert resident == [layer_params] * LAYERS, (resident, layer_params)
+
+
+def test_pass_stops_after_the_deepest_layer_needed(tmp_path: Path) -> None:
+    build("llama").save_pretrained(tmp_path / "model")
+    lazy = LayerwiseModel(tmp_path / "model")
+    seen = []
+    lazy.observer = seen.append
+    collect_statistics(lazy, batch_sequences(sequences(), 4, PAD), StatisticsPlan(grams=frozenset({1}),
+                       pairs=frozenset({(1, 3)})), progress=False)
+    assert seen == [0, 1, 2]
+
+
+@pytest.mark.parametrize("fitting", ["sequential", "independent"])
+def test_ghost_prune_layerwise_equals_in_memory(fitting: str, tmp_path: Path) -> None:
+    build("llama").save_pretrained(tmp_path / "model")
+    options = dict(criterion="manual", layers=[1, 2, 4], fitting=fitting, seq_len=32, num_sequences=10, batch_size=3)
+    expected = ghost_prune(build("llama"), char_tokenizer(), texts(), **options)
+    got = ghost_prune(LayerwiseModel(tmp_path / "model"), char_tokenizer(), texts(), **options)
+    assert got.config.removed_layers == expected.config.removed_layers
+    for name, operator in expected.ghost_operators().items():
+        assert float((got.ghost_operators()[name] - operator).abs().max()) <= 1e-6, name
+    passes = got.config.ghost_provenance["cost"]["passes"]
+    assert any(p["sequential"] for p in passes) == (fitting == "sequential")
+
+
+def test_max_memory_sizes() -> None:
+    assert parse_memory("8GiB") == 8 * 2**30 and parse_memory("500MB") == 500 * 10**6 and parse_memory("1024") == 1024
+    with pytest.raises(GhostedError, match="not a size"):
+        parse_memory("lots")
