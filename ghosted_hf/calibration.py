@@ -539,8 +539,26 @@ class StatisticsAccumulator:
     def update(self, captured: Mapping[Any, torch.Tensor], ending_at: int | None = None) -> None:
         """Add one batch. With `ending_at`, only the sums whose deepest input index is `ending_at` (the
         layer-wise pass adds each sum as soon as its inputs exist); the caller counts the tokens then."""
+        if ending_at is None:
+            self.tokens += next(iter(captured.values())).shape[0]
+        # Fixed-size row chunks: the float64 copies are small and of one size for every batch, so the
+        # allocator reuses the same blocks instead of fragmenting (peak memory no longer grows with tokens).
+        rows = next(iter(captured.values())).shape[0]
+        for start in range(0, rows, self.CHUNK):
+            self._update({k: v[start:start + self.CHUNK] for k, v in captured.items()}, ending_at)
+
+    CHUNK = 256
+
+    def _update(self, captured: Mapping[Any, torch.Tensor], ending_at: int | None) -> None:
         plan = self.plan
-        x = {k: v.to(device=self.device, dtype=torch.float64) for k, v in captured.items()}
+        device = self.device
+
+        class _Float64(dict):  # each input converted once, when first read
+            def __missing__(self, key):
+                self[key] = captured[key].to(device=device, dtype=torch.float64)
+                return self[key]
+
+        x = _Float64()
         now = (lambda i: True) if ending_at is None else (lambda i: i == ending_at)  # noqa: E731
         w: dict[int, torch.Tensor] = {}
 
@@ -553,8 +571,6 @@ class StatisticsAccumulator:
                 w[i] = self.weights(x[i])
             return w[i]
 
-        if ending_at is None:
-            self.tokens += next(iter(x.values())).shape[0]
         # addmm_ into the sums: no (C, C) temporary per product.
         for i in filter(now, plan.grams):
             self.sums[stat_key("gram", i)].addmm_(weighted(i).T, x[i])

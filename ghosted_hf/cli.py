@@ -31,7 +31,17 @@ class LoadArgs:
 
 
 @dataclass(kw_only=True)
-class PruneArgs(LoadArgs):
+class MemoryArgs:
+    layerwise: bool = option(False, "Calibrate one decoder layer at a time, read from the safetensors files (for models "
+                                    "larger than memory; a local folder only).")
+    max_memory: str | None = option(None, "Memory the model may use (e.g. 16GiB): layer-wise calibration is chosen when "
+                                          "the weights do not fit (the final build still loads the model).")
+    activations_dir: str | None = option(None, "Keep the layer-wise pass's activations in files in this folder instead "
+                                               "of host memory.")
+
+
+@dataclass(kw_only=True)
+class PruneArgs(LoadArgs, MemoryArgs):
     model: str | None = option(None, MODEL_HELP, positional=True)
     calibration: str | None = option(None, "Calibration text file, documents separated by blank lines "
                                            "(None: the packaged Wikipedia calibration articles).")
@@ -43,7 +53,7 @@ class PruneArgs(LoadArgs):
 
 
 @dataclass(kw_only=True)
-class StatsCollectArgs(LoadArgs):
+class StatsCollectArgs(LoadArgs, MemoryArgs):
     model: str | None = option(None, MODEL_HELP, positional=True)
     calibration: str | None = option(None, "Calibration text file (None: the packaged Wikipedia calibration articles).")
     shard: str = option("0/1", "Which shard I/N of the calibration batches to collect (every N-th batch from batch I).")
@@ -127,8 +137,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         check_new_output(run.output, run.model)
     if run.calibration is not None:
         load_texts(run.calibration)  # a missing, unreadable or non-UTF-8 file fails before the model loads
-    model, tokenizer = load_model(run.model, dtype=run.dtype, device_map=rank_device(run.device),
-                                  trust_remote_code=run.trust_remote_code, revision=run.revision)
+    model, tokenizer = load_for_calibration(run)
     calibration = run.calibration
     if calibration is None and run.statistics is None:
         calibration = assets.wikipedia_split("calibration")  # the packaged default corpus
@@ -181,8 +190,7 @@ def cmd_stats_collect(args: argparse.Namespace) -> int:
     path = check_new_file(run.output)
     if run.calibration is not None:
         load_texts(run.calibration)
-    model, tokenizer = load_model(run.model, dtype=run.dtype, device_map=rank_device(run.device),
-                                  trust_remote_code=run.trust_remote_code, revision=run.revision)
+    model, tokenizer = load_for_calibration(run)
     calibration = run.calibration if run.calibration is not None else assets.wikipedia_split("calibration")
     stats = calibrate(model, tokenizer, calibration, options, shard=shard)
     write_statistics(stats, path)
@@ -200,6 +208,31 @@ def cmd_stats_merge(args: argparse.Namespace) -> int:
     write_statistics(merged, path)
     print(f"Merged {len(run.files)} shards ({merged.tokens} tokens) into {path}")
     return 0
+
+
+def load_for_calibration(run) -> tuple:
+    """(model, tokenizer): a `LayerwiseModel` with --layerwise, or when the weights exceed --max-memory."""
+    from transformers import AutoTokenizer
+
+    from .layerwise import LayerwiseModel, model_bytes, parse_memory
+    from .loading import resolve
+
+    limit = parse_memory(run.max_memory) if run.max_memory is not None else None
+    layerwise = run.layerwise
+    if not layerwise and limit is not None and Path(resolve(run.model)).is_dir():
+        layerwise = model_bytes(resolve(run.model), DTYPES[run.dtype]) > limit
+        if layerwise:
+            logger.warning("The weights do not fit --max-memory %s: calibrating layer by layer.", run.max_memory)
+    if not layerwise:
+        return load_model(run.model, dtype=run.dtype, device_map=rank_device(run.device),
+                          trust_remote_code=run.trust_remote_code, revision=run.revision)
+    folder = Path(resolve(run.model))
+    if not folder.is_dir():
+        raise GhostedError(f"Layer-by-layer calibration reads a local model folder; {run.model} is not one (download it "
+                           "first, e.g. huggingface-cli download).")
+    # The build after calibration still loads the model (layer surgery needs every kept weight in memory).
+    model = LayerwiseModel(folder, DTYPES[run.dtype], offload_folder=run.activations_dir)
+    return model, AutoTokenizer.from_pretrained(folder)
 
 
 def rank_device(device: str | None) -> str | None:

@@ -85,3 +85,27 @@ def test_max_memory_sizes() -> None:
     assert parse_memory("8GiB") == 8 * 2**30 and parse_memory("500MB") == 500 * 10**6 and parse_memory("1024") == 1024
     with pytest.raises(GhostedError, match="not a size"):
         parse_memory("lots")
+
+
+def test_prune_chooses_layerwise_when_the_model_exceeds_max_memory(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    build("llama").save_pretrained(tmp_path / "dense")
+    char_tokenizer().save_pretrained(tmp_path / "dense")
+    (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
+    flags = ["prune", tmp_path / "dense", "--calibration", tmp_path / "cal.txt", "--num-layers", "2", "--seq-len", "32",
+             "--num-sequences", "10"]
+    runs = {}
+    for name, extra in (("full", []), ("auto", ["--max-memory", "20KB"]), ("forced", ["--layerwise"])):
+        done = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), *extra, "--output",
+                               tmp_path / name], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        runs[name] = done
+    assert "calibrating layer by layer" in runs["auto"].stderr and "layer by layer" not in runs["full"].stderr
+    from safetensors.torch import load_file
+
+    full = load_file(tmp_path / "full" / "model.safetensors")
+    for name in ("auto", "forced"):
+        other = load_file(tmp_path / name / "model.safetensors")
+        assert all(float((other[k] - full[k]).abs().max()) <= 1e-6 for k in full), name
