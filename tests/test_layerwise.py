@@ -109,3 +109,20 @@ def test_prune_chooses_layerwise_when_the_model_exceeds_max_memory(tmp_path: Pat
     for name in ("auto", "forced"):
         other = load_file(tmp_path / name / "model.safetensors")
         assert all(float((other[k] - full[k]).abs().max()) <= 1e-6 for k in full), name
+
+
+def test_layerwise_and_in_memory_shards_merge(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from ghosted_hf.calibration import CalibrationStatistics, ShardSpec
+    from ghosted_hf.recipe import calibrate
+
+    build("qwen2").save_pretrained(tmp_path / "model")
+    options = dict(num_layers=2, seq_len=32, num_sequences=12, batch_size=3)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
+    whole = calibrate(loaded, char_tokenizer(), texts(), **options)
+    first = calibrate(LayerwiseModel(tmp_path / "model"), char_tokenizer(), texts(), shard=ShardSpec(0, 2), **options)
+    second = calibrate(loaded, char_tokenizer(), texts(), shard=ShardSpec(1, 2), **options)
+    merged = CalibrationStatistics.merge([first, second])
+    assert merged.tokens == whole.tokens
+    close(merged, whole)
