@@ -116,8 +116,9 @@ def measure_processes(folder: str, sequences: int, seq_len: int) -> dict:
     rank, world = process_rank()
     calibrator = Calibrator(model, data)
     plan = ghost_aware_plan(model.config.num_hidden_layers)
-    with torch.no_grad():
-        model(**data.batches[0], use_cache=False)
+    from ghosted_hf.calibration import collect_statistics
+
+    collect_statistics(model, data.batches[:1], plan, progress=False)  # warm-up: kernels, thread pool, allocator
     import torch.distributed as dist
 
     if world > 1:
@@ -176,7 +177,7 @@ def free_port() -> int:
 def run_processes(args) -> None:
     from ghosted_hf import assets
 
-    folder = str(assets.default_model_dir())
+    folder = str(args.model or assets.default_model_dir())
     common = ["--inner", "processes", "--model", folder, "--sequences", str(args.sequences), "--seq-len", str(args.seq_len)]
     rows = []
     for _ in range(args.repeats):
@@ -209,7 +210,7 @@ def run_processes(args) -> None:
 def run_memory(args) -> None:
     from ghosted_hf import assets
 
-    folder = str(assets.default_model_dir())
+    folder = str(args.model or assets.default_model_dir())
     print(f"SmolLM2-135M fp32, ghost-aware statistics pass (8 layers: 23 Gram + 23 cross matrices), batches of 4 x "
           f"{args.seq_len}; peak resident memory above the loaded model, fresh process each, highest of {args.repeats}")
     print("| tokens | x | seconds | peak above model (MiB) |")
