@@ -360,6 +360,41 @@ class CalibrationStatistics:
         )
 
     @classmethod
+    def load_header(cls, path: str | Path) -> CalibrationStatistics:
+        """The file's metadata and tensor names, without the tensors (their values are None)."""
+        if not Path(path).is_file():
+            raise MissingFileError(f"Statistics file {path} does not exist.")
+        with safe_open(str(path), framework="pt") as handle:
+            meta, keys = handle.metadata() or {}, list(handle.keys())
+        if meta.get("format") != STATS_FORMAT:
+            raise GhostedError(f"{path} is not a ghosted_hf statistics file (format {meta.get('format')!r}).")
+        return cls(tensors=dict.fromkeys(keys), depth=int(meta["depth"]), hidden_size=int(meta["hidden_size"]),
+                   tokens=int(meta["tokens"]), weighting=meta["weighting"],
+                   skip_first_tokens=int(meta["skip_first_tokens"]), rotation_kind=meta.get("rotation_kind", "none"),
+                   origin=json.loads(meta.get("origin", "{}")))
+
+    @classmethod
+    def merge_files(cls, paths: list[str | Path]) -> CalibrationStatistics:
+        """`merge` of shard files, checked from their headers first, then summed one file at a time (memory:
+        two shards' tensors, whatever N)."""
+        names = [str(p) for p in paths]
+        cls.merge([cls.load_header(p) for p in paths], names)
+        merged = None
+        for path in paths:
+            shard = cls.load(path)
+            if merged is None:
+                merged = dataclasses.replace(shard, tensors={k: v.double() for k, v in shard.tensors.items()})
+            else:
+                for key, value in shard.tensors.items():
+                    merged.tensors[key] += value
+                merged.tokens += shard.tokens
+                if merged.rotation_kind == "none":
+                    merged.rotation_kind = shard.rotation_kind
+            del shard
+        merged.origin = {k: v for k, v in merged.origin.items() if k != "shard"} | {"merged_shards": len(paths)}
+        return merged
+
+    @classmethod
     def merge(cls, shards: list[CalibrationStatistics], names: list[str] | None = None) -> CalibrationStatistics:
         """The sums of shards 0/N .. N-1/N of one calibration set: the statistics of the whole set."""
         names = names or [f"shard #{k}" for k in range(len(shards))]
@@ -392,6 +427,8 @@ class CalibrationStatistics:
         missing = [f"{i}/{count}" for i in range(count) if i not in seen]
         if missing:
             raise GhostedError(f"Shard(s) {', '.join(missing)} missing: merge needs all {count} shards of the run.")
+        if any(t is None for t in first.tensors.values()):  # headers only (merge_files): checked, not summed
+            return first
         tensors = {k: sum((s.tensors[k].double() for s in shards[1:]), first.tensors[k].double().clone())
                    for k in first.tensors}
         origin = {k: v for k, v in first.origin.items() if k != "shard"} | {"merged_shards": count}

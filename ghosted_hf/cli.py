@@ -204,7 +204,7 @@ def cmd_stats_merge(args: argparse.Namespace) -> int:
 
     run = from_namespace(StatsMergeArgs, args)
     path = check_new_file(run.output)
-    merged = CalibrationStatistics.merge([CalibrationStatistics.load(f) for f in run.files], list(run.files))
+    merged = CalibrationStatistics.merge_files(run.files)
     write_statistics(merged, path)
     print(f"Merged {len(run.files)} shards ({merged.tokens} tokens) into {path}")
     return 0

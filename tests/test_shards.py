@@ -34,7 +34,11 @@ def load(paths: list[Path]) -> list[CalibrationStatistics]:
 def test_merged_shards_equal_the_unsharded_statistics(tmp_path: Path) -> None:
     model = build("llama")
     whole = calibrate(model, char_tokenizer(), texts(), **OPTIONS)
-    merged = CalibrationStatistics.merge(load(shards(tmp_path, model)))
+    paths = shards(tmp_path, model)
+    merged = CalibrationStatistics.merge(load(paths))
+    streamed = CalibrationStatistics.merge_files(paths)
+    assert streamed.tokens == merged.tokens and streamed.origin == merged.origin
+    assert all(torch.equal(streamed.tensors[k], merged.tensors[k]) for k in merged.tensors)
     assert merged.tokens == whole.tokens and set(merged.tensors) == set(whole.tensors)
     for key, expected in whole.tensors.items():
         torch.testing.assert_close(merged.tensors[key], expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()))
