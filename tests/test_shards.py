@@ -123,3 +123,7 @@ def test_stats_collect_merge_and_prune_on_the_command_line(tmp_path: Path) -> No
     again = ghosted("stats", "merge", tmp_path / "stats-0.safetensors", "--output", tmp_path / "stats.safetensors",
                     cwd=tmp_path)
     assert again.returncode == 2 and "already exists" in again.stderr
+    bad = ghosted("stats", "collect", tmp_path / "dense", "--shard", "5/3", "--output", tmp_path / "s.safetensors",
+                  cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip() == ("ghosted stats collect: error: Shard 5/3 does not exist: use "
+                                                          "I/N with 0 <= I < N (e.g. 0/3, 1/3, 2/3).")
