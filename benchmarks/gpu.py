@@ -42,7 +42,7 @@ def random_model(shape: str, device: str, dtype: torch.dtype) -> LlamaForCausalL
     config = LlamaConfig(**SHAPES[shape])
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # in the target dtype from the start
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -267,7 +267,7 @@ def run_synthetic(args) -> None:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    model = model.to(torch.bfloat16).to_empty(device="cpu")  # bf16 from the start: no fp32 copy
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
