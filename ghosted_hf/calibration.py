@@ -533,6 +533,18 @@ def capture_hidden_states(
     return captured
 
 
+class _LazyFloat64(dict):
+    """float64 copies of `source`'s tensors, made on first read."""
+
+    def __init__(self, source: Mapping[Any, torch.Tensor], device: torch.device) -> None:
+        super().__init__()
+        self.source, self.device = source, device
+
+    def __missing__(self, key: Any) -> torch.Tensor:
+        value = self[key] = self.source[key].to(device=self.device, dtype=torch.float64)
+        return value
+
+
 class StatisticsAccumulator:
     """Streaming float64 sums of a plan over batches of captured hidden states ({index: (N, C) tensor})."""
 
@@ -588,14 +600,9 @@ class StatisticsAccumulator:
 
     def _update(self, captured: Mapping[Any, torch.Tensor], ending_at: int | None) -> None:
         plan = self.plan
-        device = self.device
-
-        class _Float64(dict):  # each input converted once, when first read
-            def __missing__(self, key):
-                self[key] = captured[key].to(device=device, dtype=torch.float64)
-                return self[key]
-
-        x = _Float64()
+        # Each input converted once, when first read. (No class or closure over `captured` here: a reference
+        # cycle would keep every batch's activations alive until the cyclic GC happens to run.)
+        x = _LazyFloat64(captured, self.device)
         now = (lambda i: True) if ending_at is None else (lambda i: i == ending_at)  # noqa: E731
         w: dict[int, torch.Tensor] = {}
 
