@@ -22,7 +22,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from .calibration import CalibrationStatistics, NonFiniteError, StatisticsAccumulator, StatisticsPlan, token_mask
+from .calibration import (CalibrationStatistics, NonFiniteError, StatisticsAccumulator, StatisticsPlan,
+                          release_freed_memory, token_mask)
 from .errors import GhostedError, MissingFileError
 
 
@@ -266,6 +267,7 @@ class LayerwiseModel:
                     if hook is not None:
                         hook.remove()
                     layer.to("meta")  # freed before the next layer is read
+                    release_freed_memory()
         finally:
             if temporary is not None:
                 temporary.cleanup()
