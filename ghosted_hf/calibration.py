@@ -12,9 +12,13 @@ not operator kinds or criteria: those declare which statistics they need as a `S
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import math
+import os
 import time
+import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +112,155 @@ class StatisticsPlan:
         """Input index of the deepest hidden state the plan reads (the pass stops there)."""
         return max(self.source_inputs() | self.target_inputs() | {i + 1 for i in self.mlp_layers()})
 
+    def to_json(self) -> str:
+        """A canonical text form (sorted), recorded in statistics files so that merge can compare plans."""
+        return json.dumps({f.name: sorted(list(i) if isinstance(i, tuple) else i for i in getattr(self, f.name))
+                           for f in dataclasses.fields(self)}, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> StatisticsPlan:
+        raw = json.loads(text)
+        return cls(**{k: frozenset(tuple(i) if isinstance(i, list) else i for i in v) for k, v in raw.items()})
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Shard `index` of `count`: every count-th calibration batch, starting at batch `index`."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise GhostedError(f"Shard {self.index}/{self.count} does not exist: use I/N with 0 <= I < N (e.g. 0/3, 1/3, "
+                               "2/3).")
+
+    @classmethod
+    def parse(cls, text: str) -> ShardSpec:
+        index, slash, count = str(text).partition("/")
+        if not slash or not index.strip().isdigit() or not count.strip().isdigit():
+            raise GhostedError(f"Shard {text!r} is not of the form I/N (e.g. 0/3 for the first of three shards).")
+        return cls(int(index), int(count))
+
+    def take(self, items: list) -> list:
+        return items[self.index::self.count]
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+# ---------------------------------------------------------------- torch.distributed
+
+
+def init_distributed() -> bool:
+    """Join the process group that torchrun / accelerate launch describe in the environment (NCCL with
+    CUDA, gloo otherwise); True when running with more than one process."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    if dist.is_initialized():
+        return dist.get_world_size() > 1
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    return True
+
+
+def process_rank() -> tuple[int, int]:
+    """(rank, world size) of this process; (0, 1) without torch.distributed."""
+    import torch.distributed as dist
+
+    if init_distributed():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_main_process() -> bool:
+    """Only the main process (rank 0) writes files."""
+    return process_rank()[0] == 0
+
+
+def all_reduce_statistics(stats: CalibrationStatistics) -> CalibrationStatistics:
+    """Sum the statistics (and token counts) of every process; every process gets the same sums."""
+    import torch.distributed as dist
+
+    if process_rank()[1] == 1:
+        return stats
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    tokens = torch.tensor([stats.tokens], dtype=torch.float64, device=device)
+    dist.all_reduce(tokens)
+    summed = {}
+    for key in sorted(stats.tensors):  # the same order on every process
+        tensor = stats.tensors[key]
+        buffer = tensor.to(device=device, dtype=torch.float64).contiguous()
+        dist.all_reduce(buffer)
+        summed[key] = buffer.to(tensor.device)
+    return dataclasses.replace(stats, tensors=summed, tokens=int(tokens.item()))
+
+
+# ---------------------------------------------------------------- what statistics were made from
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def config_sha256(config: Any) -> str:
+    """Hash of a model config without what does not change the model (paths, versions, dtype, attention kernel)."""
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    ignored = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "_attn_implementation",
+               "_attn_implementation_autoset", "output_attentions", "output_hidden_states", "return_dict"}
+    kept = {k: v for k, v in raw.items() if k not in ignored}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def weight_hashes(folder: str | Path) -> dict[str, str]:
+    """sha256 of every safetensors weight file of a model folder."""
+    return {p.name: _sha256_file(p) for p in sorted(Path(folder).glob("*.safetensors"))}
+
+
+def model_fingerprint(model: nn.Module | None = None, folder: str | Path | None = None,
+                      config: Any = None) -> dict[str, Any]:
+    """The config hash and the weight files' hashes (the in-memory weights' hash for a model without a folder)."""
+    config = config if config is not None else model.config
+    if folder is None:
+        candidate = getattr(config, "_name_or_path", "") or ""
+        folder = candidate if candidate and Path(candidate).is_dir() and any(Path(candidate).glob("*.safetensors")) \
+            else None
+    if folder is not None:
+        weights = weight_hashes(folder)
+    else:
+        digest = hashlib.sha256()
+        for name, tensor in sorted(model.state_dict().items()):
+            if tensor.device.type != "meta":
+                digest.update(name.encode())
+                digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        weights = {"in-memory": digest.hexdigest()}
+    return {"config_sha256": config_sha256(config), "weights_sha256": weights}
+
+
+def check_same_model(stats: CalibrationStatistics, fingerprint: dict[str, Any], source: str = "the statistics") -> None:
+    """Refuse statistics recorded from another model (config or weight files differ)."""
+    recorded = stats.origin.get("model")
+    if not recorded:
+        return
+    if recorded.get("config_sha256") != fingerprint["config_sha256"]:
+        raise GhostedError(f"{source} were collected on a model with another config (config hash "
+                           f"{recorded.get('config_sha256', '?')[:12]} vs {fingerprint['config_sha256'][:12]}): collect "
+                           "statistics on this model, or pass the model they were collected on.")
+    if recorded.get("weights_sha256") != fingerprint["weights_sha256"]:
+        raise GhostedError(f"{source} were collected on the same architecture but other weights "
+                           f"({recorded.get('weights_sha256')} vs {fingerprint['weights_sha256']}): collect statistics "
+                           "on this model's weights.")
+
 
 @dataclass
 class CalibrationStatistics:
@@ -120,6 +273,9 @@ class CalibrationStatistics:
     weighting: str = "none"
     skip_first_tokens: int = 0
     rotation_kind: str = "none"
+    # What the sums were made from: "model" (model_fingerprint), "data" (token hash), "plan" (StatisticsPlan
+    # JSON), "shard" ("I/N"); merge compares them.
+    origin: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def _get(self, what: str, name: str, *index: int) -> torch.Tensor:
         key = stat_key(name, *index)
@@ -165,7 +321,12 @@ class CalibrationStatistics:
                 "calibration data (pass the same text, sequence length and number of sequences)."
             )
         rotation_kind = other.rotation_kind if other.rotation_kind != "none" else self.rotation_kind
-        return dataclasses.replace(self, tensors={**self.tensors, **other.tensors}, rotation_kind=rotation_kind)
+        origin = {**self.origin, **other.origin}
+        if "plan" in self.origin and "plan" in other.origin:
+            origin["plan"] = (StatisticsPlan.from_json(self.origin["plan"])
+                              | StatisticsPlan.from_json(other.origin["plan"])).to_json()
+        return dataclasses.replace(self, tensors={**self.tensors, **other.tensors}, rotation_kind=rotation_kind,
+                                   origin=origin)
 
     def check_objective(self, weighting: str, skip_first_tokens: int) -> None:
         if (self.weighting, self.skip_first_tokens) != (weighting, skip_first_tokens):
@@ -179,7 +340,7 @@ class CalibrationStatistics:
         metadata = {
             "format": STATS_FORMAT, "depth": str(self.depth), "hidden_size": str(self.hidden_size),
             "tokens": str(self.tokens), "weighting": self.weighting, "skip_first_tokens": str(self.skip_first_tokens),
-            "rotation_kind": self.rotation_kind,
+            "rotation_kind": self.rotation_kind, "origin": json.dumps(self.origin, sort_keys=True),
         }
         save_file({k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}, str(path), metadata=metadata)
 
@@ -195,7 +356,85 @@ class CalibrationStatistics:
             tensors=load_file(str(path), device=str(device)), depth=int(meta.get("depth", meta.get("num_layers"))),
             hidden_size=int(meta["hidden_size"]), tokens=int(meta["tokens"]), weighting=meta["weighting"],
             skip_first_tokens=int(meta["skip_first_tokens"]), rotation_kind=meta.get("rotation_kind", "none"),
+            origin=json.loads(meta.get("origin", "{}")),  # absent in files written before shards existed
         )
+
+    @classmethod
+    def load_header(cls, path: str | Path) -> CalibrationStatistics:
+        """The file's metadata and tensor names, without the tensors (their values are None)."""
+        if not Path(path).is_file():
+            raise MissingFileError(f"Statistics file {path} does not exist.")
+        with safe_open(str(path), framework="pt") as handle:
+            meta, keys = handle.metadata() or {}, list(handle.keys())
+        if meta.get("format") != STATS_FORMAT:
+            raise GhostedError(f"{path} is not a ghosted_hf statistics file (format {meta.get('format')!r}).")
+        return cls(tensors=dict.fromkeys(keys), depth=int(meta["depth"]), hidden_size=int(meta["hidden_size"]),
+                   tokens=int(meta["tokens"]), weighting=meta["weighting"],
+                   skip_first_tokens=int(meta["skip_first_tokens"]), rotation_kind=meta.get("rotation_kind", "none"),
+                   origin=json.loads(meta.get("origin", "{}")))
+
+    @classmethod
+    def merge_files(cls, paths: list[str | Path]) -> CalibrationStatistics:
+        """`merge` of shard files, checked from their headers first, then summed one file at a time (memory:
+        two shards' tensors, whatever N)."""
+        names = [str(p) for p in paths]
+        cls.merge([cls.load_header(p) for p in paths], names)
+        merged = None
+        for path in paths:
+            shard = cls.load(path)
+            if merged is None:
+                merged = dataclasses.replace(shard, tensors={k: v.double() for k, v in shard.tensors.items()})
+            else:
+                for key, value in shard.tensors.items():
+                    merged.tensors[key] += value
+                merged.tokens += shard.tokens
+                if merged.rotation_kind == "none":
+                    merged.rotation_kind = shard.rotation_kind
+            del shard
+        merged.origin = {k: v for k, v in merged.origin.items() if k != "shard"} | {"merged_shards": len(paths)}
+        return merged
+
+    @classmethod
+    def merge(cls, shards: list[CalibrationStatistics], names: list[str] | None = None) -> CalibrationStatistics:
+        """The sums of shards 0/N .. N-1/N of one calibration set: the statistics of the whole set."""
+        names = names or [f"shard #{k}" for k in range(len(shards))]
+        if not shards:
+            raise GhostedError("No statistics shards to merge: pass the files written by `ghosted stats collect --shard`.")
+        for name, shard in zip(names, shards):
+            if "shard" not in shard.origin:
+                raise GhostedError(f"{name} is not a statistics shard (no shard index recorded): merge only files "
+                                   "written by `ghosted stats collect --shard I/N`.")
+        specs = [ShardSpec.parse(s.origin["shard"]) for s in shards]
+        first, first_name = shards[0], names[0]
+        for name, shard, spec in zip(names, shards, specs):
+            for what, get in (("model", lambda x: x.origin.get("model")), ("calibration data", lambda x: x.origin.get("data")),
+                              ("statistics plan", lambda x: x.origin.get("plan")),
+                              ("objective (weighting, skip_first_tokens)", lambda x: (x.weighting, x.skip_first_tokens)),
+                              ("depth and hidden size", lambda x: (x.depth, x.hidden_size)),
+                              ("number of shards", lambda x: ShardSpec.parse(x.origin["shard"]).count)):
+                if get(shard) != get(first):
+                    raise GhostedError(f"{name} (shard {spec}) and {first_name} were collected with a different {what}: "
+                                       "merge only shards of one `ghosted stats collect` run (same model, calibration "
+                                       "file, options and N).")
+            if set(shard.tensors) != set(first.tensors):
+                raise GhostedError(f"{name} and {first_name} hold different statistics; recollect them with one plan.")
+        seen: dict[int, str] = {}
+        for name, spec in zip(names, specs):
+            if spec.index in seen:
+                raise GhostedError(f"Shard {spec} is given twice ({seen[spec.index]} and {name}): pass each shard once.")
+            seen[spec.index] = name
+        count = specs[0].count
+        missing = [f"{i}/{count}" for i in range(count) if i not in seen]
+        if missing:
+            raise GhostedError(f"Shard(s) {', '.join(missing)} missing: merge needs all {count} shards of the run.")
+        if any(t is None for t in first.tensors.values()):  # headers only (merge_files): checked, not summed
+            return first
+        tensors = {k: sum((s.tensors[k].double() for s in shards[1:]), first.tensors[k].double().clone())
+                   for k in first.tensors}
+        origin = {k: v for k, v in first.origin.items() if k != "shard"} | {"merged_shards": count}
+        rotation_kind = next((s.rotation_kind for s in shards if s.rotation_kind != "none"), "none")
+        return dataclasses.replace(first, tensors=tensors, tokens=sum(s.tokens for s in shards), origin=origin,
+                                   rotation_kind=rotation_kind)
 
 
 class _StopForward(Exception):
@@ -283,12 +522,47 @@ def capture_hidden_states(
         with torch.no_grad():
             try:
                 model(**{k: v.to(first) for k, v in batch.items()}, use_cache=False)
-            except _StopForward:
-                pass
+            except _StopForward as stop:
+                # The traceback's frames hold this batch's activations in reference cycles (the hook
+                # closures and transformers' wrappers) that only the cyclic GC frees, seldom, since a few large
+                # tensors are few objects: peak memory grew with the number of batches. Free them now.
+                traceback.clear_frames(stop.__traceback__)
     finally:
         for handle in handles:
             handle.remove()
     return captured
+
+
+def _malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Give the pages of freed blocks back to the OS (glibc). A batch's activations are freed between blocks
+    that stay allocated, so without this the heap fragments and peak memory creeps up batch after batch."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
+class _LazyFloat64(dict):
+    """float64 copies of `source`'s tensors, made on first read."""
+
+    def __init__(self, source: Mapping[Any, torch.Tensor], device: torch.device) -> None:
+        super().__init__()
+        self.source, self.device = source, device
+
+    def __missing__(self, key: Any) -> torch.Tensor:
+        value = self[key] = self.source[key].to(device=self.device, dtype=torch.float64)
+        return value
 
 
 class StatisticsAccumulator:
@@ -299,15 +573,24 @@ class StatisticsAccumulator:
         if weighting not in WEIGHTINGS:
             raise GhostedError(f"Unknown token weighting {weighting!r}; choose one of: {', '.join(WEIGHTINGS)}.")
         self.plan, self.hidden_size, self.device, self.weighting = plan, hidden_size, torch.device(device), weighting
-        self.sums: dict[str, torch.Tensor] = {}
         self.tokens = 0
         self.rotation, self.rotation_kind = (None, "none")
         if plan.rotated_abs_sums:
             h, self.rotation_kind = rotation(hidden_size)
             self.rotation = h.to(device)
+        # Every sum exists from the start (zeros): a process or shard with no batch still has all keys to reduce.
+        c, f64 = hidden_size, dict(dtype=torch.float64, device=self.device)
+        shapes = {**{stat_key("gram", i): (c, c) for i in plan.grams},
+                  **{stat_key("abs", i): (c,) for i in plan.abs_sums},
+                  **{stat_key("rabs", i): (c,) for i in plan.rotated_abs_sums},
+                  **{stat_key(n, s, e): shape for s, e in plan.pairs for n, shape in (("cross", (c, c)), ("energy", (1,)))},
+                  **{stat_key(n, s, e): (1,) for s, e in plan.cosines for n in ("cos", "ang")},
+                  **{stat_key(n, s): (c, c) for s, _ in plan.mlp_terms for n in ("mlp_gram", "mlp_source")},
+                  **{stat_key("mlp_target", s, e): (c, c) for s, e in plan.mlp_terms}}
+        self.sums: dict[str, torch.Tensor] = {k: torch.zeros(shape, **f64) for k, shape in shapes.items()}
 
-    def result(self, depth: int, skip_first_tokens: int = 0) -> CalibrationStatistics:
-        if self.tokens == 0:
+    def result(self, depth: int, skip_first_tokens: int = 0, allow_empty: bool = False) -> CalibrationStatistics:
+        if self.tokens == 0 and not allow_empty:
             raise GhostedError("The calibration batches contain no real token (all positions are padding or skipped).")
         return CalibrationStatistics(
             tensors=self.sums, depth=depth, hidden_size=self.hidden_size, tokens=self.tokens,
@@ -315,42 +598,64 @@ class StatisticsAccumulator:
         )
 
     def add(self, value: torch.Tensor, name: str, *index: int) -> None:
-        key = stat_key(name, *index)
-        if key in self.sums:
-            self.sums[key] += value
-        else:
-            self.sums[key] = value.clone()
+        self.sums[stat_key(name, *index)] += value
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         if self.weighting == "rms":
             return x.shape[1] / x.square().sum(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
         return torch.ones(x.shape[0], dtype=torch.float64, device=x.device)
 
-    def update(self, captured: Mapping[Any, torch.Tensor]) -> None:
+    def update(self, captured: Mapping[Any, torch.Tensor], ending_at: int | None = None) -> None:
+        """Add one batch. With `ending_at`, only the sums whose deepest input index is `ending_at` (the
+        layer-wise pass adds each sum as soon as its inputs exist); the caller counts the tokens then."""
+        if ending_at is None:
+            self.tokens += next(iter(captured.values())).shape[0]
+        # Fixed-size row chunks: the float64 copies are small and of one size for every batch, so the
+        # allocator reuses the same blocks instead of fragmenting (peak memory no longer grows with tokens).
+        rows = next(iter(captured.values())).shape[0]
+        for start in range(0, rows, self.CHUNK):
+            self._update({k: v[start:start + self.CHUNK] for k, v in captured.items()}, ending_at)
+
+    CHUNK = 256
+
+    def _update(self, captured: Mapping[Any, torch.Tensor], ending_at: int | None) -> None:
         plan = self.plan
-        x = {k: v.to(device=self.device, dtype=torch.float64) for k, v in captured.items()}
-        w = {i: self.weights(x[i]) for i in plan.grams | {s for s, _ in plan.pairs}}
-        self.tokens += next(iter(x.values())).shape[0]
-        for i in plan.grams:
-            self.add((x[i] * w[i][:, None]).T @ x[i], "gram", i)
-        for i in plan.abs_sums:
+        # Each input converted once, when first read. (No class or closure over `captured` here: a reference
+        # cycle would keep every batch's activations alive until the cyclic GC happens to run.)
+        x = _LazyFloat64(captured, self.device)
+        now = (lambda i: True) if ending_at is None else (lambda i: i == ending_at)  # noqa: E731
+        w: dict[int, torch.Tensor] = {}
+
+        def weighted(i: int) -> torch.Tensor:
+            """x_i scaled by its token weights (x_i itself when unweighted: no temporary)."""
+            return x[i] if self.weighting == "none" else x[i] * weight(i)[:, None]
+
+        def weight(i: int) -> torch.Tensor:
+            if i not in w:
+                w[i] = self.weights(x[i])
+            return w[i]
+
+        # addmm_ into the sums: no (C, C) temporary per product.
+        for i in filter(now, plan.grams):
+            self.sums[stat_key("gram", i)].addmm_(weighted(i).T, x[i])
+        for i in filter(now, plan.abs_sums):
             self.add(x[i].abs().sum(dim=0), "abs", i)
-        for i in plan.rotated_abs_sums:
+        for i in filter(now, plan.rotated_abs_sums):
             self.add((x[i] @ self.rotation).abs().sum(dim=0), "rabs", i)
-        for s, e in plan.pairs:
-            self.add((x[s] * w[s][:, None]).T @ x[e], "cross", s, e)
-            self.add((w[s] * x[e].square().sum(dim=1)).sum().reshape(1), "energy", s, e)
-        for s, e in plan.cosines:
+        for s, e in (p for p in plan.pairs if now(p[1])):
+            self.sums[stat_key("cross", s, e)].addmm_(weighted(s).T, x[e])
+            self.add((weight(s) * x[e].square().sum(dim=1)).sum().reshape(1), "energy", s, e)
+        for s, e in (p for p in plan.cosines if now(p[1])):
             norms = (x[s].norm(dim=1) * x[e].norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
             cos = ((x[s] * x[e]).sum(dim=1) / norms).clamp(-1.0, 1.0)
             self.add(cos.sum().reshape(1), "cos", s, e)
             self.add((torch.arccos(cos) / math.pi).sum().reshape(1), "ang", s, e)
-        for s in {s for s, _ in plan.mlp_terms}:
+        for s in filter(now, {s for s, _ in plan.mlp_terms}):
             m = x[("mlp", s - 1)]
-            self.add(m.T @ m, "mlp_gram", s)
-            self.add(m.T @ x[s], "mlp_source", s)
-        for s, e in plan.mlp_terms:
-            self.add(x[("mlp", s - 1)].T @ x[e], "mlp_target", s, e)
+            self.sums[stat_key("mlp_gram", s)].addmm_(m.T, m)
+            self.sums[stat_key("mlp_source", s)].addmm_(m.T, x[s])
+        for s, e in (p for p in plan.mlp_terms if now(p[1])):
+            self.sums[stat_key("mlp_target", s, e)].addmm_(x[("mlp", s - 1)].T, x[e])
 
 
 def collect_statistics(
@@ -364,6 +669,7 @@ def collect_statistics(
     source: tuple[nn.Module, Mapping[int, int]] | None = None,
     progress: bool = True,
     description: str = "Calibration pass",
+    allow_empty: bool = False,
 ) -> CalibrationStatistics:
     """Accumulate `plan` over `batches` with one truncated pass of `model` per batch.
 
@@ -376,6 +682,10 @@ def collect_statistics(
     """
     if not plan:
         raise GhostedError("The statistics plan is empty: nothing to collect.")
+    if hasattr(model, "layerwise_statistics"):  # layerwise.LayerwiseModel: one decoder layer in memory at a time
+        return model.layerwise_statistics(list(batches), plan, weighting=weighting, skip_first_tokens=skip_first_tokens,
+                                          device=device, source=source, progress=progress, description=description,
+                                          allow_empty=allow_empty)
     layers, _ = decoder_parts(model)
     hidden_size = model.get_input_embeddings().weight.shape[1]
     device = torch.device(device) if device is not None else input_device(model)
@@ -405,35 +715,50 @@ def collect_statistics(
                 captured.update({i: got[index_map[i]] for i in source_side})
                 captured.update({("mlp", i): got[("mlp", index_map[i])] for i in source_mlp})
             accumulator.update(captured)
+            del captured
+            release_freed_memory()
     finally:
         for m, mode in zip(models, modes):
             m.train(mode)
-    return accumulator.result(len(layers), skip_first_tokens)
+    return accumulator.result(len(layers), skip_first_tokens, allow_empty)
 
 
 class Calibrator:
     """Statistics passes over one calibration set: gathers what is missing, keeps what was gathered and
-    records what each pass cost (for the provenance)."""
+    records what each pass cost (for the provenance).
+
+    Each pass reads only this calibrator's share of the batches: shard `shard` of the set, and of that, the
+    batches of this process under torch.distributed (rank r of world w takes every w-th batch); the float64
+    sums of the processes are all-reduced, so every process fits the same operators."""
 
     def __init__(self, model: nn.Module, data: TokenBatches | None, statistics: CalibrationStatistics | None = None,
                  *, weighting: str = "none", skip_first_tokens: int = 0,
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None, shard: ShardSpec | None = None) -> None:
         if statistics is not None:
             statistics.check_objective(weighting, skip_first_tokens)
         self.model, self.data, self.statistics = model, data, statistics
         self.weighting, self.skip_first_tokens, self.device = weighting, skip_first_tokens, device
+        self.shard = shard or ShardSpec()
+        self.rank, self.world = process_rank()
         self.passes: list[dict[str, Any]] = []
+        self._data_sha256: str | None = None
 
     @property
     def data_description(self) -> dict[str, Any]:
         return self.data.describe() if self.data is not None else {}
+
+    def my_batches(self) -> list[dict[str, torch.Tensor]]:
+        """This process's share of this shard's batches."""
+        return ShardSpec(self.rank, self.world).take(self.shard.take(self.data.batches))
 
     def ensure(self, plan: StatisticsPlan, purpose: str) -> CalibrationStatistics:
         """Statistics holding at least `plan`, running one pass for whatever is missing."""
         missing = plan.missing_from(self.statistics)
         if missing:
             if self.data is None:
-                raise GhostedError(f"The given statistics lack what {purpose} needs, and no calibration text was given.")
+                raise GhostedError(f"The given statistics lack what {purpose} needs, and no calibration text was given: "
+                                   "pass the calibration text too, or collect statistics with the same options "
+                                   "(with several boundaries, --fitting independent needs no further pass).")
             fresh = self.collect(missing, purpose)
             self.statistics = fresh if self.statistics is None else self.statistics.with_tensors(fresh)
         return self.statistics
@@ -442,12 +767,21 @@ class Calibrator:
                 source: tuple[nn.Module, Mapping[int, int]] | None = None) -> CalibrationStatistics:
         """One pass for `plan` (see `collect_statistics` for `source`); not merged into the kept statistics."""
         started = time.perf_counter()
-        batches = self.data.batches
+        batches = self.my_batches()
+        if not self.shard.take(self.data.batches):
+            raise GhostedError(f"Shard {self.shard} holds no batch: the calibration set has only "
+                               f"{len(self.data.batches)} batches; use fewer shards or more sequences.")
         stats = collect_statistics(self.model, batches, plan, weighting=self.weighting,
                                    skip_first_tokens=self.skip_first_tokens, device=self.device, source=source,
-                                   description=f"Calibration pass: {purpose}")
+                                   description=f"Calibration pass: {purpose}", allow_empty=self.world > 1)
+        stats = all_reduce_statistics(stats)
+        if stats.tokens == 0:
+            raise GhostedError("The calibration batches contain no real token (all positions are padding or skipped).")
+        if self._data_sha256 is None:
+            self._data_sha256 = self.data.token_sha256()
+        stats.origin.update(data=self._data_sha256, plan=plan.to_json(), shard=str(self.shard))
         models_run = 1 if source is None else 1 + bool(plan.target_inputs())
         self.passes.append({"purpose": purpose, "batches": len(batches), "forwards": len(batches) * models_run,
-                            "deepest_layer_input": plan.deepest(), "sequential": source is not None,
-                            "seconds": round(time.perf_counter() - started, 3)})
+                            "processes": self.world, "deepest_layer_input": plan.deepest(),
+                            "sequential": source is not None, "seconds": round(time.perf_counter() - started, 3)})
         return stats

@@ -96,6 +96,10 @@ def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_i
     config = model.config
     summarize(config)  # refuses a model that ghosted_hf did not make
     folder = Path(folder)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return folder  # under torchrun every process holds the same model: the main one writes it
     with staged_folder(folder) as staging:
         model.save_pretrained(staging)
         if tokenizer is not None:

@@ -31,7 +31,17 @@ class LoadArgs:
 
 
 @dataclass(kw_only=True)
-class PruneArgs(LoadArgs):
+class MemoryArgs:
+    layerwise: bool = option(False, "Calibrate one decoder layer at a time, read from the safetensors files (for models "
+                                    "larger than memory; a local folder only).")
+    max_memory: str | None = option(None, "Memory the model may use (e.g. 16GiB): layer-wise calibration is chosen when "
+                                          "the weights do not fit (the final build still loads the model).")
+    activations_dir: str | None = option(None, "Keep the layer-wise pass's activations in files in this folder instead "
+                                               "of host memory.")
+
+
+@dataclass(kw_only=True)
+class PruneArgs(LoadArgs, MemoryArgs):
     model: str | None = option(None, MODEL_HELP, positional=True)
     calibration: str | None = option(None, "Calibration text file, documents separated by blank lines "
                                            "(None: the packaged Wikipedia calibration articles).")
@@ -40,6 +50,21 @@ class PruneArgs(LoadArgs):
                                   "result, write nothing.")
     device: str | None = option(None, "device_map for loading (e.g. cpu, cuda, auto).")
     statistics: str | None = option(None, "Precomputed statistics (safetensors) to reuse.")
+
+
+@dataclass(kw_only=True)
+class StatsCollectArgs(LoadArgs, MemoryArgs):
+    model: str | None = option(None, MODEL_HELP, positional=True)
+    calibration: str | None = option(None, "Calibration text file (None: the packaged Wikipedia calibration articles).")
+    shard: str = option("0/1", "Which shard I/N of the calibration batches to collect (every N-th batch from batch I).")
+    output: str | None = option(None, "New statistics file to write (safetensors; required).")
+    device: str | None = option(None, "device_map for loading (e.g. cpu, cuda, auto).")
+
+
+@dataclass(kw_only=True)
+class StatsMergeArgs:
+    files: list[str] = option(help="The statistics shards to merge (all N of one run, each once).")
+    output: str | None = option(None, "New statistics file to write (safetensors; required).")
 
 
 @dataclass(kw_only=True)
@@ -108,6 +133,7 @@ def check_new_output(output: str | Path | None, *inputs: str | None) -> Path:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    from .calibration import is_main_process
     from .card import save_with_card
     from .data import load_texts
     from .recipe import ghost_prune
@@ -120,12 +146,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
         check_new_output(run.output, run.model)
     if run.calibration is not None:
         load_texts(run.calibration)  # a missing, unreadable or non-UTF-8 file fails before the model loads
-    model, tokenizer = load_model(run.model, dtype=run.dtype, device_map=run.device,
-                                  trust_remote_code=run.trust_remote_code, revision=run.revision)
+    model, tokenizer = load_for_calibration(run)
     calibration = run.calibration
     if calibration is None and run.statistics is None:
         calibration = assets.wikipedia_split("calibration")  # the packaged default corpus
     pruned = ghost_prune(model, tokenizer, calibration, options, statistics=run.statistics)
+    if not is_main_process():
+        return 0  # every process fitted the same operators; the main one reports and writes
     print(render_text(summarize(pruned.config)))
     if run.dry_run:
         print("\n--dry-run: nothing written.")
@@ -133,6 +160,94 @@ def cmd_prune(args: argparse.Namespace) -> int:
     save_with_card(pruned, run.output, tokenizer)  # a plain export saves as a stock checkpoint, with its card
     print(f"\nSaved to {run.output}")
     return 0
+
+
+def check_new_file(output: str | None) -> Path:
+    if output is None:
+        raise GhostedError("--output FILE is required (e.g. --output stats.safetensors).")
+    path = Path(output)
+    if path.exists():
+        raise GhostedError(f"--output {path} already exists; name a new file.")
+    if not path.parent.is_dir():
+        raise GhostedError(f"--output {path}: folder {path.parent} does not exist; create it first.")
+    return path
+
+
+def write_statistics(stats, path: Path) -> None:
+    """Write on the main process only, through a temporary file renamed into place (never half a file)."""
+    from .calibration import is_main_process
+
+    if not is_main_process():
+        return
+    partial = path.with_name(f".{path.name}.partial")
+    stats.save(partial)
+    partial.replace(path)
+
+
+def cmd_stats_collect(args: argparse.Namespace) -> int:
+    from .calibration import ShardSpec, is_main_process
+    from .data import load_texts
+    from .recipe import calibrate
+
+    run, options = from_namespace(StatsCollectArgs, args), from_namespace(PruneOptions, args)
+    shard = ShardSpec.parse(run.shard)
+    path = check_new_file(run.output)
+    if run.calibration is not None:
+        load_texts(run.calibration)
+    model, tokenizer = load_for_calibration(run)
+    calibration = run.calibration if run.calibration is not None else assets.wikipedia_split("calibration")
+    stats = calibrate(model, tokenizer, calibration, options, shard=shard)
+    write_statistics(stats, path)
+    if is_main_process():
+        print(f"Wrote shard {shard} ({stats.tokens} tokens, {len(stats.tensors)} statistics) to {path}")
+    return 0
+
+
+def cmd_stats_merge(args: argparse.Namespace) -> int:
+    from .calibration import CalibrationStatistics
+
+    run = from_namespace(StatsMergeArgs, args)
+    path = check_new_file(run.output)
+    merged = CalibrationStatistics.merge_files(run.files)
+    write_statistics(merged, path)
+    print(f"Merged {len(run.files)} shards ({merged.tokens} tokens) into {path}")
+    return 0
+
+
+def load_for_calibration(run) -> tuple:
+    """(model, tokenizer): a `LayerwiseModel` with --layerwise, or when the weights exceed --max-memory."""
+    from transformers import AutoTokenizer
+
+    from .layerwise import LayerwiseModel, model_bytes, parse_memory
+    from .loading import resolve
+
+    limit = parse_memory(run.max_memory) if run.max_memory is not None else None
+    layerwise = run.layerwise
+    if not layerwise and limit is not None and Path(resolve(run.model)).is_dir():
+        layerwise = model_bytes(resolve(run.model), DTYPES[run.dtype]) > limit
+        if layerwise:
+            logger.warning("The weights do not fit --max-memory %s: calibrating layer by layer.", run.max_memory)
+    if not layerwise:
+        return load_model(run.model, dtype=run.dtype, device_map=rank_device(run.device),
+                          trust_remote_code=run.trust_remote_code, revision=run.revision)
+    folder = Path(resolve(run.model))
+    if not folder.is_dir():
+        raise GhostedError(f"Layer-by-layer calibration reads a local model folder; {run.model} is not one (download it "
+                           "first, e.g. huggingface-cli download).")
+    # The build after calibration still loads the model (layer surgery needs every kept weight in memory).
+    model = LayerwiseModel(folder, DTYPES[run.dtype], offload_folder=run.activations_dir)
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def rank_device(device: str | None) -> str | None:
+    """Under torchrun with `--device cuda`, each process takes its own GPU (LOCAL_RANK)."""
+    import os
+
+    from .calibration import init_distributed
+
+    if device == "cuda" and init_distributed():
+        return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return device
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -276,19 +391,38 @@ def build_parser() -> argparse.ArgumentParser:
         for group in groups:
             add_arguments(sub, group)
         sub.set_defaults(handler=handler)
+    stats_help = "Calibration statistics in shards, for machines that share no network."
+    stats = commands.add_parser("stats", help=stats_help, description=stats_help, formatter_class=formatter)
+    actions = stats.add_subparsers(dest="action", required=True)
+    for name, help, groups, handler in [
+        ("collect", "Collect the statistics `prune` with these options needs, over one shard I/N of the calibration "
+                    "batches.", [StatsCollectArgs, PruneOptions], cmd_stats_collect),
+        ("merge", "Sum shards 0/N .. N-1/N into the statistics of the whole calibration set (for prune --statistics).",
+         [StatsMergeArgs], cmd_stats_merge),
+    ]:
+        sub = actions.add_parser(name, help=help, description=help, formatter_class=formatter)
+        for group in groups:
+            add_arguments(sub, group)
+        sub.set_defaults(handler=handler)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    command = args.command + (f" {args.action}" if getattr(args, "action", None) else "")
     try:
         return args.handler(args)
     except (GhostedError, ValueError, OSError, ImportError) as error:
         # Bad input (ours, or transformers' / huggingface_hub's own errors about files and ids): one line.
         message = " ".join(str(error).split()) or type(error).__name__
-        print(f"ghosted {args.command}: error: {message}", file=sys.stderr)
+        print(f"ghosted {command}: error: {message}", file=sys.stderr)
         return 2
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

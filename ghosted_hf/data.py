@@ -32,6 +32,17 @@ class TokenBatches:
     def __post_init__(self) -> None:
         self.num_tokens = int(sum(b["attention_mask"].sum() for b in self.batches))
 
+    def token_sha256(self) -> str:
+        """Hash of the batched token ids and masks: the same text, tokenizer, sequence length, number of
+        sequences and batch size give the same hash (what statistics shards must agree on)."""
+        digest = hashlib.sha256()
+        for b in self.batches:
+            for key in ("input_ids", "attention_mask"):
+                tensor = b[key].to(torch.int64).contiguous()
+                digest.update(str(tuple(tensor.shape)).encode())
+                digest.update(tensor.numpy().tobytes())
+        return digest.hexdigest()
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,

@@ -18,14 +18,15 @@ import transformers
 from transformers import PreTrainedModel
 
 from .assets import base_model_info
-from .calibration import Calibrator, CalibrationStatistics, StatisticsPlan, collect_statistics, stat_key
+from .calibration import (Calibrator, CalibrationStatistics, ShardSpec, StatisticsPlan, check_same_model,
+                          collect_statistics, model_fingerprint, stat_key)
 from .data import CalibrationSource, TokenBatches, tokenize_texts
 from .errors import GhostedError
 from .operators import BoundaryFit, OperatorKind, operator_kind
 from .options import ExportOptions, PruneOptions
 from .remote.configuration_ghosted import LAYER_TARGET, expected_boundaries, pruned_index
 from .remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
-from .selection import Selection, SelectionRequest, check_num_layers, criterion
+from .selection import ContiguousCriterion, Selection, SelectionRequest, candidate_spans, check_num_layers, criterion
 from .surgery import count_parameters, export_plain, fold_into_down_proj, prune_layers, validate_removal
 
 logger = logging.getLogger(__name__)
@@ -57,10 +58,11 @@ def ghost_prune(
     calibrator = Calibrator(model, *prepare_calibration(model, tokenizer, calibration, statistics, options),
                             weighting=options.weighting, skip_first_tokens=options.skip_first_tokens,
                             device=options.stats_device)
-    dense_parameters = count_parameters(model)
-
     selection = select(calibrator, options)
     fits = fit_operators(calibrator, selection.removed, options)
+    if hasattr(model, "load_model"):  # layer-wise calibration: the statistics are done; read the model to build
+        model = model.load_model()
+    dense_parameters = count_parameters(model)
     ghosted = build(model, selection.removed, fits, options)
     ghosted.config.ghost_provenance = provenance(ghosted, model.config._name_or_path, dense_parameters, selection,
                                                  calibrator, options, time.perf_counter() - started)
@@ -68,12 +70,33 @@ def ghost_prune(
     return export_plain(ghosted) if operator_kind(options.operator).plain else ghosted
 
 
+def selection_request(depth: int, options: PruneOptions) -> SelectionRequest:
+    return SelectionRequest(depth=depth, num_layers=options.num_layers,
+                            first=operator_kind(options.operator).first_removable, ridge=options.ridge,
+                            layers=tuple(options.layers or ()))
+
+
+def statistics_plan(depth: int, options: PruneOptions) -> StatisticsPlan:
+    """Everything `ghost_prune` with these options can need from the dense model, known before selection: the
+    criterion's statistics and the fit statistics of every boundary it may choose (every candidate span of a
+    contiguous criterion, the given layers' boundaries for 'manual'). ShortGPT's scattered layers and
+    sequential fits of later boundaries need passes on the chosen layers (pass calibration text then)."""
+    chosen, kind = criterion(options.criterion), operator_kind(options.operator)
+    request = selection_request(depth, options)
+    plan = chosen.statistics(request)
+    if isinstance(chosen, ContiguousCriterion):
+        spans = candidate_spans(depth, options.num_layers, request.first)
+    elif chosen.takes_layers:
+        spans = boundary_spans(depth, sorted(options.layers))
+    else:
+        spans = []
+    return StatisticsPlan.union([plan, *(kind.statistics(s, e) for s, e in spans)])
+
+
 def select(calibrator: Calibrator, options: PruneOptions) -> Selection:
     """The layers to remove, with the scores of every candidate."""
     chosen = criterion(options.criterion)
-    request = SelectionRequest(depth=calibrator.model.config.num_hidden_layers, num_layers=options.num_layers,
-                               first=operator_kind(options.operator).first_removable, ridge=options.ridge,
-                               layers=tuple(options.layers or ()))
+    request = selection_request(calibrator.model.config.num_hidden_layers, options)
     plan = chosen.statistics(request)
     stats = calibrator.ensure(plan, f"selection by {chosen.name!r}") if plan else None
     return chosen.select(stats, request)
@@ -111,10 +134,16 @@ def _fit_on_patched(calibrator: Calibrator, kind: OperatorKind, stats: Calibrati
     """Fit boundary `span` with its source statistics taken from the model pruned and patched before it."""
     s, e = span
     before = [i for i in removed if i < s]
-    patched = prune_layers(calibrator.model, before, {f.source: f.operator.float() for f in fits},
-                           operator_kind=kind.name)
-    for fit in fits:
-        if fit.fused is not None:
+    operators = {f.source: f.operator.float() for f in fits}
+    fused = [f for f in fits if f.fused is not None]
+    if hasattr(calibrator.model, "patched"):  # layer-wise: a second stream through the same layer reads
+        if fused or plan.mlp_terms:
+            raise GhostedError(f"Layer-wise calibration cannot refit {kind.name!r} sequentially (its transform of an "
+                               "MLP output is not streamed layer by layer): pass fitting='independent'.")
+        patched = calibrator.model.patched(before, operators)
+    else:
+        patched = prune_layers(calibrator.model, before, operators, operator_kind=kind.name)
+        for fit in fused:
             fold_into_down_proj(patched, fit.source - 1, fit.fused)
     index_map = {i: pruned_index(i, before) for i in (s - 1, s) if i >= 0}  # X_s, and layer s-1's MLP output
     local = calibrator.collect(plan, purpose, source=(patched, index_map))
@@ -154,7 +183,9 @@ def provenance(ghosted: GhostedForCausalLM, base_name: str | None, dense_paramet
         "solver": {"dtype": "float64", "solve": "torch.linalg.solve", "ridge": options.ridge,
                    "ridge_scale": "mean diagonal of X^T X", "weighting": options.weighting,
                    "skip_first_tokens": options.skip_first_tokens},
-        "calibration": {**data, "tokens_used": stats.tokens if stats else None},
+        "calibration": {**data, "tokens_used": stats.tokens if stats else None, "processes": calibrator.world,
+                        **({"statistics": {k: v for k, v in stats.origin.items() if k != "plan"}}
+                           if stats is not None and not data else {})},
         "cost": {"seconds": round(seconds, 2), "passes": calibrator.passes},
         "parameters": {"dense": dense_parameters, "pruned": count_parameters(ghosted) - operator_parameters,
                        "operators": operator_parameters},
@@ -191,6 +222,11 @@ def prepare_calibration(model: PreTrainedModel, tokenizer: Any, calibration: Cal
     """(token batches of the calibration text or None, precomputed statistics or None)."""
     if isinstance(statistics, (str, Path)):
         statistics = CalibrationStatistics.load(statistics, device=options.stats_device or "cpu")
+    if statistics is not None and statistics.origin.get("model"):
+        check_same_model(statistics, model_fingerprint(model), "The given statistics")
+    if statistics is not None and "shard" in statistics.origin and statistics.origin["shard"] != "0/1":
+        raise GhostedError(f"The given statistics are shard {statistics.origin['shard']} only: merge all shards first "
+                           "(ghosted stats merge stats-*.safetensors --output stats.safetensors).")
     if calibration is None:
         if statistics is None:
             raise GhostedError("Pass calibration text (list of strings, text file or Dataset) or precomputed statistics.")
@@ -202,6 +238,21 @@ def prepare_calibration(model: PreTrainedModel, tokenizer: Any, calibration: Cal
     sequences = data.describe()["sequences"]
     check_token_budget(data.num_tokens - options.skip_first_tokens * sequences, model.config.hidden_size)
     return data, statistics
+
+
+def calibrate(model: PreTrainedModel, tokenizer: Any, calibration: CalibrationSource, options: PruneOptions | None = None,
+              *, shard: ShardSpec | None = None, **overrides: Any) -> CalibrationStatistics:
+    """The statistics `ghost_prune` with these options needs (`statistics_plan`), over shard `shard` of the
+    calibration batches, with the model and data they come from recorded for `CalibrationStatistics.merge`
+    and for the check that `ghost_prune(statistics=...)` is given the same model."""
+    options = PruneOptions.build(options, **overrides)
+    check_request(model, options)
+    data, _ = prepare_calibration(model, tokenizer, calibration, None, options)
+    calibrator = Calibrator(model, data, weighting=options.weighting, skip_first_tokens=options.skip_first_tokens,
+                            device=options.stats_device, shard=shard)
+    stats = calibrator.collect(statistics_plan(model.config.num_hidden_layers, options), f"statistics shard {calibrator.shard}")
+    stats.origin["model"] = model_fingerprint(model)
+    return stats
 
 
 def check_token_ids(data: TokenBatches, model: PreTrainedModel) -> None:

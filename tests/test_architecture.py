@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).parents[1] / "ghosted_hf"
 LAYERS = {
     0: {"errors", "registry", "hadamard", "remote.configuration_ghosted", "remote.modeling_ghosted"},
     1: {"data", "assets"},
-    2: {"calibration"},
+    2: {"calibration", "layerwise"},
     3: {"operators", "selection"},
     4: {"surgery"},
     5: {"summary", "card", "hub", "loading", "evaluate", "files"},

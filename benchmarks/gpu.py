@@ -1,0 +1,141 @@
+"""One command for a CUDA machine: calibration throughput and peak GPU memory of the ghost-aware statistics
+pass, then ghosted / plainly pruned inference ratios (prefill and decode), at Llama-3-8B shape with random
+bf16 weights; writes the results as JSON and a Markdown table.
+
+    python benchmarks/gpu.py                                   # cuda, Llama-3-8B shape, 64 x 512 tokens
+    python benchmarks/gpu.py --shape tiny --device cpu --sequences 4 --seq-len 32 --output /tmp/gpu   # smoke
+
+Random weights and random token ids: the costs do not depend on the values (the operator fitted from them is
+as dense as a real one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from inference import decode, prefill, synchronize  # noqa: E402
+
+from ghosted_hf import prune_layers  # noqa: E402
+from ghosted_hf.calibration import collect_statistics  # noqa: E402
+from ghosted_hf.operators import operator_kind  # noqa: E402
+from ghosted_hf.selection import SelectionRequest, criterion  # noqa: E402
+
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
+}
+
+
+def random_model(shape: str, device: str, dtype: torch.dtype) -> LlamaForCausalLM:
+    config = LlamaConfig(**SHAPES[shape])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype).to_empty(device=device)  # in the target dtype from the start
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to(device)  # computed, not weights
+    return model.eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--output", default="benchmarks/results/gpu", help="writes OUTPUT.json and OUTPUT.md")
+    args = parser.parse_args()
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("No CUDA device: run on a GPU machine, or smoke-test with --shape tiny --device cpu.")
+
+    dense = random_model(args.shape, args.device, getattr(torch, args.dtype))
+    depth, vocab = dense.config.num_hidden_layers, dense.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(10, vocab - 10, (args.batch_size, args.seq_len), generator=generator),
+                "attention_mask": torch.ones(args.batch_size, args.seq_len, dtype=torch.long)}
+               for _ in range(max(1, args.sequences // args.batch_size))]
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+
+    # Calibration: the ghost-aware statistics of every candidate span (float64 sums on the model's device).
+    request = SelectionRequest(depth=depth, num_layers=args.num_layers)
+    plan = criterion("ghost-aware").statistics(request)
+    collect_statistics(dense, batches[:1], plan, progress=False)  # warm-up (kernels, allocator)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    synchronize(args.device)
+    started = time.perf_counter()
+    stats = collect_statistics(dense, batches, plan, progress=False)
+    synchronize(args.device)
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    selection = criterion("ghost-aware").select(stats, request)
+    s, e = selection.removed[0], selection.removed[-1] + 1
+    fit = operator_kind("ghost").fit(stats, s, e, 1e-6)
+    del stats
+
+    plain = prune_layers(dense, selection.removed)
+    ghosted = prune_layers(dense, selection.removed, {s: fit.operator.float()})
+    ids = torch.randint(10, vocab - 10, (1, args.seq_len), generator=generator).to(args.device)
+    short = ids[:, :64]
+    models = {"plainly pruned": plain.to(args.device), "ghosted": ghosted.to(args.device)}
+    for model in models.values():
+        prefill(model, ids[:, :32], args.device)
+        decode(model, short[:, :8], 3, args.device)
+    times = {name: {"prefill": [], "decode": []} for name in models}
+    for _ in range(args.repeats):
+        for name, model in models.items():
+            times[name]["prefill"].append(prefill(model, ids, args.device))
+            times[name]["decode"].append(decode(model, short, args.new_tokens, args.device))
+    median = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+
+    results = {
+        "shape": args.shape, "dtype": args.dtype, "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+        "calibration": {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+                        "peak_gpu_memory_gib": peak / 2**30 if peak is not None else None,
+                        "grams": len(plan.grams), "pairs": len(plan.pairs)},
+        "removed": selection.removed,
+        "inference": {name: {"prefill_ms": 1000 * m["prefill"], "decode_ms_per_token": 1000 * m["decode"]}
+                      for name, m in median.items()},
+        "ratios": {k: median["ghosted"][k] / median["plainly pruned"][k] for k in ("prefill", "decode")},
+        "versions": {"torch": torch.__version__},
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    c = results["calibration"]
+    table = "\n".join([
+        f"{args.shape} (random {args.dtype} weights) on {results['device']}; ghost-aware statistics of "
+        f"{args.num_layers}-layer spans over {tokens} tokens; layers {s}-{e - 1} removed; medians of {args.repeats}.",
+        "",
+        "| calibration tokens/s | peak GPU memory (GiB) | prefill ghosted/pruned | decode ghosted/pruned |",
+        "|---|---|---|---|",
+        f"| {c['tokens_per_second']:.0f} | {c['peak_gpu_memory_gib'] if peak is None else round(c['peak_gpu_memory_gib'], 2)} "
+        f"| {results['ratios']['prefill']:.3f} | {results['ratios']['decode']:.3f} |",
+    ])
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

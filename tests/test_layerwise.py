@@ -1,0 +1,128 @@
+"""Layer-by-layer calibration: the same statistics as the full-model pass, one decoder layer in memory."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from ghosted_hf.calibration import StatisticsPlan, collect_statistics
+from ghosted_hf.data import batch_sequences
+from ghosted_hf.layerwise import LayerwiseModel, parse_memory
+from ghosted_hf.errors import GhostedError
+from ghosted_hf.recipe import ghost_prune
+from tiny import LAYERS, PAD, build, char_tokenizer, sequences, texts
+
+PLAN = StatisticsPlan(
+    grams=frozenset({0, 2}),
+    pairs=frozenset({(0, 3), (2, 6), (1, 5)}),
+    cosines=frozenset({(1, 2), (2, 6)}),
+    abs_sums=frozenset({2, 6}),
+    rotated_abs_sums=frozenset({2}),
+    mlp_terms=frozenset({(2, 4)}),
+)
+
+
+def close(got, expected) -> None:
+    for key, value in expected.tensors.items():
+        torch.testing.assert_close(got.tensors[key], value, rtol=1e-10, atol=1e-10 * float(value.abs().max()),
+                                   msg=key)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("offload", [False, True])
+def test_layerwise_statistics_equal_the_full_model_pass(arch: str, offload: bool, tmp_path: Path) -> None:
+    model = build(arch)
+    model.save_pretrained(tmp_path / "model")
+    batches = batch_sequences(sequences(), 4, PAD)  # padded batches: masks matter
+    full = collect_statistics(model, batches, PLAN, progress=False)
+    layer_params = sum(p.numel() for p in model.model.layers[0].parameters())
+    del model
+    gc.collect()
+
+    lazy = LayerwiseModel(tmp_path / "model", offload_folder=tmp_path if offload else None)
+    resident = []
+
+    def count(i: int) -> None:  # every parameter alive in this process while layer i is in memory
+        gc.collect()
+        resident.append(sum(o.numel() for o in gc.get_objects()
+                            if type(o) is torch.nn.Parameter and o.device.type != "meta"))
+
+    lazy.observer = count
+    stats = collect_statistics(lazy, batches, PLAN, progress=False)
+    assert stats.tokens == full.tokens and set(stats.tensors) == set(full.tensors)
+    close(stats, full)
+    assert len(resident) == LAYERS  # deepest index 6 == depth: all layers run, each alone
+    assert resident == [layer_params] * LAYERS, (resident, layer_params)
+
+
+def test_pass_stops_after_the_deepest_layer_needed(tmp_path: Path) -> None:
+    build("llama").save_pretrained(tmp_path / "model")
+    lazy = LayerwiseModel(tmp_path / "model")
+    seen = []
+    lazy.observer = seen.append
+    collect_statistics(lazy, batch_sequences(sequences(), 4, PAD), StatisticsPlan(grams=frozenset({1}),
+                       pairs=frozenset({(1, 3)})), progress=False)
+    assert seen == [0, 1, 2]
+
+
+@pytest.mark.parametrize("fitting", ["sequential", "independent"])
+def test_ghost_prune_layerwise_equals_in_memory(fitting: str, tmp_path: Path) -> None:
+    build("llama").save_pretrained(tmp_path / "model")
+    options = dict(criterion="manual", layers=[1, 2, 4], fitting=fitting, seq_len=32, num_sequences=10, batch_size=3)
+    expected = ghost_prune(build("llama"), char_tokenizer(), texts(), **options)
+    got = ghost_prune(LayerwiseModel(tmp_path / "model"), char_tokenizer(), texts(), **options)
+    assert got.config.removed_layers == expected.config.removed_layers
+    for name, operator in expected.ghost_operators().items():
+        assert float((got.ghost_operators()[name] - operator).abs().max()) <= 1e-6, name
+    passes = got.config.ghost_provenance["cost"]["passes"]
+    assert any(p["sequential"] for p in passes) == (fitting == "sequential")
+
+
+def test_max_memory_sizes() -> None:
+    assert parse_memory("8GiB") == 8 * 2**30 and parse_memory("500MB") == 500 * 10**6 and parse_memory("1024") == 1024
+    with pytest.raises(GhostedError, match="not a size"):
+        parse_memory("lots")
+
+
+def test_prune_chooses_layerwise_when_the_model_exceeds_max_memory(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    build("llama").save_pretrained(tmp_path / "dense")
+    char_tokenizer().save_pretrained(tmp_path / "dense")
+    (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
+    flags = ["prune", tmp_path / "dense", "--calibration", tmp_path / "cal.txt", "--num-layers", "2", "--seq-len", "32",
+             "--num-sequences", "10"]
+    runs = {}
+    for name, extra in (("full", []), ("auto", ["--max-memory", "20KB"]), ("forced", ["--layerwise"])):
+        done = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), *extra, "--output",
+                               tmp_path / name], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        runs[name] = done
+    assert "calibrating layer by layer" in runs["auto"].stderr and "layer by layer" not in runs["full"].stderr
+    from safetensors.torch import load_file
+
+    full = load_file(tmp_path / "full" / "model.safetensors")
+    for name in ("auto", "forced"):
+        other = load_file(tmp_path / name / "model.safetensors")
+        assert all(float((other[k] - full[k]).abs().max()) <= 1e-6 for k in full), name
+
+
+def test_layerwise_and_in_memory_shards_merge(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from ghosted_hf.calibration import CalibrationStatistics, ShardSpec
+    from ghosted_hf.recipe import calibrate
+
+    build("qwen2").save_pretrained(tmp_path / "model")
+    options = dict(num_layers=2, seq_len=32, num_sequences=12, batch_size=3)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
+    whole = calibrate(loaded, char_tokenizer(), texts(), **options)
+    first = calibrate(LayerwiseModel(tmp_path / "model"), char_tokenizer(), texts(), shard=ShardSpec(0, 2), **options)
+    second = calibrate(loaded, char_tokenizer(), texts(), shard=ShardSpec(1, 2), **options)
+    merged = CalibrationStatistics.merge([first, second])
+    assert merged.tokens == whole.tokens
+    close(merged, whole)
