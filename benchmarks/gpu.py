@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
-from inference import decode, prefill, synchronize  # noqa: E402
+from inference import interleaved_medians, synchronize  # noqa: E402
 
 from ghosted_hf import prune_layers  # noqa: E402
 from ghosted_hf.calibration import collect_statistics  # noqa: E402
@@ -97,17 +96,8 @@ def main() -> None:
     plain = prune_layers(dense, selection.removed)
     ghosted = prune_layers(dense, selection.removed, {s: fit.operator.float()})
     ids = torch.randint(10, vocab - 10, (1, args.seq_len), generator=generator).to(args.device)
-    short = ids[:, :64]
     models = {"plainly pruned": plain.to(args.device), "ghosted": ghosted.to(args.device)}
-    for model in models.values():
-        prefill(model, ids[:, :32], args.device)
-        decode(model, short[:, :8], 3, args.device)
-    times = {name: {"prefill": [], "decode": []} for name in models}
-    for _ in range(args.repeats):
-        for name, model in models.items():
-            times[name]["prefill"].append(prefill(model, ids, args.device))
-            times[name]["decode"].append(decode(model, short, args.new_tokens, args.device))
-    median = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+    median = interleaved_medians(models, ids, args.new_tokens, args.repeats, args.device)
 
     results = {
         "shape": args.shape, "dtype": args.dtype, "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",

@@ -50,6 +50,22 @@ def decode(model, ids: torch.Tensor, new_tokens: int, device: str) -> float:
         return (time.perf_counter() - started - first) / (new_tokens - 1)
 
 
+def interleaved_medians(models: dict, ids: torch.Tensor, new_tokens: int, repeats: int,
+                        device: str) -> dict[str, dict[str, float]]:
+    """Median prefill (all of `ids`) and per-token decode (after its first 64 tokens) seconds per model, the
+    models taking turns in every round so that machine noise hits all of them alike."""
+    short = ids[:, :64]
+    for model in models.values():  # warm-up
+        prefill(model, ids[:, :32], device)
+        decode(model, short[:, :8], 3, device)
+    times = {name: {"prefill": [], "decode": []} for name in models}
+    for _ in range(repeats):
+        for name, model in models.items():
+            times[name]["prefill"].append(prefill(model, ids, device))
+            times[name]["decode"].append(decode(model, short, new_tokens, device))
+    return {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+
+
 def build_models(args):
     if args.shape == "smollm2":
         folder = assets.default_model_dir()
@@ -94,16 +110,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     vocab = dense.config.vocab_size
     ids = torch.randint(10, vocab - 10, (1, args.prompt_len), generator=generator).to(args.device)
-    short = ids[:, :64]
-    for model in models.values():  # warm-up
-        prefill(model, ids[:, :32], args.device)
-        decode(model, short[:, :8], 3, args.device)
-    times = {name: {"prefill": [], "decode": []} for name in models}
-    for _ in range(args.repeats):
-        for name, model in models.items():
-            times[name]["prefill"].append(prefill(model, ids, args.device))
-            times[name]["decode"].append(decode(model, short, args.new_tokens, args.device))
-    median = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+    median = interleaved_medians(models, ids, args.new_tokens, args.repeats, args.device)
     print(f"{title}; {args.dtype} on {args.device}; prefill of {args.prompt_len} tokens, decode of {args.new_tokens} "
           f"tokens after a 64-token prompt; medians of {args.repeats} interleaved runs.\n")
     print("| model | prefill (ms) | decode (ms/token) | prefill vs pruned | decode vs pruned |")
