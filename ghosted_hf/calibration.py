@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from .assets import file_sha256
 from .data import TokenBatches
 from .errors import GhostedError, MissingFileError, NonFiniteError
 from .hadamard import rotation
@@ -205,14 +206,6 @@ def all_reduce_statistics(stats: CalibrationStatistics) -> CalibrationStatistics
 # ---------------------------------------------------------------- what statistics were made from
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def config_sha256(config: Any) -> str:
     """Hash of a model config without what does not change the model (paths, versions, dtype, attention kernel)."""
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -224,7 +217,7 @@ def config_sha256(config: Any) -> str:
 
 def weight_hashes(folder: str | Path) -> dict[str, str]:
     """sha256 of every safetensors weight file of a model folder."""
-    return {p.name: _sha256_file(p) for p in sorted(Path(folder).glob("*.safetensors"))}
+    return {p.name: file_sha256(p) for p in sorted(Path(folder).glob("*.safetensors"))}
 
 
 def model_fingerprint(model: nn.Module | None = None, folder: str | Path | None = None,
@@ -346,18 +339,7 @@ class CalibrationStatistics:
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> CalibrationStatistics:
-        if not Path(path).is_file():
-            raise MissingFileError(f"Statistics file {path} does not exist.")
-        with safe_open(str(path), framework="pt") as handle:
-            meta = handle.metadata() or {}
-        if meta.get("format") != STATS_FORMAT:
-            raise GhostedError(f"{path} is not a ghosted_hf statistics file (format {meta.get('format')!r}).")
-        return cls(
-            tensors=load_file(str(path), device=str(device)), depth=int(meta.get("depth", meta.get("num_layers"))),
-            hidden_size=int(meta["hidden_size"]), tokens=int(meta["tokens"]), weighting=meta["weighting"],
-            skip_first_tokens=int(meta["skip_first_tokens"]), rotation_kind=meta.get("rotation_kind", "none"),
-            origin=json.loads(meta.get("origin", "{}")),  # absent in files written before shards existed
-        )
+        return dataclasses.replace(cls.load_header(path), tensors=load_file(str(path), device=str(device)))
 
     @classmethod
     def load_header(cls, path: str | Path) -> CalibrationStatistics:
@@ -368,10 +350,11 @@ class CalibrationStatistics:
             meta, keys = handle.metadata() or {}, list(handle.keys())
         if meta.get("format") != STATS_FORMAT:
             raise GhostedError(f"{path} is not a ghosted_hf statistics file (format {meta.get('format')!r}).")
-        return cls(tensors=dict.fromkeys(keys), depth=int(meta["depth"]), hidden_size=int(meta["hidden_size"]),
+        return cls(tensors=dict.fromkeys(keys), depth=int(meta.get("depth", meta.get("num_layers"))),
+                   hidden_size=int(meta["hidden_size"]),
                    tokens=int(meta["tokens"]), weighting=meta["weighting"],
                    skip_first_tokens=int(meta["skip_first_tokens"]), rotation_kind=meta.get("rotation_kind", "none"),
-                   origin=json.loads(meta.get("origin", "{}")))
+                   origin=json.loads(meta.get("origin", "{}")))  # absent in files written before shards existed
 
     @classmethod
     def merge_files(cls, paths: list[str | Path]) -> CalibrationStatistics:

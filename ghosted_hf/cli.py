@@ -135,7 +135,6 @@ def check_new_output(output: str | Path | None, *inputs: str | None) -> Path:
 def cmd_prune(args: argparse.Namespace) -> int:
     from .calibration import is_main_process
     from .card import save_with_card
-    from .data import load_texts
     from .recipe import ghost_prune
     from .summary import render_text, summarize
 
@@ -144,12 +143,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
         if run.output is None:
             raise GhostedError("--output DIR is required (or --dry-run to write nothing).")
         check_new_output(run.output, run.model)
-    if run.calibration is not None:
-        load_texts(run.calibration)  # a missing, unreadable or non-UTF-8 file fails before the model loads
+    calibration = calibration_text(run.calibration, statistics=run.statistics)
     model, tokenizer = load_for_calibration(run)
-    calibration = run.calibration
-    if calibration is None and run.statistics is None:
-        calibration = assets.wikipedia_split("calibration")  # the packaged default corpus
     pruned = ghost_prune(model, tokenizer, calibration, options, statistics=run.statistics)
     if not is_main_process():
         return 0  # every process fitted the same operators; the main one reports and writes
@@ -186,16 +181,13 @@ def write_statistics(stats, path: Path) -> None:
 
 def cmd_stats_collect(args: argparse.Namespace) -> int:
     from .calibration import ShardSpec, is_main_process
-    from .data import load_texts
     from .recipe import calibrate
 
     run, options = from_namespace(StatsCollectArgs, args), from_namespace(PruneOptions, args)
     shard = ShardSpec.parse(run.shard)
     path = check_new_file(run.output)
-    if run.calibration is not None:
-        load_texts(run.calibration)
+    calibration = calibration_text(run.calibration)
     model, tokenizer = load_for_calibration(run)
-    calibration = run.calibration if run.calibration is not None else assets.wikipedia_split("calibration")
     stats = calibrate(model, tokenizer, calibration, options, shard=shard)
     write_statistics(stats, path)
     if is_main_process():
@@ -214,6 +206,17 @@ def cmd_stats_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def calibration_text(path: str | None, statistics: str | None = None):
+    """The calibration file, read once here so that a missing, unreadable or non-UTF-8 one fails before the
+    model loads; else the packaged corpus (none when precomputed statistics are given)."""
+    from .data import load_texts
+
+    if path is not None:
+        load_texts(path)
+        return path
+    return None if statistics is not None else assets.wikipedia_split("calibration")
+
+
 def load_for_calibration(run) -> tuple:
     """(model, tokenizer): a `LayerwiseModel` with --layerwise, or when the weights exceed --max-memory."""
     from transformers import AutoTokenizer
@@ -222,15 +225,15 @@ def load_for_calibration(run) -> tuple:
     from .loading import resolve
 
     limit = parse_memory(run.max_memory) if run.max_memory is not None else None
+    folder = Path(resolve(run.model))
     layerwise = run.layerwise
-    if not layerwise and limit is not None and Path(resolve(run.model)).is_dir():
-        layerwise = model_bytes(resolve(run.model), DTYPES[run.dtype]) > limit
+    if not layerwise and limit is not None and folder.is_dir():
+        layerwise = model_bytes(folder, DTYPES[run.dtype]) > limit
         if layerwise:
             logger.warning("The weights do not fit --max-memory %s: calibrating layer by layer.", run.max_memory)
     if not layerwise:
         return load_model(run.model, dtype=run.dtype, device_map=rank_device(run.device),
                           trust_remote_code=run.trust_remote_code, revision=run.revision)
-    folder = Path(resolve(run.model))
     if not folder.is_dir():
         raise GhostedError(f"Layer-by-layer calibration reads a local model folder; {run.model} is not one (download it "
                            "first, e.g. huggingface-cli download).")
@@ -309,8 +312,7 @@ def cmd_heal(args: argparse.Namespace) -> int:
     teacher = None
     if run.teacher:
         teacher, _ = load_model(run.teacher, trust_remote_code=run.trust_remote_code)
-    data = run.data if run.data is not None else assets.wikipedia_split("calibration")
-    peft_model, losses = heal(model, tokenizer, data, options, teacher=teacher)
+    peft_model, losses = heal(model, tokenizer, calibration_text(run.data), options, teacher=teacher)
     print(f"loss: first 5 steps {sum(losses[:5]) / len(losses[:5]):.4f}, last 5 steps "
           f"{sum(losses[-5:]) / len(losses[-5:]):.4f}")
     if run.adapter_only:
@@ -334,8 +336,7 @@ def cmd_export_plain(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(run.folder, trust_remote_code=run.trust_remote_code, revision=run.revision)
     if getattr(model.config, "model_type", None) != "ghosted":
         raise GhostedError(f"{run.folder} holds a {model.config.model_type!r} model, not a ghosted one: it is plain already.")
-    calibration = run.calibration if run.calibration is not None else assets.wikipedia_split("calibration")
-    plain = plain_export(model, tokenizer, calibration, options)
+    plain = plain_export(model, tokenizer, calibration_text(run.calibration), options)
     print(render_text(summarize(plain.config)))
     save_with_card(plain, run.output, tokenizer)
     print(f"\nSaved the stock checkpoint to {run.output} (loads with AutoModelForCausalLM, no trust_remote_code).")

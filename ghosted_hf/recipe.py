@@ -284,25 +284,22 @@ def plain_export(model: GhostedForCausalLM, tokenizer: Any, calibration: Calibra
     kind = operator_kind(options.operator)
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
     check_token_ids(data, model)
-    config = model.config
-    depth, removed = config.num_hidden_layers, set(config.removed_layers)
-    kept = [i for i in range(config.original_num_hidden_layers) if i not in removed]  # dense index of each layer
-    for record in config.ghost_boundaries:
+    depth = model.config.num_hidden_layers
+    for record in model.config.ghost_boundaries:
         operator = model.get_parameter(ghost_tensor_key(record))
         s = record["layer"] if record["target"] == LAYER_TARGET else depth  # pruned numbering
-        w = operator.detach().to(device="cpu", dtype=torch.float64)
-        stats = imitation_statistics(model, data, operator, s, w, kind, options)
+        stats = imitation_statistics(model, data, operator, s, kind, options)
         fit = kind.fit(stats, s, s + 1, options.ridge)
         with torch.no_grad():
             operator.copy_(fit.operator.to(operator))
         if fit.fused is not None:
-            record["fused_into"] = fold_into_down_proj(model, kept[s - 1], fit.fused)
+            record["fused_into"] = fold_into_down_proj(model, record["removed"][0] - 1, fit.fused)
         record.update(operator=kind.name, fit={**fit.figures, "fitted_on": f"imitating the {record['operator']} operator"})
     return export_plain(model)
 
 
 def imitation_statistics(model: GhostedForCausalLM, data: TokenBatches, operator: torch.Tensor, s: int,
-                         w: torch.Tensor, kind: OperatorKind, options: ExportOptions) -> CalibrationStatistics:
+                         kind: OperatorKind, options: ExportOptions) -> CalibrationStatistics:
     """Statistics for fitting a foldable operator to the target X_s W, where X_s enters pruned layer `s` before
     its operator: only X_s and the MLP output before it are collected; X_s W follows from them."""
     plan = StatisticsPlan(grams=frozenset({s}))
@@ -318,7 +315,7 @@ def imitation_statistics(model: GhostedForCausalLM, data: TokenBatches, operator
         with torch.no_grad():
             operator.copy_(saved)
     gram = stats.gram(s)
-    w = w.to(gram)
+    w = saved.to(gram)
     target = {stat_key("cross", s, s + 1): gram @ w, stat_key("energy", s, s + 1): ((gram @ w) * w).sum().reshape(1)}
     if plan.mlp_terms:
         target[stat_key("mlp_target", s, s + 1)] = stats.tensors[stat_key("mlp_source", s)] @ w
