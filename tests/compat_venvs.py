@@ -9,6 +9,7 @@ inside the venv that ``transformers.__version__`` is X. A half-built venv is wip
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import json
 import os
 import shutil
@@ -69,12 +70,12 @@ def ensure_venv(version: str, cache: Path, log=print) -> Path:
 
 def python_for(version: str, cache: Path, log=print) -> Path:
     """The current interpreter when it already has transformers==`version`, else a cached venv's."""
+    # Read from the installed metadata, not by importing transformers: this runs in worker threads while the
+    # main thread imports transformers, and two threads importing it at once can see it half-initialised.
     try:
-        import transformers
-
-        if transformers.__version__ == version:
+        if importlib.metadata.version("transformers") == version:
             return Path(sys.executable)
-    except ImportError:
+    except importlib.metadata.PackageNotFoundError:
         pass
     return ensure_venv(version, cache, log)
 
