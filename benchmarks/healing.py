@@ -1,0 +1,126 @@
+"""Healing at equal compute: LoRA distillation from the dense model (calibration text only) of three starts
+with the same number of removed layers — the default ghosted model, the same block plainly removed, and
+LLM-Streamline's block plainly removed — scored on the held-out windows after each compute budget.
+
+A budget is training compute in machine-minutes: the process CPU time spent in `heal` (evaluation
+excluded) divided by the number of torch threads, i.e. wall minutes of this 2-core machine when it runs
+nothing else. LoRA trains at a constant learning rate, so the model after budget b of one run is the model
+a run with budget b would give; one run per start serves every budget.
+
+    python benchmarks/healing.py --layers 8 --budgets 2.5 5 10 > benchmarks/results/healing.md
+    python benchmarks/healing.py --layers 8 --budgets 2.5 --starts ghosted --lr 1e-3 --scope all-linear
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ghosted_hf import assets, ghost_prune
+from ghosted_hf.calibration import CalibrationStatistics, collect_statistics
+from ghosted_hf.data import tokenize_texts
+from ghosted_hf.evaluate import gap_closed, perplexity
+from ghosted_hf.healing import HealOptions, heal
+from ghosted_hf.options import PruneOptions, add_arguments, from_namespace
+from ghosted_hf.recipe import statistics_plan
+
+from common import held_out_windows, packaged_model
+
+STARTS = ("ghosted", "plain", "streamline")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[2.5, 5, 10], help="Machine-minutes.")
+    parser.add_argument("--starts", nargs="+", choices=STARTS, default=list(STARTS))
+    parser.add_argument("--lm-loss", action="store_true", help="Next-token loss instead of distillation.")
+    parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--statistics", default="benchmark-cache/healing-statistics.safetensors",
+                        help="Calibration statistics cache (computed once for the default prune options).")
+    add_arguments(parser, HealOptions)
+    args = parser.parse_args()
+    options = from_namespace(HealOptions, args)
+    threads = torch.get_num_threads()
+
+    tokenizer, load = packaged_model()
+    calibration = assets.wikipedia_split("calibration")
+    held_out = held_out_windows(tokenizer, args.eval_windows)
+    prune = PruneOptions(num_layers=args.layers)
+    stats = _statistics(Path(args.statistics), load, tokenizer, calibration, prune)
+    teacher = None if args.lm_loss else load()
+
+    def start(name: str) -> torch.nn.Module:
+        if name == "ghosted":
+            return ghost_prune(load(), tokenizer, calibration, prune, statistics=stats)
+        criterion = "ghost-aware" if name == "plain" else "streamline"
+        return ghost_prune(load(), tokenizer, calibration, prune, statistics=stats, criterion=criterion, operator="none")
+
+    started = time.perf_counter()
+    dense = perplexity(load(), held_out.batches, progress=False)
+    streamline_plain = perplexity(start("streamline"), held_out.batches, progress=False)
+    loss = "next-token cross-entropy" if args.lm_loss else "KL to the dense model's logits"
+    print(f"SmolLM2-135M-Instruct, fp32, {args.layers}/30 layers removed, {threads} threads. Held-out perplexity on "
+          f"{held_out.num_tokens} tokens; gap closed between LLM-Streamline's block plainly removed "
+          f"({streamline_plain:.2f}) and dense ({dense:.2f}). Healing: LoRA, {loss}, options "
+          f"{json.dumps(options.to_dict())}, on the calibration articles.\n")
+    print("| start | removed | budget (machine-min) | steps | perplexity | gap closed |")
+    print("|---|---|---|---|---|---|", flush=True)
+    records = []
+    for name in args.starts:
+        model = start(name)
+        removed = model.config.removed_layers
+        budgets = list(args.budgets)
+        spent, steps = 0.0, 0
+
+        def report(evaluated: torch.nn.Module, budget: float) -> None:
+            ppl = perplexity(evaluated, held_out.batches, progress=False)
+            closed = gap_closed(ppl, streamline_plain, dense)
+            records.append(dict(start=name, removed=removed, budget=budget, steps=steps, minutes=spent / 60,
+                                perplexity=ppl, gap_closed=closed))
+            print(f"| {name} | {_ranges(removed)} | {budget:g} | {steps} | {ppl:.2f} | {closed:.3f} |", flush=True)
+
+        report(model, 0.0)
+        clock = time.process_time()
+
+        def after_step(peft_model: torch.nn.Module, losses: list[float]) -> bool:
+            nonlocal spent, steps, clock
+            spent += (time.process_time() - clock) / threads
+            steps = len(losses)
+            while budgets and spent >= budgets[0] * 60:
+                report(peft_model.eval(), budgets.pop(0))
+            clock = time.process_time()
+            return not budgets
+
+        heal(model, tokenizer, calibration, options, teacher=teacher, progress=False, after_step=after_step,
+             steps=10**6)
+    print(f"\nTotal {time.perf_counter() - started:.0f} s wall.")
+    print("\n<details><summary>raw results (JSON)</summary>\n\n```json\n" + json.dumps(records, indent=1) +
+          "\n```\n</details>")
+
+
+def _statistics(path: Path, load, tokenizer, calibration, prune: PruneOptions) -> CalibrationStatistics:
+    """The statistics every start needs (both criteria, the fit of every contiguous block), computed once."""
+    if path.is_file():
+        return CalibrationStatistics.load(path)
+    model = load()
+    batches = tokenize_texts(tokenizer, calibration, prune.seq_len, prune.num_sequences, prune.batch_size).batches
+    depth = model.config.num_hidden_layers
+    plan = statistics_plan(depth, prune) | statistics_plan(depth, dataclasses.replace(prune, criterion="streamline"))
+    stats = collect_statistics(model, batches, plan)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stats.save(path)
+    return stats
+
+
+def _ranges(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else ",".join(map(str, layers))
+
+
+if __name__ == "__main__":
+    main()
