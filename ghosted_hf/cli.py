@@ -100,7 +100,8 @@ class HealArgs(LoadArgs):
     folder: str = option(help="Saved ghosted model folder or Hub id.")
     output: str | None = option(None, "New folder to save the healed model (or adapter) to (required).")
     data: str | None = option(None, "Training text file (None: the packaged calibration articles).")
-    teacher: str | None = option(None, "Dense model to distill from (None: language-modelling loss).")
+    teacher: str = option("base", "Dense model to distill from: a folder or Hub id; 'base': the model it was pruned "
+                                  "from (recorded in its config); 'none': language-modelling loss instead.")
     adapter_only: bool = option(False, "Save only the PEFT adapter.")
 
 
@@ -304,14 +305,15 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 def cmd_heal(args: argparse.Namespace) -> int:
     from .card import save_with_card
-    from .healing import HealOptions, heal, merge
+    from .healing import HealOptions, base_model_reference, heal, merge
 
     run, options = from_namespace(HealArgs, args), from_namespace(HealOptions, args)
     check_new_output(run.output, run.folder)
     model, tokenizer = load_model(run.folder, trust_remote_code=run.trust_remote_code, revision=run.revision)
     teacher = None
-    if run.teacher:
-        teacher, _ = load_model(run.teacher, trust_remote_code=run.trust_remote_code)
+    if run.teacher != "none":
+        reference = base_model_reference(model) if run.teacher == "base" else run.teacher
+        teacher, _ = load_model(reference, trust_remote_code=run.trust_remote_code)
     peft_model, losses = heal(model, tokenizer, calibration_text(run.data), options, teacher=teacher)
     print(f"loss: first 5 steps {sum(losses[:5]) / len(losses[:5]):.4f}, last 5 steps "
           f"{sum(losses[-5:]) / len(losses[-5:]):.4f}")

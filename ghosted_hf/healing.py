@@ -7,6 +7,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +46,27 @@ class HealOptions(Options):
             raise GhostedError(f"lr must be positive, got {self.lr}.")
 
 
+def check_ghosted(model: Any) -> None:
+    if getattr(getattr(model, "config", None), "model_type", None) != "ghosted":
+        raise GhostedError(f"heal expects a ghosted model (GhostedForCausalLM), got {type(model).__name__}; prune it "
+                           "with ghosted_hf.ghost_prune first.")
+
+
+def base_model_reference(model: GhostedForCausalLM) -> str:
+    """Where the dense model that `model` was pruned from lives (the natural distillation teacher): the folder
+    recorded at pruning time if it still exists here, else its Hub id."""
+    check_ghosted(model)
+    provenance = getattr(model.config, "ghost_provenance", None) or {}
+    path, hub_id = provenance.get("base_model_path"), provenance.get("base_model")
+    if path and Path(path).is_dir():
+        return path
+    if hub_id:
+        return hub_id
+    raise GhostedError(f"The model records no reachable base model (path {path!r}, Hub id {hub_id!r}) to distill "
+                       "from; pass the dense model's folder or Hub id as the teacher, or train with the "
+                       "language-modelling loss (teacher 'none').")
+
+
 def target_modules(model: GhostedForCausalLM, scope: str = "boundary") -> str:
     """LoRA targets: the linear layers of the kept layers on both sides of every boundary, or all of them."""
     if scope not in SCOPES:
@@ -74,9 +96,7 @@ def heal(
     tokens, otherwise next-token cross-entropy. Options are `HealOptions` fields. `after_step(model, losses)`
     runs after every step (e.g. to evaluate at time budgets); returning True stops training there."""
     options = HealOptions.build(options, **overrides)
-    if getattr(getattr(model, "config", None), "model_type", None) != "ghosted":
-        raise GhostedError(f"heal expects a ghosted model (GhostedForCausalLM), got {type(model).__name__}; prune it "
-                           "with ghosted_hf.ghost_prune first.")
+    check_ghosted(model)
     torch.manual_seed(options.seed)
     batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.batch_size).batches
     config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0,

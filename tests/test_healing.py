@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from ghosted_hf import ghost_prune
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.healing import heal, merge, target_modules
+from ghosted_hf.healing import base_model_reference, heal, merge, target_modules
 from isolated import assert_loads_with_same_logits
 from tiny import batch, build, char_tokenizer, kl_to_dense, texts
 
@@ -91,3 +91,15 @@ def test_after_step_sees_every_step_and_can_stop_training() -> None:
     peft_model, losses = heal(pruned(), char_tokenizer(), texts(), steps=10, lr=5e-3, seq_len=48, progress=False,
                               after_step=after_step)
     assert calls == [(1, True), (2, True), (3, True)] and len(losses) == 3 and peft_model.ghost_healing["steps"] == 3
+
+
+def test_the_default_teacher_is_the_recorded_base_model(tmp_path: Path) -> None:
+    model = pruned()
+    model.config.ghost_provenance = {**model.config.ghost_provenance, "base_model_path": str(tmp_path),
+                                     "base_model": "someone/dense"}
+    assert base_model_reference(model) == str(tmp_path)  # the folder it was pruned from, while it exists
+    model.config.ghost_provenance["base_model_path"] = str(tmp_path / "moved")
+    assert base_model_reference(model) == "someone/dense"  # else the Hub id
+    model.config.ghost_provenance["base_model"] = None
+    with pytest.raises(ValueError, match=r"records no reachable base model .*\(teacher 'none'\)"):
+        base_model_reference(model)
