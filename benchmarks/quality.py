@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--short-methods", nargs="+", default=None,
                         help="Rows to run for layer counts after the first (default: all).")
     parser.add_argument("--heal", action="store_true", help="Also score the default row after the default healing.")
+    parser.add_argument("--heal-steps", type=int, default=HealOptions().steps, help="Healing steps (a quick check).")
     parser.add_argument("--lambada", type=int, default=0, help="LAMBADA items to score (5153: all; 0: skip).")
     parser.add_argument("--tasks", nargs="+", default=list(ZERO_SHOT_TASKS), choices=list(ZERO_SHOT_TASKS))
     parser.add_argument("--limit", type=int, default=40, help="Zero-shot examples per task (0: skip zero-shot).")
@@ -68,6 +69,7 @@ def main() -> None:
     held_out = held_out_windows(tokenizer, args.eval_windows)
     cal_data = tokenize_texts(tokenizer, calibration, args.seq_len, args.num_sequences, 4)
     teacher = load() if args.heal else None
+    healing = HealOptions(steps=args.heal_steps)
 
     def score(model) -> dict:
         result = {"ppl": perplexity(model, held_out.batches, progress=False)}
@@ -95,7 +97,7 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct (dequantized Q4_1), fp32. Perplexity: {held_out.num_tokens} held-out tokens "
           f"({args.eval_windows} windows of 512). Calibration: {cal_data.num_tokens} tokens "
           f"({args.num_sequences} x {args.seq_len}). LAMBADA: first {args.lambada} items. Zero-shot: {zero}. "
-          f"Healing: {json.dumps(HealOptions().to_dict()) if args.heal else 'not run'}.\n")
+          f"Healing: {json.dumps(healing.to_dict()) if args.heal else 'not run'}.\n")
     print("| removed | selection | layers | method | perplexity | gap closed | LAMBADA acc | LAMBADA ppl | zero-shot acc |")
     print("|---|---|---|---|---|---|---|---|---|")
     print(row(0, "-", [], "dense", dense, dense["ppl"]), flush=True)
@@ -128,7 +130,7 @@ def main() -> None:
                 print(row(n, criterion, removed, label, result, baseline), flush=True)
                 records[f"{n}/{criterion}/{name}"] = {"removed": removed, **result}
                 if args.heal and (criterion, name) == DEFAULT:
-                    healed = merge(heal(model, tokenizer, calibration, teacher=teacher, progress=False)[0])
+                    healed = merge(heal(model, tokenizer, calibration, healing, teacher=teacher, progress=False)[0])
                     result = score(healed)
                     print(row(n, criterion, removed, label + " + default healing", result, baseline), flush=True)
                     records[f"{n}/{criterion}/{name}/healed"] = {"removed": removed, **result}
