@@ -19,7 +19,7 @@ import math
 import os
 import time
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,21 +153,43 @@ class ShardSpec:
 # ---------------------------------------------------------------- torch.distributed
 
 
+# (rank, world size, local rank) as torchrun (and accelerate's GPU launcher) or an MPI launcher (accelerate's
+# multi-CPU launcher runs mpirun: Open MPI, MPICH / Intel MPI, MVAPICH) describe them.
+LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+                      ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+                      ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+                      ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"))
+
+
+def launcher_process(environ: Mapping[str, str] | None = None) -> tuple[int, int, int]:
+    """(rank, world size, local rank) that the launcher gave this process; (0, 1, 0) when none did."""
+    environ = os.environ if environ is None else environ
+    for rank, world, local in LAUNCHER_VARIABLES:
+        if environ.get(world):
+            return int(environ.get(rank, "0")), int(environ[world]), int(environ.get(local, "0"))
+    return 0, 1, 0
+
+
 def init_distributed() -> bool:
-    """Join the process group that torchrun / accelerate launch describe in the environment (NCCL with
-    CUDA, gloo otherwise); True when running with more than one process."""
+    """Join the process group that torchrun / accelerate launch (its torchrun or mpirun launchers) describe
+    in the environment (NCCL with CUDA, gloo otherwise); True when running with more than one process."""
     import torch.distributed as dist
 
     if not dist.is_available():
         return False
     if dist.is_initialized():
         return dist.get_world_size() > 1
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    rank, world, local_rank = launcher_process()
+    if world <= 1:
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+        torch.cuda.set_device(local_rank)
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise GhostedError(f"Process {rank} of {world}: MASTER_ADDR and MASTER_PORT are not set, so the processes cannot "
+                           "find each other; start them with torchrun or accelerate launch (which set them).")
+    logger.info("Joining process group: rank %d of %d (%s).", rank, world, backend)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     return True
 
 
@@ -684,7 +706,9 @@ def collect_statistics(
     try:
         for m in models:
             m.eval()
-        for batch in tqdm(list(batches), desc=description, disable=not progress, leave=False):
+        # Iterated as given: a generator of batches streams (no list of every batch is made here).
+        total = len(batches) if isinstance(batches, Sized) else None
+        for batch in tqdm(batches, total=total, desc=description, disable=not progress, leave=False):
             keep = token_mask(batch["attention_mask"], skip_first_tokens)
             if not keep.any():
                 continue

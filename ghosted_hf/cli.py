@@ -244,13 +244,11 @@ def load_for_calibration(run) -> tuple:
 
 
 def rank_device(device: str | None) -> str | None:
-    """Under torchrun with `--device cuda`, each process takes its own GPU (LOCAL_RANK)."""
-    import os
-
-    from .calibration import init_distributed
+    """Under torchrun (or mpirun) with `--device cuda`, each process takes its own GPU (its local rank)."""
+    from .calibration import init_distributed, launcher_process
 
     if device == "cuda" and init_distributed():
-        return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+        return f"cuda:{launcher_process()[2]}"
     return device
 
 

@@ -25,6 +25,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def dispatched(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` dispatched by accelerate with a per-module device_map: every decoder layer gets its own hook."""
+    from accelerate import dispatch_model
+
+    names = ["model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head"]
+    device_map = {name: "cpu" for name in names + [f"model.layers.{i}" for i in range(len(model.model.layers))]}
+    model = dispatch_model(model, device_map, force_hooks=True)
+    assert all(hasattr(layer, "_hf_hook") for layer in model.model.layers)
+    return model
+
+
+def outcome(ghosted: torch.nn.Module) -> tuple:
+    return (ghosted.config.removed_layers, {k: v.detach().clone() for k, v in ghosted.ghost_operators().items()},
+            [p["batches"] for p in ghosted.config.ghost_provenance["cost"]["passes"]])
+
+
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
     """What a user script under torchrun does: no distributed code of its own."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -37,8 +53,10 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     results = {}
     for name, options in CASES.items():
         ghosted = ghost_prune(build("llama"), char_tokenizer(), texts(), **options)
-        results[name] = (ghosted.config.removed_layers, {k: v.detach().clone() for k, v in ghosted.ghost_operators().items()},
-                         [p["batches"] for p in ghosted.config.ghost_provenance["cost"]["passes"]])
+        results[name] = outcome(ghosted)
+    # A model dispatched with a device_map inside the rank (accelerate hooks on every layer) changes nothing.
+    results["ghost-aware-dispatched"] = outcome(ghost_prune(dispatched(build("llama")), char_tokenizer(), texts(),
+                                                            **CASES["ghost-aware"]))
     torch.save(results, f"{out}/rank{rank}.pt")  # every rank reports, to compare them
     if is_main_process():
         stats.save(f"{out}/stats.safetensors")
@@ -70,9 +88,10 @@ def test_two_gloo_processes_equal_one(tmp_path: Path) -> None:
         torch.testing.assert_close(two.tensors[key], expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()))
     single = torch.load(tmp_path / "one" / "rank0.pt")
     ranks = [torch.load(tmp_path / "two" / f"rank{r}.pt") for r in range(2)]
-    for name in CASES:
-        removed, operators, batches = single[name]
-        for rank, result in enumerate(ranks):
+    # The dispatched model, in 1 and in 2 processes, gives what the plain model gives in 1 process.
+    for name, reference in [*((n, n) for n in CASES), ("ghost-aware-dispatched", "ghost-aware")]:
+        removed, operators, batches = single[reference]
+        for rank, result in enumerate([single] + ranks):
             assert result[name][0] == removed, (name, rank)
             assert set(result[name][1]) == set(operators)
             for key, operator in operators.items():
@@ -81,7 +100,80 @@ def test_two_gloo_processes_equal_one(tmp_path: Path) -> None:
     assert len(single["shortgpt-sequential"][2]) >= 2  # the sequential passes were reduced too
 
 
-def test_prune_under_torchrun_writes_once_and_matches_one_process(tmp_path: Path) -> None:
+def test_statistics_of_a_model_loaded_with_a_device_map(tmp_path: Path) -> None:
+    """from_pretrained(device_map=...) with layers split over "cpu" and "disk" (accelerate hooks that move or
+    load each layer's weights on every call): the same statistics as the plain model."""
+    from transformers import AutoModelForCausalLM
+
+    from ghosted_hf.calibration import StatisticsPlan, collect_statistics
+    from ghosted_hf.data import batch_sequences
+    from tiny import LAYERS, PAD, sequences
+
+    build("llama").save_pretrained(tmp_path / "model")
+    plan = StatisticsPlan(grams=frozenset({0, 2}), pairs=frozenset({(0, 3), (2, LAYERS)}), cosines=frozenset({(1, 4)}),
+                          mlp_terms=frozenset({(2, 4)}))
+    batches = batch_sequences(sequences(), 4, PAD)
+    plain = collect_statistics(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), batches, plan, progress=False)
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                  **{f"model.layers.{i}": "disk" if i in (1, 3) else "cpu" for i in range(LAYERS)}}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                 offload_folder=str(tmp_path / "offload"))
+    assert set(model.hf_device_map.values()) == {"cpu", "disk"}
+    assert model.model.layers[1].self_attn.q_proj.weight.device.type == "meta"  # loaded by its hook on each call
+    stats = collect_statistics(model, batches, plan, progress=False)
+    assert stats.tokens == plain.tokens and set(stats.tensors) == set(plain.tensors)
+    for key, expected in plain.tensors.items():
+        torch.testing.assert_close(stats.tensors[key], expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()),
+                                   msg=key)
+
+
+def mpi_rank(rank: int, world: int, port: int, out: str) -> None:
+    """A process as mpirun starts it (accelerate launch --cpu --num_processes N --mpirun_hostfile ...)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(name, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMPI_COMM_WORLD_RANK=str(rank),
+                      OMPI_COMM_WORLD_SIZE=str(world), OMPI_COMM_WORLD_LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    from ghosted_hf.calibration import process_rank
+
+    joined = process_rank()
+    summed = torch.tensor([rank + 1.0])
+    if joined[1] > 1:
+        dist.all_reduce(summed)
+        dist.destroy_process_group()
+    torch.save((joined, float(summed)), f"{out}/mpi{rank}.pt")
+
+
+def test_launcher_environments(tmp_path: Path) -> None:
+    from ghosted_hf.calibration import launcher_process
+
+    assert launcher_process({}) == (0, 1, 0)
+    assert launcher_process({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)  # torchrun
+    assert launcher_process({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3",
+                             "OMPI_COMM_WORLD_LOCAL_RANK": "0"}) == (2, 3, 0)  # Open MPI
+    assert launcher_process({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}) == (1, 2, 1)  # MPICH, Intel MPI
+    # Two processes described the way mpirun describes them join one gloo group.
+    context = mp.start_processes(mpi_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn",
+                                 join=False)
+    for process in context.processes:
+        process.join(timeout=120)
+    assert all(p.exitcode == 0 for p in context.processes), [p.exitcode for p in context.processes]
+    assert [torch.load(tmp_path / f"mpi{r}.pt") for r in range(2)] == [((0, 2), 3.0), ((1, 2), 3.0)]
+
+
+LAUNCHERS = {
+    "torchrun": lambda port: ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                              "--master-port", str(port)],
+    # On a machine without GPUs, accelerate's --multi_gpu launcher is torchrun underneath and our processes use
+    # gloo; its --cpu launcher starts one process (or N under mpirun), see test_launcher_environments.
+    "accelerate": lambda port: ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                                "--main_process_port", str(port)],
+}
+
+
+def test_prune_under_torchrun_and_accelerate_launch_writes_once_and_matches_one_process(tmp_path: Path) -> None:
     build("llama").save_pretrained(tmp_path / "dense")
     char_tokenizer().save_pretrained(tmp_path / "dense")
     (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
@@ -91,21 +183,22 @@ def test_prune_under_torchrun_writes_once_and_matches_one_process(tmp_path: Path
     one = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), "--output", tmp_path / "one"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                          "127.0.0.1", "--master-port", str(free_port()), "-m", "ghosted_hf.cli", *map(str, flags),
-                          "--output", tmp_path / "two"], capture_output=True, text=True, timeout=300, env=env)
-    assert two.returncode == 0, two.stderr
-    assert two.stdout.count("Saved to") == 1  # only rank 0 reports and writes
-    from safetensors.torch import load_file
-
-    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
-    assert set(a) == set(b)
-    ghosts = [k for k in a if ".ghost." in k]
-    assert ghosts and all(float((a[k] - b[k]).abs().max()) <= 1e-6 for k in ghosts)
-    assert all(torch.equal(a[k], b[k]) for k in a if k not in ghosts)
     import json
 
-    config = json.loads((tmp_path / "two" / "config.json").read_text())
-    assert config["removed_layers"] == json.loads((tmp_path / "one" / "config.json").read_text())["removed_layers"]
-    assert config["ghost_provenance"]["calibration"]["processes"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.txt", "dense", "one", "two"]
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "one" / "model.safetensors")
+    for launcher, command in LAUNCHERS.items():
+        two = subprocess.run([sys.executable, *command(free_port()), "-m", "ghosted_hf.cli", *map(str, flags),
+                              "--output", tmp_path / launcher], capture_output=True, text=True, timeout=300, env=env)
+        assert two.returncode == 0, (launcher, two.stderr[-3000:])
+        assert two.stdout.count("Saved to") == 1, launcher  # only rank 0 reports and writes
+        b = load_file(tmp_path / launcher / "model.safetensors")
+        assert set(a) == set(b)
+        ghosts = [k for k in a if ".ghost." in k]
+        assert ghosts and all(float((a[k] - b[k]).abs().max()) <= 1e-6 for k in ghosts), launcher
+        assert all(torch.equal(a[k], b[k]) for k in a if k not in ghosts), launcher
+        config = json.loads((tmp_path / launcher / "config.json").read_text())
+        assert config["removed_layers"] == json.loads((tmp_path / "one" / "config.json").read_text())["removed_layers"]
+        assert config["ghost_provenance"]["calibration"]["processes"] == 2, launcher
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["cal.txt", "dense", "one", *LAUNCHERS])
