@@ -176,7 +176,10 @@ def chat_turn_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
         raise GhostedError("The tokenizer's chat template does not render the assistant's message verbatim, so "
                            "calibration text cannot be put in chat form: use the plain text format.")
     before, after = rendered.split(_SENTINEL)
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] if text else []  # noqa: E731
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
     return encode(before), encode(after)
 
 

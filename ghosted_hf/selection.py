@@ -12,7 +12,7 @@ found by dynamic programming over those scores. A criterion is one `Criterion` s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from typing import Any, ClassVar
 
 from .calibration import CalibrationStatistics, StatisticsPlan
@@ -98,7 +98,7 @@ def best_splits(block_score: dict[tuple[int, int], float], depth: int, n: int, m
     Dynamic programming over (next layer, layers left, blocks left): linear in depth, whatever the number of
     combinations."""
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(i: int, left: int, blocks: int) -> tuple[tuple[float, tuple[tuple[int, int], ...]], ...]:
         if left == 0:
             return ((0.0, ()),)
