@@ -18,6 +18,12 @@ logger = logging.getLogger(__name__)
 
 CalibrationSource = str | os.PathLike | Iterable[str] | Any  # text file, list of strings, or a datasets.Dataset
 
+TEXT_FORMATS = ("plain", "chat")
+# The user turn before each calibration text in the "chat" format: a neutral request, so that the text is what
+# the assistant writes (the turns an instruct model generates, and whose hidden states generation runs through).
+CHAT_PROMPT = "Write a text."
+_SENTINEL = "\x00GHOSTED_TEXT\x00"
+
 
 @dataclass
 class TokenBatches:
@@ -27,6 +33,7 @@ class TokenBatches:
     name: str
     text_sha256: str
     num_texts: int
+    text_format: str = "plain"
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +58,7 @@ class TokenBatches:
             "tokens": self.num_tokens,
             "sequences": sum(len(b["input_ids"]) for b in self.batches),
             "sequence_length": max(b["input_ids"].shape[1] for b in self.batches),
+            "format": self.text_format,
         }
 
 
@@ -156,6 +164,57 @@ def batch_sequences(sequences: list[list[int]], batch_size: int, pad_id: int) ->
     return batches
 
 
+def chat_turn_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """(tokens before, tokens after) a text written as the assistant's reply to `CHAT_PROMPT`, rendered by the
+    tokenizer's own chat template (system prompt and markers included, as the template adds them)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise GhostedError("The tokenizer has no chat template (tokenizer.chat_template is not set), so calibration "
+                           "text cannot be put in chat form: use the plain text format, or a tokenizer with a template.")
+    messages = [{"role": "user", "content": CHAT_PROMPT}, {"role": "assistant", "content": _SENTINEL}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    if rendered.count(_SENTINEL) != 1:
+        raise GhostedError("The tokenizer's chat template does not render the assistant's message verbatim, so "
+                           "calibration text cannot be put in chat form: use the plain text format.")
+    before, after = rendered.split(_SENTINEL)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    return encode(before), encode(after)
+
+
+def pack_conversations(token_lists: list[list[int]], before: list[int], after: list[int], seq_len: int,
+                       max_sequences: int | None) -> list[list[int]]:
+    """Sequences of whole conversations: each text is cut into pieces that, wrapped in `before`/`after`, fill
+    the rest of the current sequence, so that no conversation is cut and every sequence begins with the
+    template, as every request to a chat model does. (Wrapping whole documents before chunking would leave
+    the template in one sequence of a long document's many.)"""
+    overhead = len(before) + len(after)
+    if seq_len <= overhead:
+        raise GhostedError(f"seq_len {seq_len} leaves no room for text inside the chat template ({overhead} tokens): "
+                           "use a longer seq_len or the plain text format.")
+    sequences: list[list[int]] = []
+    current: list[int] = []
+    for tokens in token_lists:
+        start = 0
+        while start < len(tokens):
+            room = seq_len - len(current) - overhead
+            if room < 1:  # too little left for a conversation: the sequence ends here (padded)
+                sequences.append(current)
+                current, room = [], seq_len - overhead
+            piece = tokens[start:start + room]
+            current = current + before + piece + after
+            start += len(piece)
+            if len(current) == seq_len:
+                sequences.append(current)
+                current = []
+            if max_sequences is not None and len(sequences) >= max_sequences:
+                return sequences
+    if current:
+        sequences.append(current)
+    return sequences[:max_sequences] if max_sequences is not None else sequences
+
+
 def tokenize_texts(
     tokenizer: Any,
     source: CalibrationSource,
@@ -163,15 +222,25 @@ def tokenize_texts(
     num_sequences: int | None = None,
     batch_size: int = 4,
     text_column: str = "text",
+    text_format: str = "plain",
 ) -> TokenBatches:
-    """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens and batch them."""
+    """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens and batch them. `text_format="chat"`
+    writes every text as the assistant's reply in the tokenizer's chat template (see `pack_conversations`)."""
     if seq_len < 2 or batch_size < 1:
         raise GhostedError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}.")
+    if text_format not in TEXT_FORMATS:
+        raise GhostedError(f"Unknown text format {text_format!r}; choose one of: {', '.join(TEXT_FORMATS)}.")
     texts, name = load_texts(source, text_column)
     if not texts:
         raise GhostedError(f"The calibration text ({name}) is empty: provide at least a few paragraphs of text.")
-    token_lists = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
-    sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id)
+    if text_format == "chat":
+        before, after = chat_turn_tokens(tokenizer)
+        token_lists = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        sequences = pack_conversations(token_lists, before, after, seq_len, num_sequences)
+    else:
+        token_lists = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id)
     if num_sequences is not None and len(sequences) < num_sequences:
         logger.warning("Only %d sequences of %d tokens in %s (asked for %d).", len(sequences), seq_len, name, num_sequences)
-    return TokenBatches(batch_sequences(sequences, batch_size, pad_token_id(tokenizer)), name, text_hash(texts), len(texts))
+    return TokenBatches(batch_sequences(sequences, batch_size, pad_token_id(tokenizer)), name, text_hash(texts), len(texts),
+                        text_format)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .calibration import WEIGHTINGS
+from .data import TEXT_FORMATS
 from .errors import GhostedError, UnknownOptionError
 from .operators import OPERATOR_KINDS, Folded
 from .remote.configuration_ghosted import OPERATOR_DTYPES
@@ -114,6 +115,16 @@ class PruneOptions(Options):
     num_layers: int = option(8, "Number of decoder layers to remove (ignored with --criterion manual).")
     criterion: str = option("ghost-aware", "How to choose the layers to remove.", lambda: tuple(CRITERIA))
     layers: list[int] | None = option(None, "Layer indices to remove with criterion 'manual' (dense numbering).")
+    max_blocks: int = option(
+        1,
+        "Remove the layers as up to this many separate blocks (1: one contiguous block). With more, the criterion "
+        "scores every combination of blocks by the sum of their scores (ghost-aware only: fitted residuals add up).",
+    )
+    verify_candidates: int = option(
+        1,
+        "With max_blocks > 1: fit the operators of this many best-scored removals (sequentially, one calibration "
+        "pass per later boundary each) and keep the one whose fitted residuals sum to the least (1: the best score).",
+    )
     operator: str = option("ghost", "Operator kind that recovers each boundary.", lambda: tuple(OPERATOR_KINDS))
     fitting: str = option(
         "sequential",
@@ -129,6 +140,12 @@ class PruneOptions(Options):
     seq_len: int = option(512, "Calibration sequence length in tokens.")
     num_sequences: int = option(128, "Number of calibration sequences.")
     batch_size: int = option(4, "Calibration sequences per forward pass.")
+    calibration_format: str = option(
+        "plain",
+        "How calibration text is fed: plain (documents joined by EOS), or chat (each piece of text is the "
+        "assistant's reply to a short user request, in the tokenizer's chat template; needs a template).",
+        TEXT_FORMATS,
+    )
     operator_dtype: str = option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
     stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
 
@@ -138,7 +155,11 @@ class PruneOptions(Options):
             raise GhostedError(f"criterion {self.criterion!r} needs the layer indices to remove (layers=[...]).")
         if self.layers and not takes_layers:
             raise GhostedError(f"layers=[...] is only used with criterion='manual', not {self.criterion!r}.")
-        positive(self, "seq_len", "num_sequences", "batch_size")
+        positive(self, "seq_len", "num_sequences", "batch_size", "max_blocks", "verify_candidates")
+        if (self.max_blocks > 1 or self.verify_candidates > 1) and not CRITERIA[self.criterion].splits:
+            splitting = ", ".join(name for name, c in CRITERIA.items() if c.splits)
+            raise GhostedError(f"max_blocks > 1 and verify_candidates > 1 need a criterion whose scores add up over "
+                               f"blocks ({splitting}), not {self.criterion!r}.")
         if self.seq_len < 2:
             raise GhostedError(f"seq_len must be at least 2, got {self.seq_len}.")
         if self.ridge < 0 or self.skip_first_tokens < 0:

@@ -26,7 +26,8 @@ from .operators import BoundaryFit, OperatorKind, operator_kind
 from .options import ExportOptions, PruneOptions
 from .remote.configuration_ghosted import LAYER_TARGET, expected_boundaries, pruned_index
 from .remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
-from .selection import ContiguousCriterion, Selection, SelectionRequest, candidate_spans, check_num_layers, criterion
+from .selection import (ContiguousCriterion, Selection, SelectionRequest, candidate_layers, check_num_layers,
+                        criterion)
 from .surgery import count_parameters, export_plain, fold_into_down_proj, prune_layers, validate_removal
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,8 @@ def ghost_prune(
     calibrator = Calibrator(model, *prepare_calibration(model, tokenizer, calibration, statistics, options),
                             weighting=options.weighting, skip_first_tokens=options.skip_first_tokens,
                             device=options.stats_device)
-    selection = select(calibrator, options)
-    fits = fit_operators(calibrator, selection.removed, options)
+    selection, fitted = select(calibrator, options)
+    fits = fitted.get(tuple(selection.removed)) or fit_operators(calibrator, selection.removed, options)
     if hasattr(model, "load_model"):  # layer-wise calibration: the statistics are done; read the model to build
         model = model.load_model()
     dense_parameters = count_parameters(model)
@@ -73,7 +74,7 @@ def ghost_prune(
 def selection_request(depth: int, options: PruneOptions) -> SelectionRequest:
     return SelectionRequest(depth=depth, num_layers=options.num_layers,
                             first=operator_kind(options.operator).first_removable, ridge=options.ridge,
-                            layers=tuple(options.layers or ()))
+                            layers=tuple(options.layers or ()), max_blocks=options.max_blocks)
 
 
 def statistics_plan(depth: int, options: PruneOptions) -> StatisticsPlan:
@@ -85,7 +86,7 @@ def statistics_plan(depth: int, options: PruneOptions) -> StatisticsPlan:
     request = selection_request(depth, options)
     plan = chosen.statistics(request)
     if isinstance(chosen, ContiguousCriterion):
-        spans = candidate_spans(depth, options.num_layers, request.first)
+        spans = chosen.spans(request)
     elif chosen.takes_layers:
         spans = boundary_spans(depth, sorted(options.layers))
     else:
@@ -93,13 +94,32 @@ def statistics_plan(depth: int, options: PruneOptions) -> StatisticsPlan:
     return StatisticsPlan.union([plan, *(kind.statistics(s, e) for s, e in spans)])
 
 
-def select(calibrator: Calibrator, options: PruneOptions) -> Selection:
-    """The layers to remove, with the scores of every candidate."""
+def select(calibrator: Calibrator, options: PruneOptions) -> tuple[Selection, dict[tuple[int, ...], list[BoundaryFit]]]:
+    """The layers to remove, with the scores of every candidate, and the fits made while verifying candidates
+    (removed layers -> fits; empty without verification)."""
     chosen = criterion(options.criterion)
     request = selection_request(calibrator.model.config.num_hidden_layers, options)
     plan = chosen.statistics(request)
     stats = calibrator.ensure(plan, f"selection by {chosen.name!r}") if plan else None
-    return chosen.select(stats, request)
+    selection = chosen.select(stats, request)
+    if options.verify_candidates > 1 and len(selection.scores) > 1:
+        return verify(calibrator, selection, options)
+    return selection, {}
+
+
+def verify(calibrator: Calibrator, selection: Selection, options: PruneOptions,
+           ) -> tuple[Selection, dict[tuple[int, ...], list[BoundaryFit]]]:
+    """Refit the best `verify_candidates` candidates as `ghost_prune` would (sequentially, on the model pruned
+    and patched upstream) and keep the one whose fitted residuals ||X W - X_e||^2 / ||X_e||^2 sum to the least:
+    the cheap score fits every block on the dense model, but a later boundary sees the upstream error too."""
+    fitted, verified = {}, {}
+    for name in selection.ranked()[: options.verify_candidates]:
+        removed = tuple(candidate_layers(name))
+        fitted[removed] = fit_operators(calibrator, list(removed), options)
+        verified[name] = sum(fit.figures.get("residual_vs_target", float("nan")) for fit in fitted[removed])
+        logger.info("Candidate %s: score %.4g, fitted residuals sum %.4g.", name, selection.scores[name], verified[name])
+    best = min(verified, key=lambda name: (verified[name], name))
+    return dataclasses.replace(selection, removed=candidate_layers(best), verified=verified), fitted
 
 
 def boundary_spans(depth: int, removed: list[int]) -> list[tuple[int, int]]:
@@ -233,7 +253,8 @@ def prepare_calibration(model: PreTrainedModel, tokenizer: Any, calibration: Cal
         return None, statistics
     if tokenizer is None:
         raise GhostedError("A tokenizer is needed to tokenize the calibration text.")
-    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
+    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size,
+                          text_format=options.calibration_format)
     check_token_ids(data, model)
     sequences = data.describe()["sequences"]
     check_token_budget(data.num_tokens - options.skip_first_tokens * sequences, model.config.hidden_size)

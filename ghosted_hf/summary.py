@@ -81,12 +81,13 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         operator_dtype=storage,
         parameters=(f"{params['dense']:,} -> {params['pruned']:,} (+ {params['operators']:,} in operators; "
                     f"{1 - (params['pruned'] + params['operators']) / params['dense']:.1%} fewer)" if params else "unknown"),
-        criterion=selection.get("criterion"),
+        criterion=_criterion(selection),
         better=selection.get("better"),
         scores=[(name, f"{score:.6g}", set(candidate_layers(name)) <= removed) for name, score in ranked],
         recovery=f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')} fitting",
         calibration=(f"{cal.get('name')}: {cal.get('tokens_used')} tokens in {cal.get('sequences')} sequences of "
-                     f"{cal.get('sequence_length')}, sha256 {cal.get('sha256')}" if cal else "unknown"),
+                     f"{cal.get('sequence_length')}" + (f", {cal['format']} format" if cal.get("format") else "")
+                     + f", sha256 {cal.get('sha256')}" if cal else "unknown"),
         solver=", ".join(f"{k}={v}" for k, v in (prov.get("solver") or {}).items()) or "unknown",
         versions=", ".join(f"{k} {v}" for k, v in (prov.get("versions") or {}).items()) or "unknown",
         boundaries=[_boundary(b) for b in boundaries],
@@ -95,6 +96,16 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         plain=bool(plain) and getattr(config, "model_type", None) != "ghosted",
         untied_embeddings=bool(plain and plain.get("untied_embeddings")),
     )
+
+
+def _criterion(selection: dict[str, Any]) -> str | None:
+    """The criterion, with its split search and verification when they were used."""
+    name = selection.get("criterion")
+    if name and selection.get("max_blocks", 1) > 1:
+        name += f", up to {selection['max_blocks']} blocks"
+    if name and selection.get("verified"):
+        name += f", best {len(selection['verified'])} verified by their sequentially fitted residuals"
+    return name
 
 
 def _boundary(record: dict[str, Any]) -> BoundarySummary:
