@@ -129,6 +129,17 @@ class PruneOptions(Options):
     seq_len: int = option(512, "Calibration sequence length in tokens.")
     num_sequences: int = option(128, "Number of calibration sequences.")
     batch_size: int = option(4, "Calibration sequences per forward pass.")
+    norm_operator: bool = option(
+        False,
+        "After the boundaries, fit one more operator at the final norm's input, on the pruned and patched model "
+        "against the dense model's hidden state there (a downstream correction; nothing is added when a boundary "
+        "already feeds the norm).",
+    )
+    lookahead: bool = option(
+        False,
+        "Refit each boundary feeding a layer once so that the first kept layer's output, not only its input, "
+        "matches the dense model (the layer's update held at its value on the patched model; one more pass each).",
+    )
     operator_dtype: str = option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
     stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
 
@@ -141,6 +152,12 @@ class PruneOptions(Options):
         positive(self, "seq_len", "num_sequences", "batch_size")
         if self.seq_len < 2:
             raise GhostedError(f"seq_len must be at least 2, got {self.seq_len}.")
+        kind = OPERATOR_KINDS[self.operator]
+        for name in ("norm_operator", "lookahead"):
+            if getattr(self, name) and not kind.retargetable:
+                retargetable = ", ".join(n for n, k in OPERATOR_KINDS.items() if k.retargetable)
+                raise GhostedError(f"{name} refits the operator against another target, which operator kind "
+                                   f"{self.operator!r} cannot do; use one of: {retargetable}.")
         if self.ridge < 0 or self.skip_first_tokens < 0:
             raise GhostedError(f"ridge and skip_first_tokens must be >= 0, got {self.ridge} and {self.skip_first_tokens}.")
 

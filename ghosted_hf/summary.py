@@ -13,7 +13,7 @@ from .remote.configuration_ghosted import LAYER_TARGET, GhostedConfig
 from .selection import candidate_layers
 
 SHOWN_FIGURES = ("relative_residual", "residual_vs_target", "pruned_residual_vs_target", "condition_number",
-                 "antisymmetric_share", "fitted_on")
+                 "antisymmetric_share", "bias_norm_vs_mean_target", "lookahead_change", "fitted_on")
 
 
 def _figure(value: Any) -> str:
@@ -84,7 +84,9 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         criterion=selection.get("criterion"),
         better=selection.get("better"),
         scores=[(name, f"{score:.6g}", set(candidate_layers(name)) <= removed) for name, score in ranked],
-        recovery=f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')} fitting",
+        recovery=f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')} fitting"
+                 + (", one-layer lookahead refit" if prov.get("lookahead") else "")
+                 + (", operator at the final norm's input" if prov.get("norm_operator") else ""),
         calibration=(f"{cal.get('name')}: {cal.get('tokens_used')} tokens in {cal.get('sequences')} sequences of "
                      f"{cal.get('sequence_length')}, sha256 {cal.get('sha256')}" if cal else "unknown"),
         solver=", ".join(f"{k}={v}" for k, v in (prov.get("solver") or {}).items()) or "unknown",
@@ -99,12 +101,13 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
 
 def _boundary(record: dict[str, Any]) -> BoundarySummary:
     feeds = (f"pruned layer {record['layer']} (dense {record['original_layer']})" if record["target"] == LAYER_TARGET
-             else "final norm")
+             else "final norm" if record["removed"] else "final norm (a correction: no layer removed there)")
     fit = record.get("fit") or {}
     return BoundarySummary(
         removed=record["removed"],
         feeds=feeds,
-        operator=record["operator"] + (f", fused into {record['fused_into']}" if record.get("fused_into") else ""),
+        operator=record["operator"] + (", affine: x W + b" if record.get("bias") else "")
+        + (f", fused into {record['fused_into']}" if record.get("fused_into") else ""),
         figures=", ".join(f"{k}={_figure(fit[k])}" for k in SHOWN_FIGURES if k in fit) or "-",
     )
 
