@@ -178,6 +178,40 @@ class GhostAffine(Ghost):
         return BoundaryFit(self.name, s, e, operator=w, bias=bias, figures=figures)
 
 
+LOOKAHEADS = ("none", "frozen-update", "linearised")
+
+
+def lookahead_correction(gram: torch.Tensor, u_z: torch.Tensor, u_y: torch.Tensor, ridge: float, mode: str,
+                         sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(R, c): the correction u -> u R (+ c) of the hidden state u entering a kept layer, whose output is z, toward
+    the dense output Y, from u^T u (`gram`), u^T z, u^T Y and, for an affine fit, `sums` = (sum u, sum z, sum Y, n).
+
+    "frozen-update": the layer's update z - u is held at its value, so the input should be Y - z + u (one
+    fixed-point step). "linearised": the layer is linearised as z ~ u A (+ const), A its least-squares fit on these
+    tokens (the Jacobian averaged over them, skip connection included), and R = I + D minimises
+    ||z + u D A - Y||^2: G D (A A^T) = u^T (Y - z) A^T. With A = I the two agree."""
+    c = gram.shape[0]
+    eye = torch.eye(c, dtype=gram.dtype, device=gram.device)
+    if sums is not None:  # the ones column: one more row and column, its diagonal not regularised
+        u_sum, z_sum, y_sum, count = sums
+        gram = torch.cat([torch.cat([gram, u_sum[:, None]], 1),
+                          torch.cat([u_sum, torch.tensor([count], dtype=gram.dtype, device=gram.device)])[None]], 0)
+        u_z, u_y = torch.cat([u_z, z_sum[None]], 0), torch.cat([u_y, y_sum[None]], 0)
+    eps = ridge_epsilon(gram[:c, :c], ridge)
+    regularised = gram + eps * torch.diag(torch.cat([torch.ones(c), torch.zeros(gram.shape[0] - c)]).to(gram))
+    if mode == "frozen-update":
+        d = torch.linalg.solve(regularised, u_y - u_z)  # target Y - z + u, minus the identity part
+    elif mode == "linearised":
+        a = torch.linalg.solve(regularised, u_z)[:c]  # z ~ u A (+ const)
+        p = torch.linalg.solve(regularised, u_y - u_z)  # the same as frozen-update before A
+        aat = a @ a.T
+        d = torch.linalg.solve(aat + ridge_epsilon(aat, ridge) * eye, a @ p.T).T  # P A^T (A A^T)^-1
+    else:
+        raise GhostedError(f"Unknown lookahead {mode!r}; choose one of: {', '.join(LOOKAHEADS)}.")
+    return eye + d[:c], (d[c] if sums is not None else None)
+
+
 @register
 class NoOperator(OperatorKind):
     name = "none"

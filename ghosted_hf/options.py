@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from .calibration import WEIGHTINGS
 from .errors import GhostedError, UnknownOptionError
-from .operators import OPERATOR_KINDS, Folded
+from .operators import LOOKAHEADS, OPERATOR_KINDS, Folded
 from .remote.configuration_ghosted import OPERATOR_DTYPES
 from .selection import CRITERIA
 
@@ -135,10 +135,12 @@ class PruneOptions(Options):
         "against the dense model's hidden state there (a downstream correction; nothing is added when a boundary "
         "already feeds the norm).",
     )
-    lookahead: bool = option(
-        False,
+    lookahead: str = option(
+        "none",
         "Refit each boundary feeding a layer once so that the first kept layer's output, not only its input, "
-        "matches the dense model (the layer's update held at its value on the patched model; one more pass each).",
+        "matches the dense model: frozen-update (the layer's update held at its value on the patched model) or "
+        "linearised (the layer replaced by its least-squares linear fit on the patched tokens); two more passes each.",
+        LOOKAHEADS,
     )
     operator_dtype: str = option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
     stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
@@ -153,8 +155,8 @@ class PruneOptions(Options):
         if self.seq_len < 2:
             raise GhostedError(f"seq_len must be at least 2, got {self.seq_len}.")
         kind = OPERATOR_KINDS[self.operator]
-        for name in ("norm_operator", "lookahead"):
-            if getattr(self, name) and not kind.retargetable:
+        for name, used in (("norm_operator", self.norm_operator), ("lookahead", self.lookahead != "none")):
+            if used and not kind.retargetable:
                 retargetable = ", ".join(n for n, k in OPERATOR_KINDS.items() if k.retargetable)
                 raise GhostedError(f"{name} refits the operator against another target, which operator kind "
                                    f"{self.operator!r} cannot do; use one of: {retargetable}.")

@@ -22,7 +22,7 @@ from .calibration import (Calibrator, CalibrationStatistics, ShardSpec, Statisti
                           collect_statistics, model_fingerprint, stat_key)
 from .data import CalibrationSource, TokenBatches, tokenize_texts
 from .errors import GhostedError
-from .operators import BoundaryFit, OperatorKind, operator_kind, solve_affine, solve_ghost
+from .operators import BoundaryFit, OperatorKind, lookahead_correction, operator_kind
 from .options import ExportOptions, PruneOptions
 from .remote.configuration_ghosted import LAYER_TARGET, expected_boundaries, pruned_index
 from .remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
@@ -114,7 +114,7 @@ def fit_operators(calibrator: Calibrator, removed: list[int], options: PruneOpti
     kind = operator_kind(options.operator)
     depth = calibrator.model.config.num_hidden_layers
     spans = boundary_spans(depth, removed)
-    if (options.lookahead or options.norm_operator) and (hasattr(calibrator.model, "patched") or calibrator.data is None):
+    if (options.lookahead != "none" or options.norm_operator) and (hasattr(calibrator.model, "patched") or calibrator.data is None):
         raise GhostedError("lookahead and norm_operator fit on the pruned and patched model: they need the calibration "
                            "text (not only precomputed statistics) and a model in memory (not layer-wise calibration).")
     sequential = options.fitting == "sequential" and kind.sequential and len(spans) > 1
@@ -131,7 +131,7 @@ def fit_operators(calibrator: Calibrator, removed: list[int], options: PruneOpti
         else:
             fits.append(kind.fit(stats, s, e, options.ridge))
             fits[-1].figures["fitted_on"] = "dense model"
-        if options.lookahead and e < depth:
+        if options.lookahead != "none" and e < depth:
             fits[-1] = _look_ahead(calibrator, kind, fits, removed, options, f"lookahead {k + 1}/{len(spans)}")
     if options.norm_operator and spans[-1][1] < depth:
         patched = _patched_model(calibrator, kind, fits, removed)
@@ -158,10 +158,11 @@ def _look_ahead(calibrator: Calibrator, kind: OperatorKind, fits: list[BoundaryF
                 options: PruneOptions, purpose: str) -> BoundaryFit:
     """The last fit refined once so that the first kept layer's OUTPUT matches the dense model's, X_{e+1}.
 
-    On the model patched with the fit, u = x W (+ b) enters kept layer e and z = u + f(u) leaves it. Holding the
-    layer's update f at its patched value, the output matches when u' = X_{e+1} - f(u) = X_{e+1} - z + u, so a
-    correction u -> u R (+ c) is fitted to that target in closed form and composed: W' = W R, b' = b R + c. One
-    pass over the patched model alone (u^T u, u^T z) and one beside the dense model (u^T X_{e+1})."""
+    On the model patched with the fit, u = x W (+ b) enters kept layer e and z leaves it; a closed-form correction
+    u -> u R (+ c) toward X_{e+1} (`operators.lookahead_correction`: the layer's update held fixed, or the layer
+    linearised on these tokens) is composed into the fit: W' = W R, b' = b R + c. One pass over the patched model
+    alone (u^T u, u^T z) and one beside the dense model (u^T X_{e+1}); the fit figures stay those of the fit
+    before the refit."""
     fit = fits[-1]
     s, e = fit.source, fit.target
     upto = [i for i in removed if i < e]
@@ -174,15 +175,11 @@ def _look_ahead(calibrator: Calibrator, kind: OperatorKind, fits: list[BoundaryF
     dense = calibrator.collect(StatisticsPlan(pairs=frozenset({(s, e + 1)}), sums=frozenset({(s, e + 1)})),
                                f"{purpose}: dense output of layer {e}", source=(patched, {s: p}))
     gram = own.gram(p)
-    cross = dense.cross(s, e + 1) - own.cross(p, p + 1) + gram  # u^T (X_{e+1} - z + u)
     u_sum, z_sum, count = own.sums(p, p + 1)
-    target_sum = dense.sums(s, e + 1)[1] - z_sum + u_sum
+    sums = (u_sum, z_sum, dense.sums(s, e + 1)[1], count) if affine else None
+    r, c = lookahead_correction(gram, own.cross(p, p + 1), dense.cross(s, e + 1), options.ridge, options.lookahead,
+                                sums)
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    if affine:
-        m, c, _ = solve_affine(gram, cross, u_sum, target_sum, count, options.ridge)
-    else:
-        m, _ = solve_ghost(gram, cross, options.ridge)
-    r = eye + m
     w = fit.operator.to(r)
     refined = dataclasses.replace(fit, operator=w @ r, bias=(fit.bias.to(r) @ r + c) if affine else None,
                                   figures=dict(fit.figures))

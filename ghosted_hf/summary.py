@@ -49,6 +49,9 @@ class ModelSummary:
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     healing: str | None = None
     plain: bool = False  # a stock checkpoint: operators folded into the weights, no remote code
+    affine: bool = False  # some boundary is x W + b
+    lookahead: bool = False  # boundaries refitted on the first kept layer's output
+    norm_correction: bool = False  # the last boundary corrects the final norm's input, no layer removed there
     untied_embeddings: bool = False
 
 
@@ -85,7 +88,8 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         better=selection.get("better"),
         scores=[(name, f"{score:.6g}", set(candidate_layers(name)) <= removed) for name, score in ranked],
         recovery=f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')} fitting"
-                 + (", one-layer lookahead refit" if prov.get("lookahead") else "")
+                 + (f", one-layer lookahead refit ({prov['lookahead']})" if prov.get("lookahead") not in (None, "none")
+                    else "")
                  + (", operator at the final norm's input" if prov.get("norm_operator") else ""),
         calibration=(f"{cal.get('name')}: {cal.get('tokens_used')} tokens in {cal.get('sequences')} sequences of "
                      f"{cal.get('sequence_length')}, sha256 {cal.get('sha256')}" if cal else "unknown"),
@@ -96,6 +100,9 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         healing=", ".join(f"{k}={v}" for k, v in healing.items()) if healing else None,
         plain=bool(plain) and getattr(config, "model_type", None) != "ghosted",
         untied_embeddings=bool(plain and plain.get("untied_embeddings")),
+        affine=any(b.get("bias") for b in boundaries),
+        lookahead=prov.get("lookahead") not in (None, "none"),
+        norm_correction=any(not b["removed"] for b in boundaries),
     )
 
 

@@ -18,7 +18,7 @@ from ghosted_hf.data import tokenize_texts
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.files import verify_folder
 from ghosted_hf.healing import target_modules
-from ghosted_hf.operators import OPERATOR_KINDS
+from ghosted_hf.operators import OPERATOR_KINDS, lookahead_correction
 from ghosted_hf.options import PruneOptions, add_arguments, from_namespace
 from ghosted_hf.summary import render_text, summarize
 from ghosted_hf.surgery import export_plain
@@ -212,13 +212,14 @@ def test_affine_prune_end_to_end_beats_linear_on_calibration() -> None:
     assert "affine: x W + b" in render_text(summarize(affine.config))
 
 
-def test_lookahead_leaves_an_exact_fit_unchanged() -> None:
+@pytest.mark.parametrize("mode", ["frozen-update", "linearised"])
+def test_lookahead_leaves_an_exact_fit_unchanged(mode: str) -> None:
     # Layer 3 (the first kept one after the boundary) is an identity: its output matches exactly when its input
     # does, so the refit must change nothing.
     dense = plant_identity_layers(build("llama"), [3])
     options = dict(criterion="manual", layers=[1, 2], ridge=0.0, **FAST)
     plain = ghost_prune(plant_identity_layers(build("llama"), [3]), char_tokenizer(), texts(), **options)
-    ahead = ghost_prune(dense, char_tokenizer(), texts(), lookahead=True, **options)
+    ahead = ghost_prune(dense, char_tokenizer(), texts(), lookahead=mode, **options)
     record = ahead.config.ghost_boundaries[0]
     assert record["fit"]["lookahead_change"] < 1e-6
     torch.testing.assert_close(ahead.get_parameter("model.layers.1.ghost.operator"),
@@ -231,8 +232,8 @@ def test_lookahead_is_one_closed_form_refit_on_the_first_kept_layer_output() -> 
     options = PruneOptions(criterion="manual", layers=[1, 2], ridge=0.0, **FAST)
     first = ghost_prune(build("llama"), char_tokenizer(), texts(), options)
     w = first.get_parameter("model.layers.1.ghost.operator").detach().double()
-    ahead = ghost_prune(build("llama"), char_tokenizer(), texts(), options, lookahead=True)
-    assert ahead.config.ghost_provenance["lookahead"] is True
+    ahead = ghost_prune(build("llama"), char_tokenizer(), texts(), options, lookahead="frozen-update")
+    assert ahead.config.ghost_provenance["lookahead"] == "frozen-update"
     patched = prune_layers(build("llama"), [1, 2], {1: w})
     u = _calibration_inputs(patched, patched.model.layers[1], options)
     z = _calibration_inputs(patched, patched.model.layers[2], options)
@@ -244,10 +245,10 @@ def test_lookahead_is_one_closed_form_refit_on_the_first_kept_layer_output() -> 
     assert ahead.config.ghost_boundaries[0]["fit"]["lookahead_change"] > 0.01
 
 
-@pytest.mark.parametrize("flag", ["norm_operator", "lookahead"])
-def test_levers_need_a_retargetable_kind(flag: str) -> None:
-    with pytest.raises(GhostedError, match=f"{flag} refits the operator .* use one of: ghost, ghost-affine"):
-        PruneOptions(operator="linearpatch-diag", **{flag: True})
+@pytest.mark.parametrize("flag", [dict(norm_operator=True), dict(lookahead="linearised")])
+def test_levers_need_a_retargetable_kind(flag: dict) -> None:
+    with pytest.raises(GhostedError, match=f"{next(iter(flag))} refits the operator .* use one of: ghost, ghost-affine"):
+        PruneOptions(operator="linearpatch-diag", **flag)
 
 
 def test_levers_are_command_line_flags() -> None:
@@ -256,5 +257,44 @@ def test_levers_are_command_line_flags() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser, PruneOptions)
     options = from_namespace(PruneOptions, parser.parse_args(["--operator", "ghost-affine", "--norm-operator",
-                                                               "--lookahead"]))
-    assert (options.operator, options.norm_operator, options.lookahead) == ("ghost-affine", True, True)
+                                                               "--lookahead", "linearised"]))
+    assert (options.operator, options.norm_operator, options.lookahead) == ("ghost-affine", True, "linearised")
+
+
+def test_card_describes_the_bias_and_the_norm_correction(tmp_path: Path) -> None:
+    import importlib.util
+    import sys
+
+    from ghosted_hf.card import build_card
+
+    if importlib.util.find_spec("ghosted_hf.model_cards") is None:  # a checkout run without installing it
+        root = Path(__file__).resolve().parent.parent / "model_cards"
+        spec = importlib.util.spec_from_file_location("ghosted_hf.model_cards", root / "__init__.py",
+                                                      submodule_search_locations=[str(root)])
+        sys.modules["ghosted_hf.model_cards"] = importlib.util.module_from_spec(spec)
+    model, _ = _affine_model(tmp_path)
+    text = str(build_card(model.config))
+    assert "affine boundaries also hold `...ghost.bias`" in text
+    assert "| [] | final norm (a correction: no layer removed there) | ghost, affine: x W + b |" in text
+    assert "corrects the final norm's input" in text
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_linearised_lookahead_is_exact_for_a_linear_layer(affine: bool) -> None:
+    # A layer z = u A (+ a): the output target Y = (u B + b) A (+ a) is reached exactly by R = B (c = b); the
+    # frozen-update step, which ignores how the layer maps a change of its input, is not exact.
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(800, C, generator=g, dtype=torch.float64) + (2.0 if affine else 0.0)
+    a = torch.eye(C, dtype=torch.float64) + 0.4 * torch.randn(C, C, generator=g, dtype=torch.float64)
+    b_matrix = torch.eye(C, dtype=torch.float64) + 0.2 * torch.randn(C, C, generator=g, dtype=torch.float64)
+    shift = torch.randn(C, generator=g, dtype=torch.float64) if affine else torch.zeros(C, dtype=torch.float64)
+    offset = torch.randn(C, generator=g, dtype=torch.float64) if affine else torch.zeros(C, dtype=torch.float64)
+    z, y = u @ a + offset, (u @ b_matrix + shift) @ a + offset
+    sums = (u.sum(0), z.sum(0), y.sum(0), float(len(u))) if affine else None
+    results = {mode: lookahead_correction(u.T @ u, u.T @ z, u.T @ y, 0.0, mode, sums)
+               for mode in ("linearised", "frozen-update")}
+    r, c = results["linearised"]
+    torch.testing.assert_close(r, b_matrix, rtol=0, atol=1e-8)
+    if affine:
+        torch.testing.assert_close(c, shift, rtol=0, atol=1e-8)
+    assert float(torch.linalg.norm(results["frozen-update"][0] - b_matrix)) > 0.1
