@@ -298,3 +298,25 @@ def test_linearised_lookahead_is_exact_for_a_linear_layer(affine: bool) -> None:
     if affine:
         torch.testing.assert_close(c, shift, rtol=0, atol=1e-8)
     assert float(torch.linalg.norm(results["frozen-update"][0] - b_matrix)) > 0.1
+
+
+def test_layerwise_pass_gives_the_affine_sums_and_refuses_a_sequential_affine_fit(tmp_path: Path) -> None:
+    from ghosted_hf.calibration import collect_statistics
+    from ghosted_hf.data import batch_sequences
+    from ghosted_hf.layerwise import LayerwiseModel
+    from tiny import PAD, sequences
+
+    model = build("llama")
+    model.save_pretrained(tmp_path / "model")
+    plan = StatisticsPlan(grams=frozenset({1}), sums=frozenset({(1, 3), (2, 6)}))
+    batches = batch_sequences(sequences(), 4, PAD)
+    full = collect_statistics(model, batches, plan, progress=False)
+    lazy = collect_statistics(LayerwiseModel(tmp_path / "model"), batches, plan, progress=False)
+    assert set(full.tensors) == set(lazy.tensors) == {"gram.1", "sum.1", "count.1", "sum_target.1.3", "sum.2",
+                                                      "count.2", "sum_target.2.6"}
+    for key, value in full.tensors.items():
+        torch.testing.assert_close(lazy.tensors[key], value, rtol=1e-10, atol=1e-9, msg=key)
+    assert float(full.tensors["count.1"]) == full.tokens
+    with pytest.raises(GhostedError, match="cannot refit 'ghost-affine' sequentially"):
+        ghost_prune(LayerwiseModel(tmp_path / "model"), char_tokenizer(), texts(), criterion="manual", layers=[1, 3],
+                    operator="ghost-affine", **FAST)
