@@ -154,30 +154,6 @@ def affine_squared_residual(stats: CalibrationStatistics, s: int, e: int, w: tor
     return linear + float(2.0 * (source_sum @ w) @ b + count * (b @ b) - 2.0 * (target_sum @ b))
 
 
-@register
-class GhostAffine(Ghost):
-    name = "ghost-affine"
-    summary = ("x -> x W + b: the ghost fit with a ones column (one more row and column in the Gram matrix); the "
-               "bias is a tensor next to the operator, so no plain export")
-
-    def statistics(self, s: int, e: int) -> StatisticsPlan:
-        return super().statistics(s, e) | StatisticsPlan(sums=frozenset({(s, e)}))
-
-    def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
-        source_sum, target_sum, count = stats.sums(s, e)
-        m, bias, eps = solve_affine(stats.gram(s), stats.cross(s, e), source_sum, target_sum, count, ridge)
-        w = m + torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
-        figures: dict[str, Any] = {"ridge_eps": eps}
-        if stats.has_pair(s, e):
-            eye = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
-            untouched = squared_residual(stats.gram(s), stats.cross(s, e), stats.energy(s, e), eye)
-            figures = {**residual_figures(affine_squared_residual(stats, s, e, w, bias), untouched, stats.energy(s, e)),
-                       **figures}
-        figures["bias_norm_vs_mean_target"] = float(torch.linalg.norm(bias) / torch.linalg.norm(target_sum / count)
-                                                    .clamp_min(1e-300))
-        return BoundaryFit(self.name, s, e, operator=w, bias=bias, figures=figures)
-
-
 LOOKAHEADS = ("none", "frozen-update", "linearised")
 
 
@@ -371,3 +347,27 @@ class FoldedScale(Folded):
     summary = ("the scale and transform of `folded` without the rotation (Q = I): nothing is folded into the "
                "embeddings, so tied embeddings stay tied (no extra parameters)")
     rotation = False
+
+
+@register  # after the others: the listed choices keep their order
+class GhostAffine(Ghost):
+    name = "ghost-affine"
+    summary = ("x -> x W + b: the ghost fit with a ones column (one more row and column in the Gram matrix); the "
+               "bias is a tensor next to the operator, so no plain export")
+
+    def statistics(self, s: int, e: int) -> StatisticsPlan:
+        return super().statistics(s, e) | StatisticsPlan(sums=frozenset({(s, e)}))
+
+    def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
+        source_sum, target_sum, count = stats.sums(s, e)
+        m, bias, eps = solve_affine(stats.gram(s), stats.cross(s, e), source_sum, target_sum, count, ridge)
+        w = m + torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
+        figures: dict[str, Any] = {"ridge_eps": eps}
+        if stats.has_pair(s, e):
+            eye = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
+            untouched = squared_residual(stats.gram(s), stats.cross(s, e), stats.energy(s, e), eye)
+            figures = {**residual_figures(affine_squared_residual(stats, s, e, w, bias), untouched, stats.energy(s, e)),
+                       **figures}
+        figures["bias_norm_vs_mean_target"] = float(torch.linalg.norm(bias) / torch.linalg.norm(target_sum / count)
+                                                    .clamp_min(1e-300))
+        return BoundaryFit(self.name, s, e, operator=w, bias=bias, figures=figures)
