@@ -1,6 +1,8 @@
 """Closed-form levers beyond the ghost operator on the packaged SmolLM2-135M-Instruct (30 layers), each against
 the current default (ghost-aware selection, ghost operator, sequential fitting, 128 x 512 calibration tokens of
-the packaged Wikipedia calibration split), on the same held-out windows as benchmarks/plain_export.py.
+the packaged Wikipedia calibration split), on the same held-out windows as benchmarks/plain_export.py. One dense
+statistics pass per depth serves both selections (ghost-aware, and LLM-Streamline for the baseline) and every
+row's boundary fit; only a lever's own passes on the patched model come on top.
 
 Levers (all `PruneOptions`): `operator="ghost-affine"` (x -> x W + b), `norm_operator=True` (one more operator at
 the final norm's input, fitted on the pruned and patched model), `lookahead="frozen-update"` / `"linearised"` (each
@@ -24,9 +26,8 @@ from ghosted_hf import assets, ghost_prune
 from ghosted_hf.calibration import StatisticsPlan, collect_statistics
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.evaluate import gap_closed, perplexity
-from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
-from ghosted_hf.recipe import boundary_spans
+from ghosted_hf.recipe import statistics_plan
 
 from common import held_out_windows, packaged_model
 
@@ -61,16 +62,18 @@ def main() -> None:
     print("| removed | layers | lever | perplexity | gap closed | log ppl vs default | fit seconds |")
     print("|---|---|---|---|---|---|---|")
     for n in args.layers:
-        streamline = ghost_prune(load(), tokenizer, calibration, options, num_layers=n, criterion="streamline",
-                                 operator="none")
+        # Every candidate block's selection and fit statistics (ghost-affine's include ghost's), and Streamline's.
+        plan = StatisticsPlan.union([
+            statistics_plan(30, PruneOptions.build(options, num_layers=n, operator="ghost-affine")),
+            statistics_plan(30, PruneOptions.build(options, num_layers=n, criterion="streamline", operator="none"))])
+        stats = collect_statistics(load(), data.batches, plan, progress=False)
+        streamline = ghost_prune(load(), tokenizer, calibration, options, statistics=stats, num_layers=n,
+                                 criterion="streamline", operator="none")
         baseline = perplexity(streamline, held_out, progress=False)
         print(f"| {n}/30 | {_ranges(streamline.config.removed_layers)} | LLM-Streamline's block plainly removed "
               f"(the baseline) | {baseline:.2f} | 0.000 | - | - |", flush=True)
-        removed = ghost_prune(load(), tokenizer, calibration, options, num_layers=n, operator="none").config.removed_layers
-        spans = boundary_spans(30, removed)
-        kinds = {row.get("operator", options.operator) for name, row in ROWS.items() if name in args.rows}
-        plan = StatisticsPlan.union(OPERATOR_KINDS[kind].statistics(s, e) for kind in kinds for s, e in spans)
-        stats = collect_statistics(load(), data.batches, plan, progress=False)
+        removed = ghost_prune(load(), tokenizer, calibration, options, statistics=stats, num_layers=n,
+                              operator="none").config.removed_layers
         default = None
         for name in args.rows:
             began = time.perf_counter()

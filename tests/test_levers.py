@@ -320,3 +320,18 @@ def test_layerwise_pass_gives_the_affine_sums_and_refuses_a_sequential_affine_fi
     with pytest.raises(GhostedError, match="cannot refit 'ghost-affine' sequentially"):
         ghost_prune(LayerwiseModel(tmp_path / "model"), char_tokenizer(), texts(), criterion="manual", layers=[1, 3],
                     operator="ghost-affine", **FAST)
+
+
+def test_plain_export_folds_a_norm_correction_too() -> None:
+    from ghosted_hf.recipe import plain_export
+
+    model = ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[1, 2], norm_operator=True,
+                        **FAST)
+    plain = plain_export(model, char_tokenizer(), texts(), operator="folded", **FAST)
+    boundaries = plain.config.ghost_provenance["plain_export"]["boundaries"]
+    assert [b["removed"] for b in boundaries] == [[1, 2], []]
+    assert boundaries[-1]["fused_into"] == "model.layers.3.mlp.down_proj"  # the last kept layer feeds the norm
+    assert type(plain).__name__ == "LlamaForCausalLM"
+    assert "final norm (a correction" in render_text(summarize(plain.config))
+    with torch.no_grad():
+        assert torch.isfinite(plain(**batch()).logits).all()
