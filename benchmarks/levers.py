@@ -36,8 +36,8 @@ ROWS = {  # row name: the lever's options on top of the default
     "default (ghost)": {},
     "affine (ghost-affine)": dict(operator="ghost-affine"),
     "norm operator": dict(norm_operator=True),
-    "lookahead (frozen update)": dict(lookahead="frozen-update"),
     "lookahead (linearised)": dict(lookahead="linearised"),
+    "lookahead (frozen update)": dict(lookahead="frozen-update"),
     "affine + norm operator": dict(operator="ghost-affine", norm_operator=True),
 }
 
