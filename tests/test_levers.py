@@ -261,17 +261,17 @@ def test_levers_are_command_line_flags() -> None:
     assert (options.operator, options.norm_operator, options.lookahead) == ("ghost-affine", True, "linearised")
 
 
-def test_card_describes_the_bias_and_the_norm_correction(tmp_path: Path) -> None:
+def test_card_describes_the_bias_and_the_norm_correction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
     import sys
 
     from ghosted_hf.card import build_card
 
-    if importlib.util.find_spec("ghosted_hf.model_cards") is None:  # a checkout run without installing it
-        root = Path(__file__).resolve().parent.parent / "model_cards"
-        spec = importlib.util.spec_from_file_location("ghosted_hf.model_cards", root / "__init__.py",
-                                                      submodule_search_locations=[str(root)])
-        sys.modules["ghosted_hf.model_cards"] = importlib.util.module_from_spec(spec)
+    # This checkout's template, whichever ghosted_hf is installed (an editable install may map another checkout's).
+    root = Path(__file__).resolve().parent.parent / "model_cards"
+    spec = importlib.util.spec_from_file_location("ghosted_hf.model_cards", root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    monkeypatch.setitem(sys.modules, "ghosted_hf.model_cards", importlib.util.module_from_spec(spec))
     model, _ = _affine_model(tmp_path)
     text = str(build_card(model.config))
     assert "affine boundaries also hold `...ghost.bias`" in text
