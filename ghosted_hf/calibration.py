@@ -56,10 +56,11 @@ class StatisticsPlan:
     abs_sums: frozenset[int] = frozenset()  # abs.i = sum |x_i| per channel
     rotated_abs_sums: frozenset[int] = frozenset()  # rabs.i = sum |x_i H| per channel (Hadamard H)
     mlp_terms: frozenset[tuple[int, int]] = frozenset()  # M = MLP output of layer s-1: M^T M, M^T X_s, M^T X_e
+    sums: frozenset[tuple[int, int]] = frozenset()  # sum.s = sum of x_s, count.s = tokens, sum_target.s.e = sum of x_e
 
     # The tensor whose presence shows that an entry was collected.
     PRIMARY = {"grams": "gram", "pairs": "cross", "cosines": "cos", "abs_sums": "abs", "rotated_abs_sums": "rabs",
-               "mlp_terms": "mlp_target"}
+               "mlp_terms": "mlp_target", "sums": "sum_target"}
 
     def __post_init__(self) -> None:
         if any(s < 1 for s, _ in self.mlp_terms):
@@ -101,10 +102,10 @@ class StatisticsPlan:
 
     def source_inputs(self) -> set[int]:
         return set(self.grams) | set(self.abs_sums) | set(self.rotated_abs_sums) | {
-            s for pairs in (self.pairs, self.cosines, self.mlp_terms) for s, _ in pairs}
+            s for pairs in (self.pairs, self.cosines, self.mlp_terms, self.sums) for s, _ in pairs}
 
     def target_inputs(self) -> set[int]:
-        return {e for pairs in (self.pairs, self.cosines, self.mlp_terms) for _, e in pairs}
+        return {e for pairs in (self.pairs, self.cosines, self.mlp_terms, self.sums) for _, e in pairs}
 
     def mlp_layers(self) -> set[int]:
         return {s - 1 for s, _ in self.mlp_terms}
@@ -327,6 +328,13 @@ class CalibrationStatistics:
         what = f"MLP terms of ({s}, {e})"
         return (self._get(what, "mlp_gram", s), self._get(what, "mlp_source", s),
                 self._get(what, "mlp_target", s, e))
+
+    def sums(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(sum of x_s, sum of x_e, token count), each token weighted as in the Gram matrix: the affine fit's
+        extra row and column."""
+        what = f"token sums of ({s}, {e})"
+        return (self._get(what, "sum", s), self._get(what, "sum_target", s, e),
+                float(self._get(what, "count", s)))
 
     def with_tensors(self, other: CalibrationStatistics) -> CalibrationStatistics:
         """These statistics updated with `other`'s (same calibration tokens; `other` wins on shared keys)."""
@@ -591,7 +599,9 @@ class StatisticsAccumulator:
                   **{stat_key(n, s, e): shape for s, e in plan.pairs for n, shape in (("cross", (c, c)), ("energy", (1,)))},
                   **{stat_key(n, s, e): (1,) for s, e in plan.cosines for n in ("cos", "ang")},
                   **{stat_key(n, s): (c, c) for s, _ in plan.mlp_terms for n in ("mlp_gram", "mlp_source")},
-                  **{stat_key("mlp_target", s, e): (c, c) for s, e in plan.mlp_terms}}
+                  **{stat_key("mlp_target", s, e): (c, c) for s, e in plan.mlp_terms},
+                  **{stat_key(n, s): shape for s, _ in plan.sums for n, shape in (("sum", (c,)), ("count", (1,)))},
+                  **{stat_key("sum_target", s, e): (c,) for s, e in plan.sums}}
         self.sums: dict[str, torch.Tensor] = {k: torch.zeros(shape, **f64) for k, shape in shapes.items()}
 
     def result(self, depth: int, skip_first_tokens: int = 0, allow_empty: bool = False) -> CalibrationStatistics:
@@ -628,6 +638,8 @@ class StatisticsAccumulator:
         # Each input converted once, when first read. (No class or closure over `captured` here: a reference
         # cycle would keep every batch's activations alive until the cyclic GC happens to run.)
         x = _LazyFloat64(captured, self.device)
+        # A target kept apart from the source of the same index (see collect_statistics: s == e, sequentially).
+        target = lambda e: x[("target", e)] if ("target", e) in captured else x[e]  # noqa: E731
         now = (lambda i: True) if ending_at is None else (lambda i: i == ending_at)  # noqa: E731
         w: dict[int, torch.Tensor] = {}
 
@@ -648,11 +660,11 @@ class StatisticsAccumulator:
         for i in filter(now, plan.rotated_abs_sums):
             self.add((x[i] @ self.rotation).abs().sum(dim=0), "rabs", i)
         for s, e in (p for p in plan.pairs if now(p[1])):
-            self.sums[stat_key("cross", s, e)].addmm_(weighted(s).T, x[e])
-            self.add((weight(s) * x[e].square().sum(dim=1)).sum().reshape(1), "energy", s, e)
+            self.sums[stat_key("cross", s, e)].addmm_(weighted(s).T, target(e))
+            self.add((weight(s) * target(e).square().sum(dim=1)).sum().reshape(1), "energy", s, e)
         for s, e in (p for p in plan.cosines if now(p[1])):
-            norms = (x[s].norm(dim=1) * x[e].norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
-            cos = ((x[s] * x[e]).sum(dim=1) / norms).clamp(-1.0, 1.0)
+            norms = (x[s].norm(dim=1) * target(e).norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
+            cos = ((x[s] * target(e)).sum(dim=1) / norms).clamp(-1.0, 1.0)
             self.add(cos.sum().reshape(1), "cos", s, e)
             self.add((torch.arccos(cos) / math.pi).sum().reshape(1), "ang", s, e)
         for s in filter(now, {s for s, _ in plan.mlp_terms}):
@@ -660,7 +672,12 @@ class StatisticsAccumulator:
             self.sums[stat_key("mlp_gram", s)].addmm_(m.T, m)
             self.sums[stat_key("mlp_source", s)].addmm_(m.T, x[s])
         for s, e in (p for p in plan.mlp_terms if now(p[1])):
-            self.sums[stat_key("mlp_target", s, e)].addmm_(x[("mlp", s - 1)].T, x[e])
+            self.sums[stat_key("mlp_target", s, e)].addmm_(x[("mlp", s - 1)].T, target(e))
+        for s in filter(now, {s for s, _ in plan.sums}):
+            self.add(weighted(s).sum(dim=0), "sum", s)
+            self.add(weight(s).sum().reshape(1), "count", s)
+        for s, e in (p for p in plan.sums if now(p[1])):
+            self.add(weight(s) @ target(e), "sum_target", s, e)
 
 
 def collect_statistics(
@@ -700,6 +717,9 @@ def collect_statistics(
     source_side = plan.source_inputs() if source is not None else set()
     source_mlp = plan.mlp_layers() if source is not None else set()
     target_side = (plan.source_inputs() | plan.target_inputs()) - source_side
+    # A target at an index the patched model provides as a source too (s == e: an operator at the final norm's input,
+    # fitted on the pruned and patched model) still comes from `model`, captured under ("target", e).
+    shadowed = plan.target_inputs() & source_side
     target_mlp = plan.mlp_layers() - source_mlp
     models = [model] + ([source[0]] if source is not None else [])
     modes = [m.training for m in models]
@@ -713,8 +733,9 @@ def collect_statistics(
             if not keep.any():
                 continue
             captured = {}
-            if target_side or target_mlp:
-                captured.update(capture_hidden_states(model, batch, target_side, target_mlp, keep, device))
+            if target_side or target_mlp or shadowed:
+                got = capture_hidden_states(model, batch, target_side | shadowed, target_mlp, keep, device)
+                captured.update({("target", i) if i in shadowed else i: v for i, v in got.items()})
             if source is not None:
                 patched, index_map = source
                 got = capture_hidden_states(patched, batch, {index_map[i] for i in source_side},
@@ -770,15 +791,16 @@ class Calibrator:
             self.statistics = fresh if self.statistics is None else self.statistics.with_tensors(fresh)
         return self.statistics
 
-    def collect(self, plan: StatisticsPlan, purpose: str,
-                source: tuple[nn.Module, Mapping[int, int]] | None = None) -> CalibrationStatistics:
-        """One pass for `plan` (see `collect_statistics` for `source`); not merged into the kept statistics."""
+    def collect(self, plan: StatisticsPlan, purpose: str, source: tuple[nn.Module, Mapping[int, int]] | None = None,
+                model: nn.Module | None = None) -> CalibrationStatistics:
+        """One pass for `plan` (see `collect_statistics` for `source`) over `model` (default: the calibrated model;
+        another one, e.g. a pruned model alone); not merged into the kept statistics."""
         started = time.perf_counter()
         batches = self.my_batches()
         if not self.shard.take(self.data.batches):
             raise GhostedError(f"Shard {self.shard} holds no batch: the calibration set has only "
                                f"{len(self.data.batches)} batches; use fewer shards or more sequences.")
-        stats = collect_statistics(self.model, batches, plan, weighting=self.weighting,
+        stats = collect_statistics(self.model if model is None else model, batches, plan, weighting=self.weighting,
                                    skip_first_tokens=self.skip_first_tokens, device=self.device, source=source,
                                    description=f"Calibration pass: {purpose}", allow_empty=self.world > 1)
         stats = all_reduce_statistics(stats)

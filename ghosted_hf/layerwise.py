@@ -171,7 +171,7 @@ class LayerwiseModel:
         last_use: dict[Any, int] = {}
         for i in plan.grams | plan.abs_sums | plan.rotated_abs_sums:
             last_use[i] = max(last_use.get(i, -1), i)
-        for s, e in plan.pairs | plan.cosines | plan.mlp_terms:
+        for s, e in plan.pairs | plan.cosines | plan.mlp_terms | plan.sums:
             last_use[s], last_use[e] = max(last_use.get(s, -1), e), max(last_use.get(e, -1), e)
         for s, e in plan.mlp_terms:
             last_use[("mlp", s - 1)] = max(last_use.get(("mlp", s - 1), -1), e)

@@ -21,13 +21,14 @@ from .registry import Registry
 
 @dataclass
 class BoundaryFit:
-    """One boundary's operator (x -> x @ operator) or, for fused kinds, the transform to fold."""
+    """One boundary's operator (x -> x @ operator [+ bias]) or, for fused kinds, the transform to fold."""
 
     kind: str
     source: int
     target: int
     operator: torch.Tensor | None = None
     fused: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # affine kinds: x -> x @ operator + bias
     figures: dict[str, Any] = field(default_factory=dict)
 
 
@@ -40,6 +41,9 @@ class OperatorKind:
     plain: ClassVar[bool] = False  # the result is a stock Llama/Qwen checkpoint: ghost_prune returns the plain model
     sequential: ClassVar[bool] = True  # can be refitted on the model already pruned and patched upstream
     first_removable: ClassVar[int] = 0  # the lowest layer a boundary of this kind may start at
+    # Its fit reads only the source's Gram matrix, sums and the pair terms with the target, so the target may be any
+    # hidden state: the final norm's input on the patched model (norm_operator), a layer's output (lookahead).
+    retargetable: ClassVar[bool] = False
 
     def statistics(self, s: int, e: int) -> StatisticsPlan:
         """What `fit` reads for the boundary removing layers s..e-1 (with the fit figures)."""
@@ -113,6 +117,7 @@ def _safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Ten
 class Ghost(OperatorKind):
     name = "ghost"
     summary = "W = I + M, (X_s^T X_s + eps I) M = X_s^T (X_e - X_s) (Ghosted Layers)"
+    retargetable = True
 
     def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
         w, m, eps = ghost_operator(stats, s, e, ridge)
@@ -124,6 +129,63 @@ class Ghost(OperatorKind):
             ridge_eps=eps,
         )
         return BoundaryFit(self.name, s, e, operator=w, figures=figures)
+
+
+def solve_affine(gram: torch.Tensor, cross: torch.Tensor, source_sum: torch.Tensor, target_sum: torch.Tensor,
+                 count: float, ridge: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(M, b, eps) minimising ||X (I + M) + 1 b^T - Y||^2 + eps ||M||^2: the ghost fit with a ones column, the bias
+    unregularised. Solved on centred statistics (the Schur complement of the ones column), which is better
+    conditioned than the (C+1) x (C+1) system when the stream has a large mean."""
+    if count <= 0:
+        raise GhostedError("The affine fit needs at least one calibration token.")
+    mean_x, mean_y = source_sum / count, target_sum / count
+    centred_gram = gram - count * torch.outer(mean_x, mean_x)
+    centred_cross = cross - count * torch.outer(mean_x, mean_y)
+    m, eps = solve_ghost(centred_gram, centred_cross, ridge)
+    bias = mean_y - mean_x @ (m + torch.eye(m.shape[0], dtype=m.dtype, device=m.device))
+    return m, bias, eps
+
+
+def affine_squared_residual(stats: CalibrationStatistics, s: int, e: int, w: torch.Tensor, b: torch.Tensor) -> float:
+    """||X W + 1 b^T - Y||^2 from the statistics."""
+    source_sum, target_sum, count = stats.sums(s, e)
+    w, b = w.to(source_sum), b.to(source_sum)
+    linear = squared_residual(stats.gram(s), stats.cross(s, e), stats.energy(s, e), w)
+    return linear + float(2.0 * (source_sum @ w) @ b + count * (b @ b) - 2.0 * (target_sum @ b))
+
+
+LOOKAHEADS = ("none", "frozen-update", "linearised")
+
+
+def lookahead_correction(gram: torch.Tensor, u_z: torch.Tensor, u_y: torch.Tensor, ridge: float, mode: str,
+                         sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(R, c): the correction u -> u R (+ c) of the hidden state u entering a kept layer, whose output is z, toward
+    the dense output Y, from u^T u (`gram`), u^T z, u^T Y and, for an affine fit, `sums` = (sum u, sum z, sum Y, n).
+
+    "frozen-update": the layer's update z - u is held at its value, so the input should be Y - z + u (one
+    fixed-point step). "linearised": the layer is linearised as z ~ u A (+ const), A its least-squares fit on these
+    tokens (the Jacobian averaged over them, skip connection included), and R = I + D minimises
+    ||z + u D A - Y||^2: G D (A A^T) = u^T (Y - z) A^T. With A = I the two agree."""
+    c = gram.shape[0]
+    eye = torch.eye(c, dtype=gram.dtype, device=gram.device)
+    if sums is not None:  # the ones column: one more row and column, its diagonal not regularised
+        u_sum, z_sum, y_sum, count = sums
+        gram = torch.cat([torch.cat([gram, u_sum[:, None]], 1),
+                          torch.cat([u_sum, torch.tensor([count], dtype=gram.dtype, device=gram.device)])[None]], 0)
+        u_z, u_y = torch.cat([u_z, z_sum[None]], 0), torch.cat([u_y, y_sum[None]], 0)
+    eps = ridge_epsilon(gram[:c, :c], ridge)
+    regularised = gram + eps * torch.diag(torch.cat([torch.ones(c), torch.zeros(gram.shape[0] - c)]).to(gram))
+    if mode == "frozen-update":
+        d = torch.linalg.solve(regularised, u_y - u_z)  # target Y - z + u, minus the identity part
+    elif mode == "linearised":
+        a = torch.linalg.solve(regularised, u_z)[:c]  # z ~ u A (+ const)
+        p = torch.linalg.solve(regularised, u_y - u_z)  # the same as frozen-update before A
+        aat = a @ a.T
+        d = torch.linalg.solve(aat + ridge_epsilon(aat, ridge) * eye, a @ p.T).T  # P A^T (A A^T)^-1
+    else:
+        raise GhostedError(f"Unknown lookahead {mode!r}; choose one of: {', '.join(LOOKAHEADS)}.")
+    return eye + d[:c], (d[c] if sums is not None else None)
 
 
 @register
@@ -285,3 +347,27 @@ class FoldedScale(Folded):
     summary = ("the scale and transform of `folded` without the rotation (Q = I): nothing is folded into the "
                "embeddings, so tied embeddings stay tied (no extra parameters)")
     rotation = False
+
+
+@register  # after the others: the listed choices keep their order
+class GhostAffine(Ghost):
+    name = "ghost-affine"
+    summary = ("x -> x W + b: the ghost fit with a ones column (one more row and column in the Gram matrix); the "
+               "bias is a tensor next to the operator, so no plain export")
+
+    def statistics(self, s: int, e: int) -> StatisticsPlan:
+        return super().statistics(s, e) | StatisticsPlan(sums=frozenset({(s, e)}))
+
+    def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
+        source_sum, target_sum, count = stats.sums(s, e)
+        m, bias, eps = solve_affine(stats.gram(s), stats.cross(s, e), source_sum, target_sum, count, ridge)
+        w = m + torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
+        figures: dict[str, Any] = {"ridge_eps": eps}
+        if stats.has_pair(s, e):
+            eye = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
+            untouched = squared_residual(stats.gram(s), stats.cross(s, e), stats.energy(s, e), eye)
+            figures = {**residual_figures(affine_squared_residual(stats, s, e, w, bias), untouched, stats.energy(s, e)),
+                       **figures}
+        figures["bias_norm_vs_mean_target"] = float(torch.linalg.norm(bias) / torch.linalg.norm(target_sum / count)
+                                                    .clamp_min(1e-300))
+        return BoundaryFit(self.name, s, e, operator=w, bias=bias, figures=figures)

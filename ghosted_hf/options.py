@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from .calibration import WEIGHTINGS
 from .data import TEXT_FORMATS
 from .errors import GhostedError, UnknownOptionError
-from .operators import OPERATOR_KINDS, Folded
+from .operators import LOOKAHEADS, OPERATOR_KINDS, Folded
 from .remote.configuration_ghosted import OPERATOR_DTYPES
 from .selection import CRITERIA
 
@@ -146,6 +146,19 @@ class PruneOptions(Options):
         "assistant's reply to a short user request, in the tokenizer's chat template; needs a template).",
         TEXT_FORMATS,
     )
+    norm_operator: bool = option(
+        False,
+        "After the boundaries, fit one more operator at the final norm's input, on the pruned and patched model "
+        "against the dense model's hidden state there (a downstream correction; nothing is added when a boundary "
+        "already feeds the norm).",
+    )
+    lookahead: str = option(
+        "none",
+        "Refit each boundary feeding a layer once so that the first kept layer's output, not only its input, "
+        "matches the dense model: frozen-update (the layer's update held at its value on the patched model) or "
+        "linearised (the layer replaced by its least-squares linear fit on the patched tokens); two more passes each.",
+        LOOKAHEADS,
+    )
     operator_dtype: str = option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
     stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
 
@@ -162,6 +175,12 @@ class PruneOptions(Options):
                                f"blocks ({splitting}), not {self.criterion!r}.")
         if self.seq_len < 2:
             raise GhostedError(f"seq_len must be at least 2, got {self.seq_len}.")
+        kind = OPERATOR_KINDS[self.operator]
+        for name, used in (("norm_operator", self.norm_operator), ("lookahead", self.lookahead != "none")):
+            if used and not kind.retargetable:
+                retargetable = ", ".join(n for n, k in OPERATOR_KINDS.items() if k.retargetable)
+                raise GhostedError(f"{name} refits the operator against another target, which operator kind "
+                                   f"{self.operator!r} cannot do; use one of: {retargetable}.")
         if self.ridge < 0 or self.skip_first_tokens < 0:
             raise GhostedError(f"ridge and skip_first_tokens must be >= 0, got {self.ridge} and {self.skip_first_tokens}.")
 

@@ -22,13 +22,13 @@ from .calibration import (Calibrator, CalibrationStatistics, ShardSpec, Statisti
                           collect_statistics, model_fingerprint, stat_key)
 from .data import CalibrationSource, TokenBatches, tokenize_texts
 from .errors import GhostedError
-from .operators import BoundaryFit, OperatorKind, operator_kind
+from .operators import BoundaryFit, OperatorKind, lookahead_correction, operator_kind
 from .options import ExportOptions, PruneOptions
 from .remote.configuration_ghosted import LAYER_TARGET, expected_boundaries, pruned_index
 from .remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
-from .selection import (ContiguousCriterion, Selection, SelectionRequest, candidate_layers, check_num_layers,
-                        criterion)
-from .surgery import count_parameters, export_plain, fold_into_down_proj, prune_layers, validate_removal
+from .selection import (ContiguousCriterion, Selection, SelectionRequest, candidate_layers,
+                        check_num_layers, criterion)
+from .surgery import count_parameters, export_plain, fold_into_down_proj, prune_layers, refuse_biases, validate_removal
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +128,15 @@ def boundary_spans(depth: int, removed: list[int]) -> list[tuple[int, int]]:
 
 
 def fit_operators(calibrator: Calibrator, removed: list[int], options: PruneOptions) -> list[BoundaryFit]:
-    """One fit per boundary; sequential fitting refits each source on the model pruned and patched so far."""
+    """One fit per boundary; sequential fitting refits each source on the model pruned and patched so far.
+    With `lookahead` each boundary feeding a layer is refitted once on that layer's output; with `norm_operator`
+    one more fit corrects the final norm's input (the last fit, source and target the depth)."""
     kind = operator_kind(options.operator)
-    spans = boundary_spans(calibrator.model.config.num_hidden_layers, removed)
+    depth = calibrator.model.config.num_hidden_layers
+    spans = boundary_spans(depth, removed)
+    if (options.lookahead != "none" or options.norm_operator) and (hasattr(calibrator.model, "patched") or calibrator.data is None):
+        raise GhostedError("lookahead and norm_operator fit on the pruned and patched model: they need the calibration "
+                           "text (not only precomputed statistics) and a model in memory (not layer-wise calibration).")
     sequential = options.fitting == "sequential" and kind.sequential and len(spans) > 1
     plans = [kind.statistics(s, e) for s, e in spans]
     # Sequentially fitted boundaries read their sources from the patched model, so the dense pass skips them.
@@ -145,7 +151,60 @@ def fit_operators(calibrator: Calibrator, removed: list[int], options: PruneOpti
         else:
             fits.append(kind.fit(stats, s, e, options.ridge))
             fits[-1].figures["fitted_on"] = "dense model"
+        if options.lookahead != "none" and e < depth:
+            fits[-1] = _look_ahead(calibrator, kind, fits, removed, options, f"lookahead {k + 1}/{len(spans)}")
+    if options.norm_operator and spans[-1][1] < depth:
+        patched = _patched_model(calibrator, kind, fits, removed)
+        local = calibrator.collect(kind.statistics(depth, depth), "operator at the final norm's input",
+                                   source=(patched, {depth: depth - len(removed)}))
+        fits.append(kind.fit(local, depth, depth, options.ridge))
+        fits[-1].figures["fitted_on"] = "pruned and patched model, against the dense model's final norm input"
     return fits
+
+
+def _patched_model(calibrator: Calibrator, kind: OperatorKind, fits: list[BoundaryFit], removed: list[int]
+                   ) -> GhostedForCausalLM:
+    """The calibrated model pruned of `removed` with the fits so far installed (fused transforms folded)."""
+    patched = prune_layers(calibrator.model, removed, {f.source: f.operator.float() for f in fits if f.operator is not None},
+                           biases={f.source: f.bias.float() for f in fits if f.bias is not None},
+                           operator_kind=kind.name)
+    for fit in fits:
+        if fit.fused is not None:
+            fold_into_down_proj(patched, fit.source - 1, fit.fused)
+    return patched
+
+
+def _look_ahead(calibrator: Calibrator, kind: OperatorKind, fits: list[BoundaryFit], removed: list[int],
+                options: PruneOptions, purpose: str) -> BoundaryFit:
+    """The last fit refined once so that the first kept layer's OUTPUT matches the dense model's, X_{e+1}.
+
+    On the model patched with the fit, u = x W (+ b) enters kept layer e and z leaves it; a closed-form correction
+    u -> u R (+ c) toward X_{e+1} (`operators.lookahead_correction`: the layer's update held fixed, or the layer
+    linearised on these tokens) is composed into the fit: W' = W R, b' = b R + c. One pass over the patched model
+    alone (u^T u, u^T z) and one beside the dense model (u^T X_{e+1}); the fit figures stay those of the fit
+    before the refit."""
+    fit = fits[-1]
+    s, e = fit.source, fit.target
+    upto = [i for i in removed if i < e]
+    patched = _patched_model(calibrator, kind, fits, upto)
+    p = pruned_index(e, upto)
+    affine = fit.bias is not None
+    own = calibrator.collect(StatisticsPlan(grams=frozenset({p}), pairs=frozenset({(p, p + 1)}),
+                                            sums=frozenset({(p, p + 1)})), f"{purpose}: patched layer {p}",
+                             model=patched)
+    dense = calibrator.collect(StatisticsPlan(pairs=frozenset({(s, e + 1)}), sums=frozenset({(s, e + 1)})),
+                               f"{purpose}: dense output of layer {e}", source=(patched, {s: p}))
+    gram = own.gram(p)
+    u_sum, z_sum, count = own.sums(p, p + 1)
+    sums = (u_sum, z_sum, dense.sums(s, e + 1)[1], count) if affine else None
+    r, c = lookahead_correction(gram, own.cross(p, p + 1), dense.cross(s, e + 1), options.ridge, options.lookahead,
+                                sums)
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    w = fit.operator.to(r)
+    refined = dataclasses.replace(fit, operator=w @ r, bias=(fit.bias.to(r) @ r + c) if affine else None,
+                                  figures=dict(fit.figures))
+    refined.figures["lookahead_change"] = float(torch.linalg.norm(w @ r - w) / torch.linalg.norm(w - eye).clamp_min(1e-300))
+    return refined
 
 
 def _fit_on_patched(calibrator: Calibrator, kind: OperatorKind, stats: CalibrationStatistics, plan: StatisticsPlan,
@@ -154,17 +213,13 @@ def _fit_on_patched(calibrator: Calibrator, kind: OperatorKind, stats: Calibrati
     """Fit boundary `span` with its source statistics taken from the model pruned and patched before it."""
     s, e = span
     before = [i for i in removed if i < s]
-    operators = {f.source: f.operator.float() for f in fits}
-    fused = [f for f in fits if f.fused is not None]
     if hasattr(calibrator.model, "patched"):  # layer-wise: a second stream through the same layer reads
-        if fused or plan.mlp_terms:
+        if any(f.fused is not None or f.bias is not None for f in fits) or plan.mlp_terms:
             raise GhostedError(f"Layer-wise calibration cannot refit {kind.name!r} sequentially (its transform of an "
-                               "MLP output is not streamed layer by layer): pass fitting='independent'.")
-        patched = calibrator.model.patched(before, operators)
+                               "MLP output or its bias is not streamed layer by layer): pass fitting='independent'.")
+        patched = calibrator.model.patched(before, {f.source: f.operator.float() for f in fits})
     else:
-        patched = prune_layers(calibrator.model, before, operators, operator_kind=kind.name)
-        for fit in fused:
-            fold_into_down_proj(patched, fit.source - 1, fit.fused)
+        patched = _patched_model(calibrator, kind, fits, before)
     index_map = {i: pruned_index(i, before) for i in (s - 1, s) if i >= 0}  # X_s, and layer s-1's MLP output
     local = calibrator.collect(plan, purpose, source=(patched, index_map))
     fit = kind.fit(stats.with_tensors(local), s, e, options.ridge)
@@ -175,8 +230,8 @@ def _fit_on_patched(calibrator: Calibrator, kind: OperatorKind, stats: Calibrati
 def build(model: PreTrainedModel, removed: list[int], fits: list[BoundaryFit], options: PruneOptions) -> GhostedForCausalLM:
     """The pruned model with each boundary's operator installed (or folded into the weights, for fused kinds)."""
     operators = {f.source: f.operator for f in fits if f.operator is not None}
-    ghosted = prune_layers(model, removed, operators, operator_kind=options.operator,
-                           operator_dtype=getattr(torch, options.operator_dtype))
+    ghosted = prune_layers(model, removed, operators, biases={f.source: f.bias for f in fits if f.bias is not None},
+                           operator_kind=options.operator, operator_dtype=getattr(torch, options.operator_dtype))
     for fit, record in zip(fits, ghosted.config.ghost_boundaries):
         if fit.fused is not None:
             record["fused_into"] = fold_into_down_proj(ghosted, fit.source - 1, fit.fused)
@@ -189,7 +244,7 @@ def provenance(ghosted: GhostedForCausalLM, base_name: str | None, dense_paramet
                calibrator: Calibrator, options: PruneOptions, seconds: float) -> dict[str, Any]:
     """Everything needed to reproduce and judge the result; saved in config.json and rendered by the card
     and `ghosted inspect`."""
-    operator_parameters = sum(p.numel() for p in ghosted.ghost_operators().values())
+    operator_parameters = sum(p.numel() for p in ghosted.ghost_tensors().values())
     data, stats = calibrator.data_description, calibrator.statistics
     hub_id, license = base_model_info(base_name)
     return {
@@ -200,6 +255,8 @@ def provenance(ghosted: GhostedForCausalLM, base_name: str | None, dense_paramet
         "selection": selection.describe(),
         "operator": options.operator,
         "fitting": options.fitting,
+        "norm_operator": options.norm_operator,
+        "lookahead": options.lookahead,
         "solver": {"dtype": "float64", "solve": "torch.linalg.solve", "ridge": options.ridge,
                    "ridge_scale": "mean diagonal of X^T X", "weighting": options.weighting,
                    "skip_first_tokens": options.skip_first_tokens},
@@ -302,6 +359,7 @@ def plain_export(model: GhostedForCausalLM, tokenizer: Any, calibration: Calibra
     `fit` records how much of the operator's correction the fold misses (`relative_residual`,
     ||fold - X W||^2 / ||X W - X||^2). Treat `model` as consumed."""
     options = ExportOptions.build(options, **overrides)
+    refuse_biases(model.config)
     kind = operator_kind(options.operator)
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
     check_token_ids(data, model)
@@ -313,8 +371,9 @@ def plain_export(model: GhostedForCausalLM, tokenizer: Any, calibration: Calibra
         fit = kind.fit(stats, s, s + 1, options.ridge)
         with torch.no_grad():
             operator.copy_(fit.operator.to(operator))
-        if fit.fused is not None:
-            record["fused_into"] = fold_into_down_proj(model, record["removed"][0] - 1, fit.fused)
+        if fit.fused is not None:  # into the kept layer before the boundary (the last one, for a norm correction)
+            first = record["removed"][0] if record["removed"] else model.config.original_num_hidden_layers
+            record["fused_into"] = fold_into_down_proj(model, first - 1, fit.fused)
         record.update(operator=kind.name, fit={**fit.figures, "fitted_on": f"imitating the {record['operator']} operator"})
     return export_plain(model)
 

@@ -13,7 +13,7 @@ from .remote.configuration_ghosted import LAYER_TARGET, GhostedConfig
 from .selection import candidate_layers
 
 SHOWN_FIGURES = ("relative_residual", "residual_vs_target", "pruned_residual_vs_target", "condition_number",
-                 "antisymmetric_share", "fitted_on")
+                 "antisymmetric_share", "bias_norm_vs_mean_target", "lookahead_change", "fitted_on")
 
 
 def _figure(value: Any) -> str:
@@ -49,6 +49,9 @@ class ModelSummary:
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     healing: str | None = None
     plain: bool = False  # a stock checkpoint: operators folded into the weights, no remote code
+    affine: bool = False  # some boundary is x W + b
+    lookahead: bool = False  # boundaries refitted on the first kept layer's output
+    norm_correction: bool = False  # the last boundary corrects the final norm's input, no layer removed there
     untied_embeddings: bool = False
 
 
@@ -84,7 +87,10 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         criterion=_criterion(selection),
         better=selection.get("better"),
         scores=[(name, f"{score:.6g}", set(candidate_layers(name)) <= removed) for name, score in ranked],
-        recovery=f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')} fitting",
+        recovery=f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')} fitting"
+                 + (f", one-layer lookahead refit ({prov['lookahead']})" if prov.get("lookahead") not in (None, "none")
+                    else "")
+                 + (", operator at the final norm's input" if prov.get("norm_operator") else ""),
         calibration=(f"{cal.get('name')}: {cal.get('tokens_used')} tokens in {cal.get('sequences')} sequences of "
                      f"{cal.get('sequence_length')}" + (f", {cal['format']} format" if cal.get("format") else "")
                      + f", sha256 {cal.get('sha256')}" if cal else "unknown"),
@@ -95,6 +101,9 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         healing=", ".join(f"{k}={v}" for k, v in healing.items()) if healing else None,
         plain=bool(plain) and getattr(config, "model_type", None) != "ghosted",
         untied_embeddings=bool(plain and plain.get("untied_embeddings")),
+        affine=any(b.get("bias") for b in boundaries),
+        lookahead=prov.get("lookahead") not in (None, "none"),
+        norm_correction=any(not b["removed"] for b in boundaries),
     )
 
 
@@ -110,12 +119,13 @@ def _criterion(selection: dict[str, Any]) -> str | None:
 
 def _boundary(record: dict[str, Any]) -> BoundarySummary:
     feeds = (f"pruned layer {record['layer']} (dense {record['original_layer']})" if record["target"] == LAYER_TARGET
-             else "final norm")
+             else "final norm" if record["removed"] else "final norm (a correction: no layer removed there)")
     fit = record.get("fit") or {}
     return BoundarySummary(
         removed=record["removed"],
         feeds=feeds,
-        operator=record["operator"] + (f", fused into {record['fused_into']}" if record.get("fused_into") else ""),
+        operator=record["operator"] + (", affine: x W + b" if record.get("bias") else "")
+        + (f", fused into {record['fused_into']}" if record.get("fused_into") else ""),
         figures=", ".join(f"{k}={_figure(fit[k])}" for k in SHOWN_FIGURES if k in fit) or "-",
     )
 

@@ -23,7 +23,7 @@ from .remote.configuration_ghosted import (
     expected_boundaries,
     pruned_index,
 )
-from .remote.modeling_ghosted import GHOST_MODULE, GhostedForCausalLM, ghost_tensor_key
+from .remote.modeling_ghosted import GHOST_BIAS, GHOST_MODULE, GhostedForCausalLM, ghost_tensor_key
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,17 @@ def validate_operator(operator: torch.Tensor, hidden_size: int, where: str,
     if not torch.isfinite(stored).all():
         problem = "contains NaN or Inf values" if not torch.isfinite(operator).all() else f"overflows {dtype}"
         raise NonFiniteError(f"Operator for {where} {problem}.")
+    return stored
+
+
+def validate_bias(bias: torch.Tensor, hidden_size: int, where: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An affine boundary's bias cast to its storage `dtype`, after the checks `validate_operator` makes."""
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (hidden_size,):
+        raise GhostedError(f"The bias for {where} must be a floating-point tensor of shape ({hidden_size},), got "
+                           f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}.")
+    stored = bias.detach().to(dtype)
+    if not torch.isfinite(stored).all():
+        raise NonFiniteError(f"The bias for {where} contains NaN or Inf values (as {dtype}).")
     return stored
 
 
@@ -155,6 +166,7 @@ def prune_layers(
     remove: Iterable[int],
     operators: Mapping[int, torch.Tensor] | None = None,
     *,
+    biases: Mapping[int, torch.Tensor] | None = None,
     operator_kind: str = "custom",
     operator_dtype: torch.dtype = torch.float32,
 ) -> GhostedForCausalLM:
@@ -162,8 +174,10 @@ def prune_layers(
 
     Consecutive removed layers form one boundary; `operators` maps the first removed index of a boundary
     to its (C, C) operator, applied as ``x @ W`` to the hidden state that reaches the next kept layer (or
-    the final norm). Boundaries without an operator get the identity (operator kind "none": plain
-    pruning); the others are recorded as `operator_kind`.
+    the final norm). The key `depth` (the dense layer count) adds a correction of the final norm's input
+    where no boundary feeds the norm. `biases` (same keys, (C,) tensors) make those boundaries affine,
+    ``x @ W + b``. Boundaries without an operator get the identity (operator kind "none": plain pruning);
+    the others are recorded as `operator_kind`.
 
     The returned model shares the dense model's tensors (no copy, so peak memory stays one model): treat
     `model` as consumed.
@@ -174,7 +188,6 @@ def prune_layers(
     removed = validate_removal(remove, depth)
     kept = [i for i in range(depth) if i not in set(removed)]
     hidden = base_config.hidden_size
-    boundaries = expected_boundaries(depth, removed)
 
     if operators is not None and not isinstance(operators, Mapping):
         raise GhostedError(
@@ -182,25 +195,35 @@ def prune_layers(
             f"{{{removed[0]}: W}}), got a {type(operators).__name__}."
         )
     operators = {as_layer_index(k): v for k, v in (operators or {}).items()}
-    starts = {b["removed"][0]: b for b in boundaries}
+    biases = {as_layer_index(k): v for k, v in (biases or {}).items()}
+    boundaries = expected_boundaries(depth, removed, norm_correction=depth in operators)
+    starts = {(b["removed"][0] if b["removed"] else depth): b for b in boundaries}
     unknown = sorted(set(operators) - set(starts))
     if unknown:
         raise GhostedError(
             f"Operators given for {unknown}, but boundaries start at {sorted(starts)} "
-            "(key each operator by the first removed layer of its run of consecutive removed layers)."
+            "(key each operator by the first removed layer of its run of consecutive removed layers; the key "
+            f"{depth} corrects the final norm's input, only where no boundary feeds the norm)."
         )
+    unmatched = sorted(set(biases) - set(operators))
+    if unmatched:
+        raise GhostedError(f"Biases given for {unmatched} without an operator there: an affine boundary needs both.")
     dtype_name = str(operator_dtype).removeprefix("torch.")
     if dtype_name not in OPERATOR_DTYPES:
         raise GhostedError(f"operator_dtype must be one of {OPERATOR_DTYPES}, got {operator_dtype}.")
     stored = {start: validate_operator(op, hidden, f"the boundary after removed layers {starts[start]['removed']}",
                                        operator_dtype) for start, op in operators.items()}
+    stored_biases = {start: validate_bias(b, hidden, f"the boundary after removed layers {starts[start]['removed']}",
+                                          operator_dtype) for start, b in biases.items()}
+    start_of = lambda b: b["removed"][0] if b["removed"] else depth  # noqa: E731
 
     config = GhostedConfig(
         text_config=pruned_text_config(base_config, kept),
         original_num_hidden_layers=depth,
         removed_layers=removed,
         ghost_boundaries=[
-            {**b, "operator": operator_kind if b["removed"][0] in stored else "none", "fit": {}} for b in boundaries
+            {**b, "operator": operator_kind if start_of(b) in stored else "none", "fit": {},
+             **({"bias": True} if start_of(b) in stored_biases else {})} for b in boundaries
         ],
         operator_dtype=dtype_name,
         ghost_provenance={"base_model": base_config._name_or_path or None},
@@ -217,8 +240,11 @@ def prune_layers(
         key = ghost_tensor_key(boundary)
         parent = pruned.get_submodule(key.rsplit(".", 2)[0])
         device = next(p.device for n, p in parent.named_parameters() if not n.startswith(GHOST_MODULE))
-        value = stored.get(boundary["removed"][0], torch.eye(hidden, dtype=operator_dtype))
+        value = stored.get(start_of(boundary), torch.eye(hidden, dtype=operator_dtype))
         _take_tensor(pruned, key, nn.Parameter(value.to(device=device).clone()))
+        if start_of(boundary) in stored_biases:
+            bias = stored_biases[start_of(boundary)]
+            _take_tensor(pruned, ghost_tensor_key(boundary, GHOST_BIAS), nn.Parameter(bias.to(device=device).clone()))
 
     still_meta = [n for n, t in {**dict(pruned.named_parameters()), **dict(pruned.named_buffers())}.items()
                   if t.device.type == "meta"]
@@ -318,6 +344,18 @@ def fold_scaled_rotation(model: PreTrainedModel, layer: int, c: float, q: torch.
                 _map_output(writer, torch.eye(q.shape[0], dtype=torch.float64) / c)
 
 
+def refuse_biases(config: GhostedConfig) -> None:
+    """A plain checkpoint cannot hold an affine boundary's bias: say so before any work."""
+    for boundary in config.ghost_boundaries:
+        if boundary.get("bias"):
+            raise GhostedError(
+                f"{ghost_tensor_key(boundary, GHOST_BIAS)}: an affine boundary's bias cannot be folded into a plain "
+                "checkpoint (it adds a constant to the residual stream, and the stock Llama/Qwen layers that write "
+                "the stream, o_proj and down_proj, have no bias to hold it). Save it as a ghosted model, or prune "
+                "the dense model with operator='folded'."
+            )
+
+
 def export_plain(model: GhostedForCausalLM) -> PreTrainedModel:
     """The same network as a plain Llama/Qwen model (no remote code), when every operator is a scaled rotation
     c Q (the identity included, e.g. after `replaceme-ls`): each is folded into the weights with
@@ -325,6 +363,7 @@ def export_plain(model: GhostedForCausalLM) -> PreTrainedModel:
     keeps the original matrix). Shares the tensors it does not change with `model`."""
     from transformers import AutoModelForCausalLM
 
+    refuse_biases(model.config)
     folds = []
     for boundary in model.config.ghost_boundaries:
         name = ghost_tensor_key(boundary)

@@ -6,7 +6,9 @@
    ~/.cache/ghosted_hf/compat); see compat_venvs.py;
 2. with the current code, in this process, saves tiny random Llama, Qwen2 (mixed sliding-window layers) and
    Qwen3 (tied embeddings) ghosted models, each with a boundary feeding layer 0, one in the middle and one
-   feeding the final norm (removed layers 0, 2, 3, 5 of 6), plus reference logits, greedy tokens and loss;
+   feeding the final norm (removed layers 0, 2, 3, 5 of 6), and an affine Llama (x W + b at every boundary) whose
+   last boundary corrects the final norm's input with no layer removed there (removed 0, 2, 3), plus reference
+   logits, greedy tokens and loss;
 3. per version, runs compat_child.py once in that venv, without ghosted_hf and offline;
 4. prints a markdown table versions x checks and exits 1 if any check failed.
 """
@@ -87,12 +89,15 @@ def save_fixtures(out: Path) -> dict:
     input_ids[0, :4], attention_mask[0, :4] = PAD, 0
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     models = {}
-    for index, arch in enumerate(("llama", "qwen2", "qwen3")):
+    for index, name in enumerate(("llama", "qwen2", "qwen3", "llama-affine")):
+        arch = name.split("-")[0]
         dense = tiny_dense(arch, seed=index)
-        starts = [0, 2, 5]
+        affine = name.endswith("-affine")
+        removed, starts = ([0, 2, 3], [0, 2, LAYERS]) if affine else (REMOVED, [0, 2, 5])  # LAYERS: the norm correction
         operators = {s: torch.eye(HIDDEN) + 0.2 * torch.randn(HIDDEN, HIDDEN, generator=g) for s in starts}
-        model = prune_layers(dense, REMOVED, operators, operator_kind="ghost").eval()
-        folder = out / arch
+        biases = {s: 0.1 * torch.randn(HIDDEN, generator=g) for s in starts} if affine else None
+        model = prune_layers(dense, removed, operators, biases=biases, operator_kind="ghost").eval()
+        folder = out / name
         model.save_pretrained(folder)
         char_tokenizer().save_pretrained(folder)
         # 5.x writes the generic fast tokenizer as "TokenizersBackend", a class 4.x lacks; name its old alias.
@@ -108,18 +113,22 @@ def save_fixtures(out: Path) -> dict:
             loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
             generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS,
                                        do_sample=False, pad_token_id=PAD)
-        reference = out / f"{arch}-reference.safetensors"
+        reference = out / f"{name}-reference.safetensors"
         save_file({"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "logits": logits,
                    "loss": loss, "generated": generated}, str(reference))
         text = model.config.text_config
-        models[arch] = {
+        tensors = list(model.ghost_operators())
+        if affine:  # first a bias (tampered), a bias in the middle (missing), an operator last (wrong shape)
+            bias = [k for k in model.ghost_tensors() if k.endswith(".bias")]
+            tensors = [bias[0], tensors[0], tensors[1], bias[1], bias[2], tensors[2]]
+        models[name] = {
             "folder": str(folder),
             "reference": str(reference),
             "meta": {
                 "config": {"hidden_size": text.hidden_size, "num_hidden_layers": text.num_hidden_layers,
                            "vocab_size": text.vocab_size},
                 "kept": text.num_hidden_layers,
-                "operators": list(model.ghost_operators()),
+                "operators": tensors,
                 "new_tokens": NEW_TOKENS,
                 "pad": PAD,
             },

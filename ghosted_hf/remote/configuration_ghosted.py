@@ -5,7 +5,8 @@ standard library and transformers.
 
 A ghosted model is a dense Llama / Qwen2 / Qwen3 / Mistral decoder with whole layers removed. At each
 pruning boundary a C x C operator ``W`` maps the residual stream that reaches the first surviving layer
-(or the final norm, when the last layers were removed) as ``x -> x @ W``.
+(or the final norm, when the last layers were removed) as ``x -> x @ W`` (``x -> x @ W + b`` for an affine
+boundary). An optional last boundary with no removed layers corrects the stream entering the final norm.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ class GhostedConfig(PretrainedConfig):
             One record per run of consecutive removed layers: `removed` (their original indices), `target`
             (`"layer"` or `"norm"`), `layer` (index of the fed layer in the pruned model, `None` for the norm),
             `original_layer` (its index in the dense model), `operator` (how the tensor was obtained, e.g.
-            `"ghost"` or `"identity"`) and free-form `fit` figures.
+            `"ghost"` or `"identity"`), `bias` (true: an affine boundary, ``x @ W + b``, with the tensor
+            `...ghost.bias`), `sha256` / `bias_sha256` of the tensors and free-form `fit` figures. It may end
+            with one record with `removed: []` and target `"norm"`: a correction of the final norm's input
+            where no boundary feeds the norm.
         operator_dtype (`str`):
             Storage and compute dtype of the operators, `"float32"` (default, whatever the model dtype) or
             `"bfloat16"`.
@@ -120,8 +124,12 @@ class GhostedConfig(PretrainedConfig):
         layer_types = getattr(text, "layer_types", None)
         if layer_types is not None and len(layer_types) != kept:
             raise ValueError(f"text_config.layer_types has {len(layer_types)} entries for {kept} layers.")
-        expected = expected_boundaries(total, removed)
         found = [(b.get("target"), b.get("layer"), list(b.get("removed", []))) for b in self.ghost_boundaries]
+        correction = bool(found) and found[-1] == (NORM_TARGET, None, [])
+        expected = expected_boundaries(total, removed, norm_correction=correction)
+        not_bool = [b.get("removed") for b in self.ghost_boundaries if not isinstance(b.get("bias", False), bool)]
+        if not_bool:
+            raise ValueError(f"ghost_boundaries 'bias' must be true or false (boundaries {not_bool}).")
         if found != [(b["target"], b["layer"], b["removed"]) for b in expected]:
             raise ValueError(
                 f"ghost_boundaries {found} do not match removed_layers {removed} "
@@ -138,8 +146,9 @@ def _text_config_object(text_config: dict | PretrainedConfig | None) -> Pretrain
     return AutoConfig.for_model(model_type, **values)
 
 
-def expected_boundaries(total_layers: int, removed: list[int]) -> list[dict[str, Any]]:
-    """One boundary per run of consecutive removed layers, pointing at what it feeds in the pruned model."""
+def expected_boundaries(total_layers: int, removed: list[int], norm_correction: bool = False) -> list[dict[str, Any]]:
+    """One boundary per run of consecutive removed layers, pointing at what it feeds in the pruned model; with
+    `norm_correction`, a last one with no removed layers at the final norm (unless a boundary feeds it already)."""
     removed = sorted(removed)
     runs: list[list[int]] = []
     for i in removed:
@@ -155,6 +164,8 @@ def expected_boundaries(total_layers: int, removed: list[int]) -> list[dict[str,
         else:
             boundaries.append({"removed": run, "target": LAYER_TARGET, "layer": pruned_index(fed, removed),
                                "original_layer": fed})
+    if norm_correction and not any(b["target"] == NORM_TARGET for b in boundaries):
+        boundaries.append({"removed": [], "target": NORM_TARGET, "layer": None, "original_layer": None})
     return boundaries
 
 

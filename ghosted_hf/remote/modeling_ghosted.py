@@ -8,7 +8,8 @@ Weight layout (``model.safetensors``): the base decoder keeps its standard names
 (``model.layers.{i}.self_attn.q_proj.weight``, ``model.norm.weight``, ``lm_head.weight``); each operator is
 the tensor ``model.layers.{i}.ghost.operator`` (applied to the hidden state entering pruned-model layer
 ``i``) or ``model.norm.ghost.operator`` (applied before the final norm), of shape (C, C), used as
-``x -> x @ operator``.
+``x -> x @ operator``; an affine boundary (``"bias": true`` in its config record) also has the (C,) tensor
+``...ghost.bias``, used as ``x -> x @ operator + bias``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ except ImportError:  # older releases: the same behaviour, here
 
 GHOST_MODULE = "ghost"
 GHOST_PARAM = "operator"
+GHOST_BIAS = "bias"
 
 # How this transformers declares tied weights, read off its own Llama: a {tied: source} dict (5.x) or a list
 # of tied names (4.x).
@@ -83,11 +85,19 @@ def operator_sha256(operator: torch.Tensor, dtype: str) -> str:
     return hashlib.sha256(tensor.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def ghost_tensor_key(boundary: dict[str, Any]) -> str:
-    """State-dict key of a boundary's operator."""
+def ghost_tensor_key(boundary: dict[str, Any], param: str = GHOST_PARAM) -> str:
+    """State-dict key of a boundary's operator (or, with `param=GHOST_BIAS`, of its bias)."""
     if boundary["target"] == LAYER_TARGET:
-        return f"model.layers.{boundary['layer']}.{GHOST_MODULE}.{GHOST_PARAM}"
-    return f"model.norm.{GHOST_MODULE}.{GHOST_PARAM}"
+        return f"model.layers.{boundary['layer']}.{GHOST_MODULE}.{param}"
+    return f"model.norm.{GHOST_MODULE}.{param}"
+
+
+def ghost_tensor_hashes(boundary: dict[str, Any]) -> dict[str, str]:
+    """{state-dict key: the config key of its recorded sha256} of every tensor of a boundary."""
+    hashes = {ghost_tensor_key(boundary): "sha256"}
+    if boundary.get("bias"):
+        hashes[ghost_tensor_key(boundary, GHOST_BIAS)] = "bias_sha256"
+    return hashes
 
 
 # What `save_pretrained` writes; files of an earlier save matching these never survive into a new one.
@@ -138,24 +148,27 @@ def _describe_mismatch(entry: Any) -> str:
 
 
 class GhostOperator(nn.Module):
-    """Maps the residual stream entering its parent module: ``x -> x @ operator``.
+    """Maps the residual stream entering its parent module: ``x -> x @ operator`` (``+ bias`` when affine).
 
     Lives as a child of the layer (or final norm) it feeds, so the base weight names stay standard and
     device placement follows the parent. The product is computed in the operator's dtype (float32 by
     default) and cast back to the activation dtype.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32, bias: bool = False) -> None:
         super().__init__()
         self.operator = nn.Parameter(torch.empty(hidden_size, hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(hidden_size, dtype=dtype)) if bias else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         operator = self.operator
         mapped = hidden_states.to(device=operator.device, dtype=operator.dtype) @ operator
+        if self.bias is not None:
+            mapped = mapped + self.bias
         return mapped.to(device=hidden_states.device, dtype=hidden_states.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.operator.shape[0]}, dtype={self.operator.dtype}"
+        return f"{self.operator.shape[0]}, dtype={self.operator.dtype}, bias={self.bias is not None}"
 
 
 def apply_ghost_operator(parent: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -186,6 +199,8 @@ class GhostedPreTrainedModel(PreTrainedModel):
         # refuses checkpoints whose operators are missing.
         if isinstance(module, GhostOperator):
             nn.init.eye_(module.operator)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
         else:
             super()._init_weights(module)
 
@@ -200,20 +215,26 @@ class GhostedPreTrainedModel(PreTrainedModel):
             self._keep_in_fp32_modules_strict = [GHOST_MODULE]
         for boundary in config.ghost_boundaries:
             parent = self.model.layers[boundary["layer"]] if boundary["target"] == LAYER_TARGET else self.model.norm
-            parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size, operator_dtype))
+            parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size, operator_dtype,
+                                                          bias=bool(boundary.get("bias"))))
             parent.register_forward_pre_hook(apply_ghost_operator, with_kwargs=True)
 
     def ghost_operators(self) -> dict[str, nn.Parameter]:
         """The operator of every boundary, keyed by its state-dict name."""
         return {ghost_tensor_key(b): self.get_parameter(ghost_tensor_key(b)) for b in self.config.ghost_boundaries}
 
+    def ghost_tensors(self) -> dict[str, nn.Parameter]:
+        """Every tensor of every boundary (operators and affine biases), keyed by its state-dict name."""
+        return {key: self.get_parameter(key) for b in self.config.ghost_boundaries for key in ghost_tensor_hashes(b)}
+
     def operator_value_problems(self) -> list[str]:
-        """What is wrong with the operators' values: non-finite in the storage dtype, or not the bytes whose
-        sha256 config.json records. Empty when they are sound."""
+        """What is wrong with the operators' (and biases') values: non-finite in the storage dtype, or not the
+        bytes whose sha256 config.json records. Empty when they are sound."""
         problems = []
         storage = self.config.operator_dtype
-        recorded = {ghost_tensor_key(b): b.get("sha256") for b in self.config.ghost_boundaries}
-        for name, operator in self.ghost_operators().items():
+        recorded = {key: b.get(field) for b in self.config.ghost_boundaries
+                    for key, field in ghost_tensor_hashes(b).items()}
+        for name, operator in self.ghost_tensors().items():
             if operator.device.type == "meta":
                 continue
             # In the storage dtype: a value finite in a wider checkpoint dtype (1e300) may not be once stored.
@@ -229,7 +250,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
 
     def _refresh_ghost_integrity(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Make `config.operator_dtype` and each boundary's `sha256` describe the tensors about to be saved."""
-        operators = self.ghost_operators()
+        operators = self.ghost_tensors()
         if state_dict is not None:
             operators = {name: state_dict.get(name, operator) for name, operator in operators.items()}
         dtypes = {str(op.dtype).removeprefix("torch.") for op in operators.values()}
@@ -237,18 +258,19 @@ class GhostedPreTrainedModel(PreTrainedModel):
             found = ", ".join(f"{name}: {str(op.dtype).removeprefix('torch.')}" for name, op in operators.items())
             raise ValueError(
                 f"Cannot save ghost operators as {found}: they must all be one of {', '.join(OPERATOR_DTYPES)}. "
-                "Cast them back first, e.g. `for op in model.ghost_operators().values(): op.data = op.data.float()`."
+                "Cast them back first, e.g. `for op in model.ghost_tensors().values(): op.data = op.data.float()`."
             )
         if dtypes:
             self.config.operator_dtype = dtypes.pop()
         boundaries = []
         for boundary in self.config.ghost_boundaries:
             boundary = dict(boundary)
-            operator = operators[ghost_tensor_key(boundary)]
-            if operator.device.type == "meta":  # offloaded and not materialised: never keep a stale hash
-                boundary.pop("sha256", None)
-            else:
-                boundary["sha256"] = operator_sha256(operator, self.config.operator_dtype)
+            for key, field in ghost_tensor_hashes(boundary).items():
+                operator = operators[key]
+                if operator.device.type == "meta":  # offloaded and not materialised: never keep a stale hash
+                    boundary.pop(field, None)
+                else:
+                    boundary[field] = operator_sha256(operator, self.config.operator_dtype)
             boundaries.append(boundary)
         self.config.ghost_boundaries = boundaries
 
