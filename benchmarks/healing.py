@@ -53,7 +53,7 @@ def main() -> None:
     calibration = assets.wikipedia_split("calibration")
     held_out = held_out_windows(tokenizer, args.eval_windows)
     prune = PruneOptions(num_layers=args.layers)
-    stats = _statistics(Path(args.statistics), load, tokenizer, calibration, prune)
+    stats = cached_statistics(Path(args.statistics), load, tokenizer, calibration, prune)
     teacher = None if args.lm_loss else load()
 
     def start(name: str) -> torch.nn.Module:
@@ -105,7 +105,7 @@ def main() -> None:
           "\n```\n</details>")
 
 
-def _statistics(path: Path, load, tokenizer, calibration, prune: PruneOptions) -> CalibrationStatistics:
+def cached_statistics(path: Path, load, tokenizer, calibration, prune: PruneOptions) -> CalibrationStatistics:
     """The statistics every start needs (both criteria, the fit of every contiguous block), computed once."""
     if path.is_file():
         return CalibrationStatistics.load(path)
