@@ -21,3 +21,13 @@ def packaged_model() -> tuple[object, Callable[[], torch.nn.Module]]:
 def held_out_windows(tokenizer, windows: int) -> TokenBatches:
     """The first `windows` non-overlapping 512-token windows of the held-out articles, in batches of 4."""
     return tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), 512, windows, 4)
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """Removed layers as runs, e.g. [12, 13, 14, 25] -> "12-14,25"."""
+    runs, start = [], layers[0]
+    for a, b in zip(layers, layers[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return ",".join(runs)

@@ -29,7 +29,7 @@ from ghosted_hf.healing import HealOptions, heal
 from ghosted_hf.options import PruneOptions, add_arguments, from_namespace
 from ghosted_hf.recipe import statistics_plan
 
-from common import held_out_windows, packaged_model
+from common import held_out_windows, layer_ranges, packaged_model
 
 STARTS = ("ghosted", "plain", "streamline")
 
@@ -84,7 +84,7 @@ def main() -> None:
             closed = gap_closed(ppl, streamline_plain, dense)
             records.append(dict(start=name, removed=removed, budget=budget, steps=steps, minutes=spent / 60,
                                 perplexity=ppl, gap_closed=closed))
-            print(f"| {name} | {_ranges(removed)} | {budget:g} | {steps} | {ppl:.2f} | {closed:.3f} |", flush=True)
+            print(f"| {name} | {layer_ranges(removed)} | {budget:g} | {steps} | {ppl:.2f} | {closed:.3f} |", flush=True)
 
         report(model, 0.0)
         clock = time.process_time()
@@ -117,10 +117,6 @@ def cached_statistics(path: Path, load, tokenizer, calibration, prune: PruneOpti
     path.parent.mkdir(parents=True, exist_ok=True)
     stats.save(path)
     return stats
-
-
-def _ranges(layers: list[int]) -> str:
-    return f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else ",".join(map(str, layers))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from ghosted_hf import assets, ghost_prune
 from ghosted_hf.evaluate import gap_closed, lambada, perplexity
 from ghosted_hf.options import PruneOptions
 
-from common import held_out_windows, packaged_model
+from common import held_out_windows, layer_ranges, packaged_model
 from healing import cached_statistics
 
 
@@ -52,7 +52,7 @@ def main() -> None:
         removed = getattr(model.config, "removed_layers", None)
         baseline = ppl.get("LLM-Streamline's block plainly removed")
         closed = f"{gap_closed(ppl[name], baseline, ppl['dense']):.3f}" if baseline and removed else "-"
-        layers = f"{removed[0]}-{removed[-1]}" if removed else "-"
+        layers = layer_ranges(removed) if removed else "-"
         print(f"| {name} | {layers} | {ppl[name]:.2f} | {closed} | {result['accuracy']:.3f} ({result['accuracy_stderr']:.3f}) "
               f"| {result['perplexity']:.1f} |", flush=True)
     print(f"\nTotal {time.perf_counter() - started:.0f} s.")

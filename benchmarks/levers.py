@@ -29,7 +29,7 @@ from ghosted_hf.evaluate import gap_closed, perplexity
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.recipe import statistics_plan
 
-from common import held_out_windows, packaged_model
+from common import held_out_windows, layer_ranges, packaged_model
 
 ROWS = {  # row name: the lever's options on top of the default
     "no recovery (same block)": dict(operator="none"),
@@ -70,7 +70,7 @@ def main() -> None:
         streamline = ghost_prune(load(), tokenizer, calibration, options, statistics=stats, num_layers=n,
                                  criterion="streamline", operator="none")
         baseline = perplexity(streamline, held_out, progress=False)
-        print(f"| {n}/30 | {_ranges(streamline.config.removed_layers)} | LLM-Streamline's block plainly removed "
+        print(f"| {n}/30 | {layer_ranges(streamline.config.removed_layers)} | LLM-Streamline's block plainly removed "
               f"(the baseline) | {baseline:.2f} | 0.000 | - | - |", flush=True)
         removed = ghost_prune(load(), tokenizer, calibration, options, statistics=stats, num_layers=n,
                               operator="none").config.removed_layers
@@ -84,20 +84,11 @@ def main() -> None:
             if name == "default (ghost)":
                 default = ppl
             versus = f"{math.log(ppl) - math.log(default):+.4f}" if default is not None else "-"
-            print(f"| {n}/30 | {_ranges(removed)} | {name} | {ppl:.2f} | {gap_closed(ppl, baseline, dense):.3f} | "
+            print(f"| {n}/30 | {layer_ranges(removed)} | {name} | {ppl:.2f} | {gap_closed(ppl, baseline, dense):.3f} | "
                   f"{versus} | {seconds:.0f} |", flush=True)
     print(f"\nTotal {time.perf_counter() - started:.0f} s (`python benchmarks/levers.py --layers "
           f"{' '.join(map(str, args.layers))}`, 2 CPU cores shared with other jobs). Fit seconds: ghost_prune from the "
           "shared dense statistics, i.e. the extra passes a lever costs.")
-
-
-def _ranges(layers: list[int]) -> str:
-    runs, start = [], layers[0]
-    for a, b in zip(layers, layers[1:] + [None]):
-        if b != a + 1:
-            runs.append(f"{start}-{a}" if a != start else f"{a}")
-            start = b
-    return ",".join(runs)
 
 
 if __name__ == "__main__":

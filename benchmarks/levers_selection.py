@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from common import held_out_windows, packaged_model
+from common import held_out_windows, layer_ranges, packaged_model
 
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.calibration import (
@@ -41,15 +41,6 @@ from ghosted_hf.recipe import selection_request, statistics_plan
 from ghosted_hf.selection import candidate_layers, criterion
 
 logger = logging.getLogger("levers_selection")
-
-
-def ranges(layers: list[int]) -> str:
-    runs, start = [], layers[0]
-    for a, b in zip(layers, layers[1:] + [None]):
-        if b != a + 1:
-            runs.append(f"{start}-{a}" if a != start else f"{a}")
-            start = b
-    return ",".join(runs)
 
 
 def main() -> None:
@@ -111,10 +102,10 @@ def main() -> None:
         prov = model.config.ghost_provenance
         removed = model.config.removed_layers
         fitted = sum(b["fit"].get("residual_vs_target", float("nan")) for b in model.config.ghost_boundaries)
-        score = prov["selection"]["scores"].get(ranges(removed), (note or {}).get("scored_as"))
+        score = prov["selection"]["scores"].get(layer_ranges(removed), (note or {}).get("scored_as"))
         ppl = perplexity(model, held_out, progress=False)
         score_text = f"{score:.4f}" if score is not None else "-"
-        print(f"| {n}/30 | {lever} | {ranges(removed)} | {score_text} | {fitted:.4f} | {ppl:.2f} | "
+        print(f"| {n}/30 | {lever} | {layer_ranges(removed)} | {score_text} | {fitted:.4f} | {ppl:.2f} | "
               f"{gap_closed(ppl, baseline, dense):.3f} |", flush=True)
         records[f"{n}/{lever}"] = {"removed": removed, "perplexity": ppl, "fitted": fitted, "score": score,
                                    "selection": {k: v for k, v in prov["selection"].items() if k != "block_scores"},
@@ -128,7 +119,7 @@ def main() -> None:
                                           criterion="manual", layers=streamline, operator="none",
                                           num_sequences=sequences), held_out,
                               progress=False)
-        print(f"| {n}/30 | LLM-Streamline block plainly removed (baseline) | {ranges(streamline)} | - | - | "
+        print(f"| {n}/30 | LLM-Streamline block plainly removed (baseline) | {layer_ranges(streamline)} | - | - | "
               f"{baseline:.2f} | 0.000 |", flush=True)
 
         row = partial(report, n, baseline)

@@ -30,7 +30,7 @@ from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.recipe import boundary_spans
 
-from common import held_out_windows, packaged_model
+from common import held_out_windows, layer_ranges, packaged_model
 
 METHODS = [  # (row name, options)
     ("no recovery", dict(operator="none")),
@@ -84,7 +84,7 @@ def main() -> None:
 
     def row(n: int, selection: str, removed: list[int], label: str, result: dict, baseline: float) -> str:
         lam = result.get("lambada", {})
-        cells = [f"{n}/30" if n else "0", selection, _ranges(removed) if removed else "-", label, f"{result['ppl']:.2f}",
+        cells = [f"{n}/30" if n else "0", selection, layer_ranges(removed) if removed else "-", label, f"{result['ppl']:.2f}",
                  f"{gap_closed(result['ppl'], baseline, dense['ppl']):.3f}" if n else "-",
                  f"{lam['accuracy']:.3f}" if lam else "-", f"{lam['perplexity']:.1f}" if lam else "-",
                  f"{result['avg_acc']:.3f} (SE <= {result['max_stderr']:.3f})" if "avg_acc" in result else "-"]
@@ -136,15 +136,6 @@ def main() -> None:
                     records[f"{n}/{criterion}/{name}/healed"] = {"removed": removed, **result}
     print(f"\nTotal {time.perf_counter() - started:.0f} s.")
     print("\n<details><summary>raw results (JSON)</summary>\n\n```json\n" + json.dumps(records, indent=1) + "\n```\n</details>")
-
-
-def _ranges(layers: list[int]) -> str:
-    runs, start = [], layers[0]
-    for a, b in zip(layers, layers[1:] + [None]):
-        if b != a + 1:
-            runs.append(f"{start}-{a}" if a != start else f"{a}")
-            start = b
-    return ",".join(runs)
 
 
 if __name__ == "__main__":
