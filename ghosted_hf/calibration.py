@@ -680,6 +680,36 @@ class StatisticsAccumulator:
             self.add(weight(s) @ target(e), "sum_target", s, e)
 
 
+def _capture_batch(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    plan: StatisticsPlan,
+    keep: torch.Tensor,
+    device: torch.device,
+    source: tuple[nn.Module, Mapping[int, int]] | None,
+) -> dict[Any, torch.Tensor]:
+    """The hidden states one batch gives `plan`. With a patched `source`, everything read at or before the
+    boundary (inputs X_s, MLP outputs) comes from it and only the targets from `model`; a target at an index the
+    patched model provides as a source too (s == e: an operator at the final norm's input) still comes from
+    `model`, under ("target", e)."""
+    source_side = plan.source_inputs() if source is not None else set()
+    source_mlp = plan.mlp_layers() if source is not None else set()
+    target_side = (plan.source_inputs() | plan.target_inputs()) - source_side
+    shadowed = plan.target_inputs() & source_side
+    target_mlp = plan.mlp_layers() - source_mlp
+    captured: dict[Any, torch.Tensor] = {}
+    if target_side or target_mlp or shadowed:
+        got = capture_hidden_states(model, batch, target_side | shadowed, target_mlp, keep, device)
+        captured.update({("target", i) if i in shadowed else i: v for i, v in got.items()})
+    if source is not None:
+        patched, index_map = source
+        got = capture_hidden_states(patched, batch, {index_map[i] for i in source_side},
+                                    {index_map[i] for i in source_mlp}, keep, device)
+        captured.update({i: got[index_map[i]] for i in source_side})
+        captured.update({("mlp", i): got[("mlp", index_map[i])] for i in source_mlp})
+    return captured
+
+
 def collect_statistics(
     model: nn.Module,
     batches: Iterable[Mapping[str, torch.Tensor]],
@@ -712,15 +742,6 @@ def collect_statistics(
     hidden_size = model.get_input_embeddings().weight.shape[1]
     device = torch.device(device) if device is not None else input_device(model)
     accumulator = StatisticsAccumulator(plan, hidden_size, device, weighting)
-    # With a patched source model, everything read at or before the boundary (inputs X_s, MLP outputs) comes
-    # from it and only the targets from `model`.
-    source_side = plan.source_inputs() if source is not None else set()
-    source_mlp = plan.mlp_layers() if source is not None else set()
-    target_side = (plan.source_inputs() | plan.target_inputs()) - source_side
-    # A target at an index the patched model provides as a source too (s == e: an operator at the final norm's input,
-    # fitted on the pruned and patched model) still comes from `model`, captured under ("target", e).
-    shadowed = plan.target_inputs() & source_side
-    target_mlp = plan.mlp_layers() - source_mlp
     models = [model] + ([source[0]] if source is not None else [])
     modes = [m.training for m in models]
     try:
@@ -732,18 +753,9 @@ def collect_statistics(
             keep = token_mask(batch["attention_mask"], skip_first_tokens)
             if not keep.any():
                 continue
-            captured = {}
-            if target_side or target_mlp or shadowed:
-                got = capture_hidden_states(model, batch, target_side | shadowed, target_mlp, keep, device)
-                captured.update({("target", i) if i in shadowed else i: v for i, v in got.items()})
-            if source is not None:
-                patched, index_map = source
-                got = capture_hidden_states(patched, batch, {index_map[i] for i in source_side},
-                                            {index_map[i] for i in source_mlp}, keep, device)
-                captured.update({i: got[index_map[i]] for i in source_side})
-                captured.update({("mlp", i): got[("mlp", index_map[i])] for i in source_mlp})
-            accumulator.update(captured)
-            del captured
+            # Captured in a helper whose locals die with it: a local here would keep this batch's activations
+            # alive through the next batch's forward (peak memory of two batches from the second one on).
+            accumulator.update(_capture_batch(model, batch, plan, keep, device, source))
             release_freed_memory()
     finally:
         for m, mode in zip(models, modes):

@@ -67,6 +67,12 @@ class _Store:
         return item if isinstance(item, torch.Tensor) else torch.load(item, mmap=True)
 
 
+def _layer_of(name: str) -> int | None:
+    """The decoder layer a weight name belongs to (``model.layers.<i>.``), else None."""
+    parts = name.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] and len(parts) > 2 else None
+
+
 def weight_map(folder: Path) -> dict[str, str]:
     """Tensor name -> safetensors file name, from the index or the single weights file."""
     index = folder / "model.safetensors.index.json"
@@ -119,10 +125,25 @@ class LayerwiseModel:
     def train(self, mode: bool = True) -> LayerwiseModel:
         return self
 
-    def load_model(self) -> nn.Module:
-        from transformers import AutoModelForCausalLM
+    def load_model(self, removed: Iterable[int] = ()) -> nn.Module:
+        """The dense model for the build, with the decoder layers in `removed` left on the meta device: their
+        weights are never read, so the build holds at most the pruned model, not the dense one."""
+        from transformers import AutoModelForCausalLM, GenerationConfig
 
-        return AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype, **self.load_kwargs).eval()
+        skip = {int(i) for i in removed}
+        if not skip:
+            return AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype, **self.load_kwargs).eval()
+        model = self._skeleton()
+        wanted = [k for k in self.weights if _layer_of(k) not in skip]
+        model.load_state_dict({k: self._tensor(k) for k in wanted}, strict=False, assign=True)
+        model.tie_weights()
+        missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and _layer_of(n) not in skip]
+        if missing:
+            raise GhostedError(f"{self.folder} lacks {len(missing)} weights of the model (e.g. {missing[0]}); "
+                               "re-download or re-save the checkpoint.")
+        if (self.folder / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(self.folder)
+        return model
 
     def patched(self, removed: list[int], operators: Mapping[int, torch.Tensor]) -> tuple[list[int], dict[int, torch.Tensor]]:
         """The model pruned of `removed` and patched with `operators` (keyed by each boundary's first removed

@@ -61,8 +61,8 @@ def ghost_prune(
                             device=options.stats_device)
     selection, fitted = select(calibrator, options)
     fits = fitted.get(tuple(selection.removed)) or fit_operators(calibrator, selection.removed, options)
-    if hasattr(model, "load_model"):  # layer-wise calibration: the statistics are done; read the model to build
-        model = model.load_model()
+    if hasattr(model, "load_model"):  # layer-wise calibration: the statistics are done; read what the build keeps
+        model = model.load_model(selection.removed)
     dense_parameters = count_parameters(model)
     ghosted = build(model, selection.removed, fits, options)
     ghosted.config.ghost_provenance = provenance(ghosted, model.config._name_or_path, dense_parameters, selection,

@@ -136,6 +136,11 @@ def _adopt_tensors(target: nn.Module, source: nn.Module, source_name: Callable[[
             tensor = source.get_parameter(source_name(name))
         except AttributeError:
             tensor = source.get_buffer(source_name(name))
+        if tensor.device.type == "meta":  # removed layers may stay unloaded; what is kept may not
+            raise GhostedError(
+                f"The kept weight {source_name(name)} is on the meta device (not loaded, or offloaded to disk): layer "
+                "surgery needs every kept weight in memory. Load the model with real weights, without disk offload."
+            )
         _take_tensor(target, name, tensor)
     target.tie_weights()
 
@@ -152,12 +157,6 @@ def _check_dense_model(model: PreTrainedModel) -> None:
     if not hasattr(model, "lm_head") or not hasattr(getattr(model, "model", None), "layers"):
         raise GhostedError(
             f"Expected a causal LM with `model.layers` and `lm_head` (e.g. LlamaForCausalLM), got {type(model).__name__}."
-        )
-    offloaded = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if offloaded:
-        raise GhostedError(
-            f"{len(offloaded)} weights are on the meta device (not loaded, or offloaded to disk; e.g. {offloaded[0]}): "
-            "layer surgery needs every kept weight in memory. Load the model with real weights, without disk offload."
         )
 
 

@@ -165,3 +165,28 @@ def test_calibration_runs_in_eval_mode_and_restores_the_mode() -> None:
     assert dropout.training and all(m.training for m in dropout.modules())
     for key in expected.tensors:
         assert torch.equal(got.tensors[key], expected.tensors[key]), key
+
+
+def test_a_batch_activations_are_freed_before_the_next_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peak memory must not be two batches' activations from the second batch on: nothing captured for
+    one batch may still be alive when the next batch's forward starts."""
+    import weakref
+
+    from ghosted_hf import calibration
+
+    model = build("llama")
+    captured: list[weakref.ref] = []
+    capture = calibration.capture_hidden_states
+
+    def recording(*args, **kwargs):
+        got = capture(*args, **kwargs)
+        captured.extend(weakref.ref(t) for t in got.values())
+        return got
+
+    alive_at_start: list[int] = []
+    model.model.layers[0].register_forward_pre_hook(
+        lambda m, a: alive_at_start.append(sum(ref() is not None for ref in captured)))
+    monkeypatch.setattr(calibration, "capture_hidden_states", recording)
+    collect_statistics(model, batch_sequences(sequences(), 2, PAD), PLAN, progress=False)
+    assert len(alive_at_start) >= 3 and captured
+    assert alive_at_start == [0] * len(alive_at_start)

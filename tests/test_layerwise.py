@@ -126,3 +126,23 @@ def test_layerwise_and_in_memory_shards_merge(tmp_path: Path) -> None:
     merged = CalibrationStatistics.merge([first, second])
     assert merged.tokens == whole.tokens
     close(merged, whole)
+
+
+def test_layerwise_build_never_reads_the_removed_layers(tmp_path: Path) -> None:
+    dense = build("qwen2")
+    dense.save_pretrained(tmp_path / "model")
+    options = dict(criterion="manual", layers=[2, 3], seq_len=32, num_sequences=10, batch_size=3)
+    expected = ghost_prune(dense, char_tokenizer(), texts(), **options)
+    lazy = LayerwiseModel(tmp_path / "model")
+    read: list[str] = []  # tensors read by the build (after the statistics pass)
+    tensor, load_model = lazy._tensor, lazy.load_model
+    lazy.load_model = lambda removed: setattr(lazy, "_tensor", lambda name: read.append(name) or tensor(name)) \
+        or load_model(removed)
+    got = ghost_prune(lazy, char_tokenizer(), texts(), **options)
+    assert "model.layers.1.mlp.up_proj.weight" in read and "model.layers.4.mlp.up_proj.weight" in read
+    assert not [n for n in read if n.startswith(("model.layers.2.", "model.layers.3."))]
+    want = expected.state_dict()
+    assert set(got.state_dict()) == set(want)
+    for name, value in got.state_dict().items():
+        assert float((value - want[name]).abs().max()) <= 1e-6, name
+    assert got.generation_config.to_dict() == expected.generation_config.to_dict()
