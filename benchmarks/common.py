@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -9,6 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets
 from ghosted_hf.data import TokenBatches, tokenize_texts
+from ghosted_hf.evaluate import perplexity
+from ghosted_hf.options import PruneOptions
 
 
 def packaged_model() -> tuple[object, Callable[[], torch.nn.Module]]:
@@ -31,3 +35,32 @@ def layer_ranges(layers: list[int]) -> str:
             runs.append(f"{start}-{a}" if a != start else f"{a}")
             start = b
     return ",".join(runs)
+
+
+def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, nargs="+", default=[8, 4])
+    parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--num-sequences", type=int, default=PruneOptions().num_sequences)
+
+
+@dataclasses.dataclass
+class Setup:
+    """What a lever benchmark compares on: the packaged model, calibration text and its default tokenization,
+    held-out windows, and the dense perplexity."""
+
+    tokenizer: object
+    load: Callable[[], torch.nn.Module]
+    calibration: list[str]
+    held_out: list[dict[str, torch.Tensor]]
+    options: PruneOptions
+    data: TokenBatches
+    dense: float
+
+
+def benchmark_setup(args: argparse.Namespace) -> Setup:
+    tokenizer, load = packaged_model()
+    calibration = assets.wikipedia_split("calibration")
+    options = PruneOptions(num_sequences=args.num_sequences)
+    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
+    held_out = held_out_windows(tokenizer, args.eval_windows).batches
+    return Setup(tokenizer, load, calibration, held_out, options, data, perplexity(load(), held_out, progress=False))

@@ -22,14 +22,13 @@ import time
 
 import torch
 
-from ghosted_hf import assets, ghost_prune
+from ghosted_hf import ghost_prune
 from ghosted_hf.calibration import StatisticsPlan, collect_statistics
-from ghosted_hf.data import tokenize_texts
 from ghosted_hf.evaluate import gap_closed, perplexity
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.recipe import statistics_plan
 
-from common import held_out_windows, layer_ranges, packaged_model
+from common import add_setup_arguments, benchmark_setup, layer_ranges
 
 ROWS = {  # row name: the lever's options on top of the default
     "no recovery (same block)": dict(operator="none"),
@@ -44,19 +43,14 @@ ROWS = {  # row name: the lever's options on top of the default
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[8, 4])
+    add_setup_arguments(parser)
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
-    parser.add_argument("--eval-windows", type=int, default=16)
-    parser.add_argument("--num-sequences", type=int, default=PruneOptions().num_sequences)
     args = parser.parse_args()
 
-    tokenizer, load = packaged_model()
-    calibration = assets.wikipedia_split("calibration")
-    held_out = held_out_windows(tokenizer, args.eval_windows).batches
-    options = PruneOptions(num_sequences=args.num_sequences)
-    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
     started = time.perf_counter()
-    dense = perplexity(load(), held_out, progress=False)
+    setup = benchmark_setup(args)
+    tokenizer, load, calibration, held_out = setup.tokenizer, setup.load, setup.calibration, setup.held_out
+    options, data, dense = setup.options, setup.data, setup.dense
     print(f"SmolLM2-135M-Instruct (dequantized Q4_1), fp32; dense perplexity {dense:.2f}. Calibration {data.num_tokens} "
           f"tokens ({options.num_sequences} x {options.seq_len}); {args.eval_windows} held-out windows of 512.\n")
     print("| removed | layers | lever | perplexity | gap closed | log ppl vs default | fit seconds |")

@@ -17,16 +17,14 @@ import time
 
 import torch
 
-from ghosted_hf import assets, ghost_prune
+from ghosted_hf import ghost_prune
 from ghosted_hf.calibration import StatisticsPlan, collect_statistics
-from ghosted_hf.data import tokenize_texts
 from ghosted_hf.evaluate import gap_closed, perplexity
 from ghosted_hf.operators import OPERATOR_KINDS
-from ghosted_hf.options import PruneOptions
 from ghosted_hf.recipe import boundary_spans
 from ghosted_hf.surgery import count_parameters
 
-from common import held_out_windows, packaged_model
+from common import add_setup_arguments, benchmark_setup
 
 ROWS = [  # (row name, operator kind, needs custom code to run)
     ("no recovery", "none", False),
@@ -42,18 +40,13 @@ ROWS = [  # (row name, operator kind, needs custom code to run)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[8, 4])
-    parser.add_argument("--eval-windows", type=int, default=16)
-    parser.add_argument("--num-sequences", type=int, default=PruneOptions().num_sequences)
+    add_setup_arguments(parser)
     args = parser.parse_args()
 
-    tokenizer, load = packaged_model()
-    calibration = assets.wikipedia_split("calibration")
-    held_out = held_out_windows(tokenizer, args.eval_windows).batches
-    options = PruneOptions(num_sequences=args.num_sequences)
-    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
     started = time.perf_counter()
-    dense = perplexity(load(), held_out, progress=False)
+    setup = benchmark_setup(args)
+    tokenizer, load, calibration, held_out = setup.tokenizer, setup.load, setup.calibration, setup.held_out
+    options, data, dense = setup.options, setup.data, setup.dense
     dense_parameters = count_parameters(load())
     print(f"SmolLM2-135M-Instruct (dequantized Q4_1), fp32; dense perplexity {dense:.2f}, {dense_parameters:,} "
           f"parameters. Calibration {data.num_tokens} tokens; {args.eval_windows} held-out windows of 512.\n")
