@@ -31,6 +31,13 @@ def option(default: Any = dataclasses.MISSING, help: str = "",
     return field(default=default, metadata={"help": help, "choices": choices, "positional": positional})
 
 
+def same_as(cls: type, name: str) -> Any:
+    """A field defined as `cls`'s `name` is (default, help, choices): options that mean the same in two
+    dataclasses are written once and cannot drift."""
+    original = cls.__dataclass_fields__[name]
+    return field(default=original.default, metadata=original.metadata)
+
+
 def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
     choices = f.metadata.get("choices")
     return tuple(choices()) if callable(choices) else choices
@@ -132,7 +139,7 @@ class PruneOptions(Options):
         "or all on the dense model (independent, as in the paper).",
         FITTINGS,
     )
-    ridge: float = option(1e-6, "Ridge eps relative to the mean diagonal of X^T X.")
+    ridge: float = option(1e-6, "Ridge eps relative to the mean diagonal of the Gram matrix X^T X.")
     weighting: str = option(
         "none", "Token weighting of the least-squares fit: none, or rms (each token divided by its RMS).", WEIGHTINGS
     )
@@ -194,11 +201,11 @@ class ExportOptions(Options):
     """How `plain_export` refits an existing ghosted model's operators as foldable ones."""
 
     operator: str = option("folded", "Foldable operator kind that imitates each ghost operator.", folded_kinds)
-    ridge: float = option(1e-6, "Ridge eps relative to the mean diagonal of the Gram matrices.")
-    seq_len: int = option(512, "Calibration sequence length in tokens.")
-    num_sequences: int = option(128, "Number of calibration sequences.")
-    batch_size: int = option(4, "Calibration sequences per forward pass.")
-    stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
+    ridge: float = same_as(PruneOptions, "ridge")
+    seq_len: int = same_as(PruneOptions, "seq_len")
+    num_sequences: int = same_as(PruneOptions, "num_sequences")
+    batch_size: int = same_as(PruneOptions, "batch_size")
+    stats_device: str | None = same_as(PruneOptions, "stats_device")
 
     def check(self) -> None:
         positive(self, "seq_len", "num_sequences", "batch_size")
