@@ -29,12 +29,12 @@ LINEAR = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 
 @dataclass
 class HealOptions(Options):
-    scope: str = option("boundary", "LoRA targets: the kept layers on both sides of every boundary, or every layer.",
-                        SCOPES)
+    scope: str = option("all-linear", "LoRA targets: every linear layer of every decoder layer, or only the kept layers "
+                        "on both sides of every boundary.", SCOPES)
     train_operators: bool = option(False, "Also train the ghost operators (saved merged into the model).")
     rank: int = option(8, "LoRA rank.")
     alpha: int = option(16, "LoRA alpha.")
-    steps: int = option(60, "Optimizer steps (60 x 4 x 256 tokens: about 10 CPU-minutes for a 135M model).")
+    steps: int = option(48, "Optimizer steps (48 x 4 x 256 tokens: about 10 CPU-minutes for a 135M model, all-linear).")
     lr: float = option(1e-3, "AdamW learning rate (constant).")
     seq_len: int = option(256, "Training sequence length in tokens.")
     batch_size: int = option(4, "Sequences per step.")
@@ -67,7 +67,7 @@ def base_model_reference(model: GhostedForCausalLM) -> str:
                        "language-modelling loss (teacher 'none').")
 
 
-def target_modules(model: GhostedForCausalLM, scope: str = "boundary") -> str:
+def target_modules(model: GhostedForCausalLM, scope: str) -> str:
     """LoRA targets: the linear layers of the kept layers on both sides of every boundary, or all of them."""
     if scope not in SCOPES:
         raise GhostedError(f"Unknown scope {scope!r}; choose one of: {', '.join(SCOPES)}.")

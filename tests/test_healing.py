@@ -28,10 +28,10 @@ def mean_lm_loss(model, batches) -> float:
                    for b in batches) / len(batches)
 
 
-def test_target_modules_default_to_the_layers_around_each_boundary() -> None:
+def test_target_modules_all_layers_or_the_layers_around_each_boundary() -> None:
     model = pruned()  # removes 2-3: the boundary feeds pruned layer 2, after pruned layer 1
     linear = r"\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
-    assert target_modules(model) == r"model\.layers\.(1|2)" + linear
+    assert target_modules(model, "boundary") == r"model\.layers\.(1|2)" + linear
     assert target_modules(model, "all-linear") == r"model\.layers\.(0|1|2|3)" + linear
     with pytest.raises(ValueError, match="Unknown scope 'everything'; choose one of: boundary, all-linear"):
         target_modules(model, "everything")

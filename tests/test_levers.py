@@ -193,7 +193,7 @@ def test_norm_operator_is_the_least_squares_fit_on_the_patched_model() -> None:
     assert "operator at the final norm's input" in summary.recovery
     assert "final norm (a correction: no layer removed there)" in render_text(summary)
     # LoRA healing targets the last kept layer too (it feeds the corrected norm input).
-    assert target_modules(model).startswith(r"model\.layers\.(0|1|3)\.")
+    assert target_modules(model, "boundary").startswith(r"model\.layers\.(0|1|3)\.")
 
 
 def test_norm_operator_adds_nothing_when_a_boundary_feeds_the_norm() -> None:
