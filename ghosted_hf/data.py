@@ -131,20 +131,21 @@ def pad_token_id(tokenizer: Any) -> int:
 
 
 def pack_tokens(
-    token_lists: list[list[int]],
+    token_lists: Iterable[list[int]],
     seq_len: int,
     max_sequences: int | None,
     separator: int | None,
 ) -> list[list[int]]:
     """Concatenate documents (separated by `separator`) and cut them into sequences of `seq_len`; the
-    last one may be shorter."""
+    last one may be shorter. Reads `token_lists` only as far as the sequences asked for need (it may be lazy)."""
+    needed = None if max_sequences is None else max_sequences * seq_len
     stream: list[int] = []
-    for tokens in token_lists:
-        stream.extend(tokens)
-        if separator is not None:
+    for index, tokens in enumerate(token_lists):
+        if index and separator is not None:
             stream.append(separator)
-    if separator is not None and stream:
-        stream.pop()
+        stream.extend(tokens)
+        if needed is not None and len(stream) >= needed:
+            break
     sequences = [stream[i : i + seq_len] for i in range(0, len(stream), seq_len)]
     return sequences[:max_sequences] if max_sequences is not None else sequences
 
@@ -183,7 +184,7 @@ def chat_turn_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
     return encode(before), encode(after)
 
 
-def pack_conversations(token_lists: list[list[int]], before: list[int], after: list[int], seq_len: int,
+def pack_conversations(token_lists: Iterable[list[int]], before: list[int], after: list[int], seq_len: int,
                        max_sequences: int | None) -> list[list[int]]:
     """Sequences of whole conversations: each text is cut into pieces that, wrapped in `before`/`after`, fill
     the rest of the current sequence, so that no conversation is cut and every sequence begins with the
@@ -235,10 +236,11 @@ def tokenize_texts(
         raise GhostedError(f"The calibration text ({name}) is empty: provide at least a few paragraphs of text.")
     if text_format == "chat":
         before, after = chat_turn_tokens(tokenizer)
-        token_lists = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        # Tokenized lazily: packing stops reading once it has the sequences asked for.
+        token_lists = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts)
         sequences = pack_conversations(token_lists, before, after, seq_len, num_sequences)
     else:
-        token_lists = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        token_lists = (tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts)
         sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id)
     if num_sequences is not None and len(sequences) < num_sequences:
         logger.warning("Only %d sequences of %d tokens in %s (asked for %d).", len(sequences), seq_len, name, num_sequences)

@@ -1,11 +1,14 @@
-"""Calibration text in the tokenizer's chat template (calibration_format="chat")."""
+"""Calibration text packing: plain (documents joined by EOS) and in the tokenizer's chat template
+(calibration_format="chat")."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from ghosted_hf import ghost_prune
-from ghosted_hf.data import CHAT_PROMPT, chat_turn_tokens, tokenize_texts
+from ghosted_hf.data import CHAT_PROMPT, chat_turn_tokens, pack_tokens, tokenize_texts
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.summary import render_text, summarize
 from tiny import build, char_tokenizer, texts
@@ -68,3 +71,22 @@ def test_ghost_prune_records_the_chat_format() -> None:
     provenance = ghosted.config.ghost_provenance
     assert provenance["calibration"]["format"] == "chat" and provenance["options"]["calibration_format"] == "chat"
     assert ", chat format, sha256" in render_text(summarize(ghosted.config))
+
+
+@pytest.mark.parametrize("max_sequences", [None, 1, 3, 5, 40])
+def test_plain_packing_reads_only_what_it_needs(max_sequences: int | None) -> None:
+    """Documents joined by the separator and cut into sequences; a lazy source is read only as far as needed."""
+    rng = random.Random(max_sequences)
+    docs = [[rng.randrange(1, 50) for _ in range(rng.choice([0, 3, 7, 12]))] for _ in range(20)]
+    stream = [t for i, d in enumerate(docs) for t in ([99] if i else []) + d]
+    expected = [stream[i:i + 8] for i in range(0, len(stream), 8)][:max_sequences]
+    read = []
+
+    def lazy():
+        for d in docs:
+            read.append(d)
+            yield d
+
+    assert pack_tokens(lazy(), 8, max_sequences, 99) == expected
+    if max_sequences is not None and max_sequences * 8 < len(stream):
+        assert len(read) < len(docs)  # stopped early
