@@ -151,3 +151,18 @@ def test_help_shows_defaults(capsys) -> None:
     assert "Number of decoder layers to remove (ignored with --criterion manual). (default: 8)" in out
     assert "all on the dense model (independent, as in the paper). (default: sequential)" in out
     assert "(default: None)" in out and "(None: the model's first). (default: None)" in out
+
+
+def test_surgery_needs_the_kept_weights_not_the_removed_ones() -> None:
+    """Removed layers may stay unloaded (meta); a kept weight on the meta device is refused by name."""
+    def with_meta(layer: int) -> LlamaForCausalLM:
+        model = build("llama")
+        for module in model.model.layers[layer].modules():
+            for name, p in [(n, p) for n, p in module._parameters.items() if p is not None]:
+                module._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="meta"))
+        return model
+
+    pruned = prune_layers(with_meta(2), [2], {2: random_operator(0)})
+    assert pruned.config.removed_layers == [2]
+    with pytest.raises(GhostedError, match=r"kept weight model.layers.3.self_attn.q_proj.weight is on the meta device"):
+        prune_layers(with_meta(3), [2], {2: random_operator(0)})
