@@ -9,6 +9,7 @@ a run with budget b would give; one run per start serves every budget.
 
     python benchmarks/healing.py --layers 8 --budgets 2.5 5 10 --lr 1e-3 > benchmarks/results/healing.md
     python benchmarks/healing.py --layers 8 --budgets 5 --starts ghosted --lr 1e-3 --scope all-linear
+    python benchmarks/healing.py --layers 8 --budgets 5 --starts ghosted --lm-loss --lambada 500
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.calibration import CalibrationStatistics, collect_statistics
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.evaluate import gap_closed, perplexity
+from ghosted_hf.evaluate import gap_closed, lambada, perplexity
 from ghosted_hf.healing import HealOptions, heal
 from ghosted_hf.options import PruneOptions, add_arguments, from_namespace
 from ghosted_hf.recipe import statistics_plan
@@ -42,6 +43,9 @@ def main() -> None:
     parser.add_argument("--starts", nargs="+", choices=STARTS, default=list(STARTS))
     parser.add_argument("--lm-loss", action="store_true", help="Next-token loss instead of distillation.")
     parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--lambada", type=int, default=0,
+                        help="Also score LAMBADA (first N items: text of another domain than the calibration) after the "
+                             "last budget.")
     parser.add_argument("--statistics", default="benchmark-cache/healing-statistics.safetensors",
                         help="Calibration statistics cache (computed once for the default prune options).")
     add_arguments(parser, HealOptions)
@@ -70,8 +74,8 @@ def main() -> None:
           f"{held_out.num_tokens} tokens; gap closed between LLM-Streamline's block plainly removed "
           f"({streamline_plain:.2f}) and dense ({dense:.2f}). Healing: LoRA, {loss}, options "
           f"{json.dumps(options.to_dict())}, on the calibration articles.\n")
-    print("| start | removed | budget (CPU-min) | steps | perplexity | gap closed |")
-    print("|---|---|---|---|---|---|", flush=True)
+    print("| start | removed | budget (CPU-min) | steps | perplexity | gap closed | LAMBADA acc (SE) |")
+    print("|---|---|---|---|---|---|---|", flush=True)
     records = []
     for name in args.starts:
         model = start(name)
@@ -82,9 +86,13 @@ def main() -> None:
         def report(evaluated: torch.nn.Module, budget: float) -> None:
             ppl = perplexity(evaluated, held_out.batches, progress=False)
             closed = gap_closed(ppl, streamline_plain, dense)
+            lam = (lambada(evaluated, tokenizer, limit=args.lambada, progress=False)
+                   if args.lambada and budget == args.budgets[-1] else None)
             records.append(dict(start=name, removed=removed, budget=budget, steps=steps, minutes=spent / 60,
-                                perplexity=ppl, gap_closed=closed))
-            print(f"| {name} | {layer_ranges(removed)} | {budget:g} | {steps} | {ppl:.2f} | {closed:.3f} |", flush=True)
+                                perplexity=ppl, gap_closed=closed, lambada=lam))
+            cell = f"{lam['accuracy']:.3f} ({lam['accuracy_stderr']:.3f})" if lam else "-"
+            print(f"| {name} | {layer_ranges(removed)} | {budget:g} | {steps} | {ppl:.2f} | {closed:.3f} | {cell} |",
+                  flush=True)
 
         report(model, 0.0)
         clock = time.process_time()
