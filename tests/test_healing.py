@@ -93,7 +93,7 @@ def test_after_step_sees_every_step_and_can_stop_training() -> None:
     assert calls == [(1, True), (2, True), (3, True)] and len(losses) == 3 and peft_model.ghost_healing["steps"] == 3
 
 
-def test_the_default_teacher_is_the_recorded_base_model(tmp_path: Path) -> None:
+def test_teacher_base_is_the_recorded_base_model(tmp_path: Path) -> None:
     model = pruned()
     model.config.ghost_provenance = {**model.config.ghost_provenance, "base_model_path": str(tmp_path),
                                      "base_model": "someone/dense"}
