@@ -29,7 +29,7 @@ from ghosted_hf.evaluate import ZERO_SHOT_TASKS, gap_closed, lambada, perplexity
 from ghosted_hf.healing import HealOptions, heal, merge
 from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
-from ghosted_hf.recipe import boundary_spans
+from ghosted_hf.recipe import boundary_spans, statistics_plan
 
 from common import held_out_windows, layer_ranges, packaged_model
 
@@ -109,14 +109,21 @@ def main() -> None:
     for index, n in enumerate(args.layers):
         methods = args.methods if index == 0 or args.short_methods is None else args.short_methods
         baseline = None  # the standard baseline: LLM-Streamline's block plainly removed
-        for criterion in ["streamline"] + [c for c in args.selections if c != "streamline"]:
-            removed = ghost_prune(load(), tokenizer, calibration, num_layers=n, criterion=criterion, operator="none",
-                                  num_sequences=args.num_sequences, seq_len=args.seq_len).config.removed_layers
+        criteria = ["streamline"] + [c for c in args.selections if c != "streamline"]
+        # One dense pass serves every selection (and, for ghost-aware, the fit of every contiguous block).
+        calibration_options = dict(num_layers=n, num_sequences=args.num_sequences, seq_len=args.seq_len)
+        selection_stats = collect_statistics(load(), cal_data.batches, StatisticsPlan.union(
+            statistics_plan(30, PruneOptions(criterion=c, **calibration_options)) for c in criteria), progress=False)
+        kinds = {OPERATOR_KINDS[m["operator"]] for name, m in METHODS if name in methods or name == "no recovery"}
+        for criterion in criteria:
+            removed = ghost_prune(load(), tokenizer, calibration, statistics=selection_stats, criterion=criterion,
+                                  operator="none", **calibration_options).config.removed_layers
             options = PruneOptions(criterion="manual", layers=removed, num_sequences=args.num_sequences, seq_len=args.seq_len)
             spans = boundary_spans(30, removed)
-            plan = StatisticsPlan.union(kind.statistics(s, e) for kind in OPERATOR_KINDS.values() for s, e in spans
-                                        if s >= kind.first_removable)
-            stats = collect_statistics(load(), cal_data.batches, plan, progress=False)
+            plan = StatisticsPlan.union(kind.statistics(s, e) for kind in kinds for s, e in spans
+                                        if s >= kind.first_removable).missing_from(selection_stats)
+            stats = (selection_stats.with_tensors(collect_statistics(load(), cal_data.batches, plan, progress=False))
+                     if plan else selection_stats)
             for name, method in METHODS:
                 is_baseline = name == "no recovery" and criterion == "streamline"
                 if not is_baseline and (name not in methods or criterion not in args.selections):
