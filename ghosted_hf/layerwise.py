@@ -89,13 +89,13 @@ def weight_map(folder: Path) -> dict[str, str]:
 class LayerwiseModel:
     """A Llama/Qwen causal LM that is calibrated one decoder layer at a time from its safetensors files.
 
-    Stands in for the model in `collect_statistics`, `Calibrator` and `ghost_prune`; `load_model()` reads the
-    whole model (for the build, after the statistics are collected). `observer(i)` is called while layer
+    Stands in for the model in `collect_statistics`, `Calibrator` and `ghost_prune`; `load_model(removed)` reads
+    what the build keeps, after the statistics are collected. `observer(i)` is called while layer
     `i` is the one in memory (tests count the resident parameters there).
     """
 
-    def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float32, *, offload_folder: str | Path | None = None,
-                 load_kwargs: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float32, *,
+                 offload_folder: str | Path | None = None) -> None:
         from transformers import AutoConfig
 
         self.folder = Path(folder)
@@ -105,7 +105,6 @@ class LayerwiseModel:
         self.config = AutoConfig.from_pretrained(self.folder)
         self.config._name_or_path = str(self.folder)
         self.dtype, self.offload_folder = dtype, offload_folder
-        self.load_kwargs = dict(load_kwargs or {})
         self.weights = weight_map(self.folder)
         self.observer: Callable[[int], None] | None = None
         self.training = False
@@ -128,11 +127,9 @@ class LayerwiseModel:
     def load_model(self, removed: Iterable[int] = ()) -> nn.Module:
         """The dense model for the build, with the decoder layers in `removed` left on the meta device: their
         weights are never read, so the build holds at most the pruned model, not the dense one."""
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
 
         skip = {int(i) for i in removed}
-        if not skip:
-            return AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype, **self.load_kwargs).eval()
         model = self._skeleton()
         wanted = [k for k in self.weights if _layer_of(k) not in skip]
         model.load_state_dict({k: self._tensor(k) for k in wanted}, strict=False, assign=True)
