@@ -58,37 +58,35 @@ def validate_removal(remove: Iterable[int], depth: int) -> list[int]:
     return sorted(remove)
 
 
+def _validate_ghost_tensor(tensor: torch.Tensor, shape: tuple[int, ...], what: str, where: str, use: str,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` cast to its storage `dtype`, after checking type, shape, dtype, device and finiteness (of the
+    stored values: a float64 tensor that overflows float32 is refused)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise GhostedError(f"{what} for {where} must be a torch.Tensor, got {type(tensor).__name__}.")
+    if tuple(tensor.shape) != shape:
+        raise GhostedError(f"{what} for {where} has shape {tuple(tensor.shape)}; expected {shape} ({use}).")
+    if not tensor.is_floating_point():
+        raise GhostedError(f"{what} for {where} must be a floating-point tensor, got {tensor.dtype}.")
+    if tensor.device.type == "meta":
+        raise GhostedError(f"{what} for {where} is on the meta device (it holds no values); pass a real tensor.")
+    stored = tensor.detach().to(dtype)
+    if not torch.isfinite(stored).all():
+        problem = "contains NaN or Inf values" if not torch.isfinite(tensor).all() else f"overflows {dtype}"
+        raise NonFiniteError(f"{what} for {where} {problem}.")
+    return stored
+
+
 def validate_operator(operator: torch.Tensor, hidden_size: int, where: str,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The operator cast to its storage `dtype`, after checking shape, dtype, device and finiteness (of the
-    stored values: a float64 operator that overflows float32 is refused)."""
-    if not isinstance(operator, torch.Tensor):
-        raise GhostedError(f"Operator for {where} must be a torch.Tensor, got {type(operator).__name__}.")
-    if tuple(operator.shape) != (hidden_size, hidden_size):
-        raise GhostedError(
-            f"Operator for {where} has shape {tuple(operator.shape)}; expected ({hidden_size}, {hidden_size}) "
-            "(hidden size x hidden size, applied as x @ W)."
-        )
-    if not operator.is_floating_point():
-        raise GhostedError(f"Operator for {where} must be a floating-point tensor, got {operator.dtype}.")
-    if operator.device.type == "meta":
-        raise GhostedError(f"Operator for {where} is on the meta device (it holds no values); pass a real tensor.")
-    stored = operator.detach().to(dtype)
-    if not torch.isfinite(stored).all():
-        problem = "contains NaN or Inf values" if not torch.isfinite(operator).all() else f"overflows {dtype}"
-        raise NonFiniteError(f"Operator for {where} {problem}.")
-    return stored
+    """The operator cast to its storage `dtype`, checked."""
+    return _validate_ghost_tensor(operator, (hidden_size, hidden_size), "Operator", where,
+                                  "hidden size x hidden size, applied as x @ W", dtype)
 
 
 def validate_bias(bias: torch.Tensor, hidden_size: int, where: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An affine boundary's bias cast to its storage `dtype`, after the checks `validate_operator` makes."""
-    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (hidden_size,):
-        raise GhostedError(f"The bias for {where} must be a floating-point tensor of shape ({hidden_size},), got "
-                           f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}.")
-    stored = bias.detach().to(dtype)
-    if not torch.isfinite(stored).all():
-        raise NonFiniteError(f"The bias for {where} contains NaN or Inf values (as {dtype}).")
-    return stored
+    """An affine boundary's bias cast to its storage `dtype`, checked as an operator is."""
+    return _validate_ghost_tensor(bias, (hidden_size,), "Bias", where, "hidden size, added as x @ W + b", dtype)
 
 
 def pruned_text_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig:
@@ -196,7 +194,8 @@ def prune_layers(
     operators = {as_layer_index(k): v for k, v in (operators or {}).items()}
     biases = {as_layer_index(k): v for k, v in (biases or {}).items()}
     boundaries = expected_boundaries(depth, removed, norm_correction=depth in operators)
-    starts = {(b["removed"][0] if b["removed"] else depth): b for b in boundaries}
+    start_of = lambda b: b["removed"][0] if b["removed"] else depth  # noqa: E731  (the norm correction: depth)
+    starts = {start_of(b): b for b in boundaries}
     unknown = sorted(set(operators) - set(starts))
     if unknown:
         raise GhostedError(
@@ -214,7 +213,6 @@ def prune_layers(
                                        operator_dtype) for start, op in operators.items()}
     stored_biases = {start: validate_bias(b, hidden, f"the boundary after removed layers {starts[start]['removed']}",
                                           operator_dtype) for start, b in biases.items()}
-    start_of = lambda b: b["removed"][0] if b["removed"] else depth  # noqa: E731
 
     config = GhostedConfig(
         text_config=pruned_text_config(base_config, kept),
