@@ -74,6 +74,7 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
     ranked = sorted(scores.items(), key=lambda kv: kv[1], reverse=selection.get("better") == "higher")
     cal = prov.get("calibration") or {}
     healing = prov.get("healing")
+    lookahead = prov.get("lookahead") not in (None, "none")
     return ModelSummary(
         base_model=prov.get("base_model") or "unknown",
         model_type=text.model_type,
@@ -88,8 +89,7 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         better=selection.get("better"),
         scores=[(name, f"{score:.6g}", set(candidate_layers(name)) <= removed) for name, score in ranked],
         recovery=f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')} fitting"
-                 + (f", one-layer lookahead refit ({prov['lookahead']})" if prov.get("lookahead") not in (None, "none")
-                    else "")
+                 + (f", one-layer lookahead refit ({prov['lookahead']})" if lookahead else "")
                  + (", operator at the final norm's input" if prov.get("norm_operator") else ""),
         calibration=(f"{cal.get('name')}: {cal.get('tokens_used')} tokens in {cal.get('sequences')} sequences of "
                      f"{cal.get('sequence_length')}" + (f", {cal['format']} format" if cal.get("format") else "")
@@ -102,7 +102,7 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         plain=bool(plain) and getattr(config, "model_type", None) != "ghosted",
         untied_embeddings=bool(plain and plain.get("untied_embeddings")),
         affine=any(b.get("bias") for b in boundaries),
-        lookahead=prov.get("lookahead") not in (None, "none"),
+        lookahead=lookahead,
         norm_correction=any(not b["removed"] for b in boundaries),
     )
 
