@@ -1,14 +1,17 @@
 """Healing at equal compute: LoRA training on the calibration text only (next-token loss, or distillation from
-the dense model's logits with `--loss kd`) of three starts with the same number of removed layers — the default ghosted model, the same block plainly removed, and
-LLM-Streamline's block plainly removed — scored on the held-out windows after each compute budget.
+the dense model's logits with `--loss kd`) of three starts with the same number of removed layers — the default
+ghosted model, the same block plainly removed, and LLM-Streamline's block plainly removed — scored on the held-out
+windows after each compute budget.
 
 A budget is training compute in CPU-minutes: the process CPU time spent in `heal` (evaluation excluded),
 summed over torch's threads (one by default: CPU time is then what a core spends, whatever else runs on
-the machine). LoRA trains at a constant learning rate, so the model after budget b of one run is the model
-a run with budget b would give; one run per start serves every budget.
+the machine). With a constant learning rate the model after budget b of one run is the model a run with
+budget b would give, so one run per start serves every budget; with a schedule (the default decays to zero)
+each budget is its own run, of as many steps as a short probe says fit (with 5% to spare), stopped at the
+budget if they do not.
 
-    python benchmarks/healing.py --layers 8 --budgets 2.5 5 10 --loss kd --scope boundary > benchmarks/results/healing.md
-    python benchmarks/healing.py --layers 8 --budgets 5 --starts ghosted --loss kd --lambada 500
+    python benchmarks/healing.py --layers 8 --budgets 2.5 5 10 > benchmarks/results/healing.md
+    python benchmarks/healing.py --layers 8 --budgets 10 --starts ghosted --lr 1e-3 --schedule constant --lambada 500
 """
 
 from __future__ import annotations
@@ -77,37 +80,57 @@ def main() -> None:
     print("| start | removed | budget (CPU-min) | steps | perplexity | gap closed | LAMBADA acc (SE) |")
     print("|---|---|---|---|---|---|---|", flush=True)
     records = []
-    for name in args.starts:
-        model = start(name)
-        removed = model.config.removed_layers
-        budgets = list(args.budgets)
-        spent, steps = 0.0, 0
 
-        def report(evaluated: torch.nn.Module, budget: float) -> None:
-            ppl = perplexity(evaluated, held_out.batches, progress=False)
-            closed = gap_closed(ppl, streamline_plain, dense)
-            lam = (lambada(evaluated, tokenizer, limit=args.lambada, progress=False)
-                   if args.lambada and budget == args.budgets[-1] else None)
-            records.append(dict(start=name, removed=removed, budget=budget, steps=steps, minutes=spent / 60,
-                                perplexity=ppl, gap_closed=closed, lambada=lam))
-            cell = f"{lam['accuracy']:.3f} ({lam['accuracy_stderr']:.3f})" if lam else "-"
-            print(f"| {name} | {layer_ranges(removed)} | {budget:g} | {steps} | {ppl:.2f} | {closed:.3f} | {cell} |",
-                  flush=True)
+    def report(name: str, evaluated: torch.nn.Module, budget: float, steps: int, spent: float) -> None:
+        ppl = perplexity(evaluated, held_out.batches, progress=False)
+        closed = gap_closed(ppl, streamline_plain, dense)
+        lam = (lambada(evaluated, tokenizer, limit=args.lambada, progress=False)
+               if args.lambada and budget == args.budgets[-1] else None)
+        removed = evaluated.config.removed_layers
+        records.append(dict(start=name, removed=removed, budget=budget, steps=steps, minutes=spent / 60,
+                            perplexity=ppl, gap_closed=closed, lambada=lam))
+        cell = f"{lam['accuracy']:.3f} ({lam['accuracy_stderr']:.3f})" if lam else "-"
+        print(f"| {name} | {layer_ranges(removed)} | {budget:g} | {steps} | {ppl:.2f} | {closed:.3f} | {cell} |",
+              flush=True)
 
-        report(model, 0.0)
-        clock = time.process_time()
+    def train(name: str, model: torch.nn.Module, budgets: list[float], steps: int) -> None:
+        """Heal for `steps` steps, reporting whenever the CPU time spent crosses a budget (and after the last step)."""
+        spent, clock = 0.0, time.process_time()
 
         def after_step(peft_model: torch.nn.Module, losses: list[float]) -> bool:
-            nonlocal spent, steps, clock
+            nonlocal spent, clock
             spent += time.process_time() - clock
-            steps = len(losses)
-            while budgets and spent >= budgets[0] * 60:
-                report(peft_model.eval(), budgets.pop(0))
+            while budgets and (spent >= budgets[0] * 60 or len(losses) == steps):
+                report(name, peft_model.eval(), budgets.pop(0), len(losses), spent)
             clock = time.process_time()
             return not budgets
 
         heal(model, tokenizer, calibration, options, teacher=teacher, progress=False, after_step=after_step,
-             steps=10**6)
+             steps=steps)
+
+    def seconds_per_step(model: torch.nn.Module, probe: int = 4) -> float:
+        """CPU seconds per healing step, from a short run (its first step, which warms up, not counted)."""
+        times = []
+        clock = time.process_time()
+
+        def after_step(_: torch.nn.Module, losses: list[float]) -> bool:
+            nonlocal clock
+            times.append(time.process_time() - clock)
+            clock = time.process_time()
+            return False
+
+        heal(model, tokenizer, calibration, options, teacher=teacher, progress=False, after_step=after_step, steps=probe)
+        return sum(times[1:]) / len(times[1:])
+
+    rate = None if options.schedule == "constant" else seconds_per_step(start("ghosted"))
+    for name in args.starts:
+        model = start(name)
+        report(name, model, 0.0, 0, 0.0)
+        if rate is None:  # a constant learning rate: the model after budget b of one run is that of a run of budget b
+            train(name, model, list(args.budgets), 10**6)
+        else:  # the schedule ends with the budget (5% spare for CPU time per step varying): one run per budget
+            for budget in args.budgets:
+                train(name, start(name), [budget], max(1, int(0.95 * budget * 60 / rate)))
     print(f"\nTotal {time.perf_counter() - started:.0f} s wall.")
     print("\n<details><summary>raw results (JSON)</summary>\n\n```json\n" + json.dumps(records, indent=1) +
           "\n```\n</details>")

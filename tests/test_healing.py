@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from ghosted_hf import ghost_prune
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.healing import base_model_reference, heal, merge, target_modules
+from ghosted_hf.healing import base_model_reference, heal, lr_factor, merge, resolve_precision, target_modules
 from isolated import assert_loads_with_same_logits
 from tiny import batch, build, char_tokenizer, kl_to_dense, texts
 
@@ -51,6 +51,35 @@ def test_healing_lowers_the_training_loss(teacher: bool) -> None:
     assert measure(peft_model) < before  # the training objective, on all training batches
     trained = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     assert any("lora_A" in n for n in trained) and any(".ghost." in n for n in trained)
+
+
+def test_linear_schedule_decays_to_zero_and_constant_stays() -> None:
+    assert [lr_factor("linear", step, 4) for step in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    assert {lr_factor("constant", step, 4) for step in range(4)} == {1.0}
+
+
+def test_precision_auto_is_bf16_only_where_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert resolve_precision("fp32", cpu) == "fp32" and resolve_precision("bf16", cpu) == "bf16"
+    assert resolve_precision("auto", torch.device("meta")) == "fp32"
+    for amx, avx512_bf16, expected in [(False, False, "fp32"), (True, False, "bf16"), (False, True, "bf16")]:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+        assert resolve_precision("auto", cpu) == expected
+
+
+def test_bf16_autocast_healing_trains_fp32_adapters_and_records_its_options() -> None:
+    tokenizer = char_tokenizer()
+    model = pruned()
+    batches = tokenize_texts(tokenizer, texts(), 48, batch_size=4).batches
+    before = mean_lm_loss(model, batches)
+    peft_model, losses = heal(model, tokenizer, texts(), steps=30, lr=5e-3, seq_len=48, precision="bf16",
+                              schedule="linear", progress=False)
+    assert mean_lm_loss(peft_model, batches) < before
+    adapters = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+    assert adapters and all(p.dtype == torch.float32 for p in adapters)
+    healing = merge(peft_model).config.ghost_provenance["healing"]
+    assert healing["precision"] == "bf16" and healing["schedule"] == "linear"
 
 
 def test_merged_model_saves_and_reloads_without_ghosted_hf(tmp_path: Path) -> None:
