@@ -122,14 +122,14 @@ def main() -> None:
         heal(model, tokenizer, calibration, options, teacher=teacher, progress=False, after_step=after_step, steps=probe)
         return sum(times[1:]) / len(times[1:])
 
-    rate = None if options.schedule == "constant" else seconds_per_step(start("ghosted"))
     for name in args.starts:
         model = start(name)
         report(name, model, 0.0, 0, 0.0)
-        if rate is None:  # a constant learning rate: the model after budget b of one run is that of a run of budget b
+        if options.schedule == "constant":  # the model after budget b of one run is that of a run of budget b
             train(name, model, list(args.budgets), 10**6)
-        else:  # the schedule ends with the budget (5% spare for CPU time per step varying): one run per budget
-            for budget in args.budgets:
+        else:  # the schedule ends with the budget: one run per budget, probed first (CPU time per step varies with
+            for budget in args.budgets:  # what runs beside), its steps with 5% to spare
+                rate = seconds_per_step(start(name))
                 train(name, start(name), [budget], max(1, int(0.95 * budget * 60 / rate)))
     print(f"\nTotal {time.perf_counter() - started:.0f} s wall.")
     print("\n<details><summary>raw results (JSON)</summary>\n\n```json\n" + json.dumps(records, indent=1) +

@@ -1,7 +1,9 @@
-"""Heal a saved ghosted model with LoRA (PEFT), distilling from the dense packaged SmolLM2-135M, then merge
-the adapters back and save a ghosted model that still loads with trust_remote_code.
+"""Heal a saved ghosted model with LoRA (PEFT) on the packaged calibration articles — next-token loss with
+`ghosted heal`'s defaults, or distillation from a dense model with `--teacher` — then merge the adapters back
+and save a ghosted model that still loads with trust_remote_code.
 
-    python examples/heal_lora.py ghosted-smollm2 --output ghosted-smollm2-healed --steps 100
+    python examples/heal_lora.py ghosted-smollm2 --output ghosted-smollm2-healed
+    python examples/heal_lora.py ghosted-smollm2 --output ghosted-smollm2-distilled --teacher packaged
 """
 
 from __future__ import annotations
@@ -13,24 +15,29 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ghosted_hf
 from ghosted_hf import assets
-from ghosted_hf.healing import heal, merge
+from ghosted_hf.healing import HealOptions, heal, merge
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="Folder of a ghosted model.")
     parser.add_argument("--output", default="ghosted-healed")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=HealOptions().steps)
+    parser.add_argument("--seq-len", type=int, default=HealOptions().seq_len)
+    parser.add_argument("--teacher", help="Dense model folder to distill from ('packaged': the packaged SmolLM2-135M).")
     args = parser.parse_args(argv)
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    teacher = AutoModelForCausalLM.from_pretrained(assets.default_model_dir(), dtype=torch.float32).eval()
+    teacher = None
+    if args.teacher:
+        folder = assets.default_model_dir() if args.teacher == "packaged" else args.teacher
+        teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     peft_model, losses = heal(model, tokenizer, assets.wikipedia_split("calibration"), teacher=teacher,
-                              steps=args.steps, seq_len=args.seq_len, lr=1e-4)
+                              steps=args.steps, seq_len=args.seq_len)
     ghosted_hf.save_with_card(merge(peft_model), args.output, tokenizer)
-    print(f"KL to the teacher: first step {losses[0]:.4f}, last step {losses[-1]:.4f}; saved to {args.output}")
+    loss = "KL to the teacher" if teacher is not None else "next-token loss"
+    print(f"{loss}: first step {losses[0]:.4f}, last step {losses[-1]:.4f}; saved to {args.output}")
     return losses
 
 
