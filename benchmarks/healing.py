@@ -4,8 +4,8 @@ ghosted model, the same block plainly removed, and LLM-Streamline's block plainl
 windows after each compute budget.
 
 A budget is training compute in CPU-minutes: the process CPU time spent in `heal` (evaluation excluded),
-summed over torch's threads (one by default: CPU time is then what a core spends, whatever else runs on
-the machine). With a constant learning rate the model after budget b of one run is the model a run with
+summed over torch's threads (one by default). On a machine of shared virtual cores a step's CPU time still
+varies with what the host runs beside it (3.9 to 5.8 s for the same step here), so the tables give steps too. With a constant learning rate the model after budget b of one run is the model a run with
 budget b would give, so one run per start serves every budget; with a schedule (the default decays to zero)
 each budget is its own run, of as many steps as a short probe says fit (with 5% to spare), stopped at the
 budget if they do not.
@@ -127,10 +127,12 @@ def main() -> None:
         report(name, model, 0.0, 0, 0.0)
         if options.schedule == "constant":  # the model after budget b of one run is that of a run of budget b
             train(name, model, list(args.budgets), 10**6)
-        else:  # the schedule ends with the budget: one run per budget, probed first (CPU time per step varies with
-            for budget in args.budgets:  # what runs beside), its steps with 5% to spare
-                rate = seconds_per_step(start(name))
-                train(name, start(name), [budget], max(1, int(0.95 * budget * 60 / rate)))
+            continue
+        # The schedule ends with the budget: one run per budget, probed just before (CPU time per step varies with
+        # what runs beside), its steps with 5% to spare.
+        for budget in args.budgets:
+            rate = seconds_per_step(start(name))
+            train(name, start(name), [budget], max(1, int(0.95 * budget * 60 / rate)))
     print(f"\nTotal {time.perf_counter() - started:.0f} s wall.")
     print("\n<details><summary>raw results (JSON)</summary>\n\n```json\n" + json.dumps(records, indent=1) +
           "\n```\n</details>")
