@@ -34,6 +34,8 @@ class HealOptions(Options):
     scope: str = option("all-linear", "LoRA targets: every linear layer of every decoder layer, or only the kept layers "
                         "on both sides of every boundary.", SCOPES)
     train_operators: bool = option(False, "Also train the ghost operators (saved merged into the model).")
+    train_norms: bool = option(False, "Also train every RMSNorm's gain (no weight decay): a per-channel rescale of "
+                               "each layer's input, which a low-rank adapter cannot express.")
     rank: int = option(8, "LoRA rank.")
     alpha: int = option(16, "LoRA alpha.")
     steps: int = option(150, "Optimizer steps (150 x 4 x 256 tokens: about 10 CPU-minutes for a 135M model on a core "
@@ -88,6 +90,12 @@ def target_modules(model: GhostedForCausalLM, scope: str) -> str:
     return rf"model\.layers\.({'|'.join(map(str, layers))})\.{LINEAR}"
 
 
+def norm_modules(model: nn.Module) -> list[str]:
+    """Every normalisation layer (each decoder layer's two norms, the final norm, Qwen3's q/k norms) by its full
+    name, found by class name: Llama, Qwen2 and Qwen3 each define their own RMSNorm class."""
+    return [name for name, module in model.named_modules() if type(module).__name__.endswith("RMSNorm")]
+
+
 def native_bf16(device: torch.device) -> bool:
     """Whether `device` multiplies bf16 matrices natively (on CPUs without it, bf16 is emulated and slower)."""
     if device.type == "cuda":
@@ -119,7 +127,8 @@ def heal(
     after_step: Callable[[PeftModel, list[float]], bool] | None = None,
     **overrides: Any,
 ) -> tuple[PeftModel, list[float]]:
-    """Train LoRA adapters (and, with `train_operators`, the ghost operators) for `steps` steps; returns the
+    """Train LoRA adapters (and, with `train_operators` / `train_norms`, the ghost operators / the norm gains,
+    saved with the adapter) for `steps` steps; returns the
     PEFT model and the loss of every step. With a `teacher` the loss is KL(teacher || student) on real
     tokens, otherwise next-token cross-entropy. Options are `HealOptions` fields. `after_step(model, losses)`
     runs after every step (e.g. to evaluate at time budgets); returning True stops training there."""
@@ -127,12 +136,15 @@ def heal(
     check_ghosted(model)
     torch.manual_seed(options.seed)
     batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.batch_size).batches
+    trained_modules = ([GHOST_MODULE] if options.train_operators else []) + (norm_modules(model) if options.train_norms else [])
     config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0,
                         target_modules=target_modules(model, options.scope),
-                        modules_to_save=[GHOST_MODULE] if options.train_operators else None, task_type="CAUSAL_LM")
+                        modules_to_save=trained_modules or None, task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=options.lr)
+    # No weight decay on vectors (norm gains, biases), the usual convention: decay would pull gains towards zero.
+    optimizer = torch.optim.AdamW([{"params": [p for p in trainable if p.ndim > 1]},
+                                   {"params": [p for p in trainable if p.ndim <= 1], "weight_decay": 0.0}], lr=options.lr)
     steps = options.steps
     decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(options.schedule, step, steps))
     device = next(peft_model.parameters()).device
@@ -178,5 +190,5 @@ def merge(peft_model: PeftModel) -> GhostedForCausalLM:
         raise GhostedError(f"Expected the merged model to be a GhostedForCausalLM, got {type(merged).__name__}.")
     merged.config.ghost_provenance = {**merged.config.ghost_provenance, "healing": {
         "method": "LoRA (merged)", "r": lora.r, "lora_alpha": lora.lora_alpha, "target_modules": str(lora.target_modules),
-        "trained_operators": bool(lora.modules_to_save), **record}}
+        "trained_operators": GHOST_MODULE in (lora.modules_to_save or ()), **record}}
     return merged

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from ghosted_hf import ghost_prune
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.healing import base_model_reference, heal, lr_factor, merge, resolve_precision, target_modules
+from ghosted_hf.healing import (base_model_reference, heal, lr_factor, merge, norm_modules, resolve_precision,
+                                target_modules)
 from isolated import assert_loads_with_same_logits
 from tiny import batch, build, char_tokenizer, kl_to_dense, texts
 
@@ -132,3 +133,27 @@ def test_teacher_base_is_the_recorded_base_model(tmp_path: Path) -> None:
     model.config.ghost_provenance["base_model"] = None
     with pytest.raises(ValueError, match=r"records no reachable base model .*\(teacher 'none'\)"):
         base_model_reference(model)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_train_norms_trains_every_rms_norm_and_saves_the_gains(architecture: str, tmp_path: Path) -> None:
+    base = ghost_prune(build(architecture), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], **FAST)
+    base.save_pretrained(tmp_path / "base")
+    names = norm_modules(base)
+    kept = base.config.num_hidden_layers  # each kept layer's two norms (Qwen3: four, with q/k), and the final norm
+    assert len(names) == kept * (4 if architecture == "qwen3" else 2) + 1 and "model.norm" in names
+    before = {n: p.clone() for n, p in base.named_parameters() if "norm" in n}
+    peft_model, _ = heal(base, char_tokenizer(), texts(), steps=10, lr=5e-3, seq_len=48, train_norms=True,
+                         progress=False)
+    inputs = batch()
+    with torch.no_grad():
+        expected = peft_model(**inputs).logits
+    peft_model.save_pretrained(tmp_path / "adapter")  # the gains travel with the adapter
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(reloaded(**inputs).logits, expected)
+    merged = merge(peft_model)
+    after = dict(merged.named_parameters())
+    assert set(after) >= set(before) and all(not torch.equal(after[n], before[n]) for n in before)
+    healing = merged.config.ghost_provenance["healing"]
+    assert healing["train_norms"] is True and healing["trained_operators"] is False
