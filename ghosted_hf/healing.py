@@ -41,6 +41,8 @@ class HealOptions(Options):
     steps: int = option(150, "Optimizer steps (150 x 4 x 256 tokens: about 10 CPU-minutes for a 135M model on a core "
                              "with AMX bf16, all-linear, without a teacher).")
     lr: float = option(2e-3, "AdamW learning rate (peak).")
+    lr_ratio: float = option(1.0, "Learning rate of LoRA's B matrices as a multiple of lr (LoRA+, Hayou et al. 2024, "
+                             "suggest 16: B starts at zero and learns the features).")
     schedule: str = option("linear", "Learning rate over the steps: constant, or decayed linearly to zero by the "
                            "last step.", SCHEDULES)
     precision: str = option("auto", "Matrix products under bf16 autocast (adapters and optimizer state stay fp32), "
@@ -52,8 +54,9 @@ class HealOptions(Options):
 
     def check(self) -> None:
         positive(self, "rank", "alpha", "steps", "seq_len", "batch_size")
-        if not self.lr > 0:
-            raise GhostedError(f"lr must be positive, got {self.lr}.")
+        for name in ("lr", "lr_ratio"):
+            if not getattr(self, name) > 0:
+                raise GhostedError(f"{name} must be positive, got {getattr(self, name)}.")
 
 
 def check_ghosted(model: Any) -> None:
@@ -94,6 +97,17 @@ def norm_modules(model: nn.Module) -> list[str]:
     """Every normalisation layer (each decoder layer's two norms, the final norm, Qwen3's q/k norms) by its full
     name, found by class name: Llama, Qwen2 and Qwen3 each define their own RMSNorm class."""
     return [name for name, module in model.named_modules() if type(module).__name__.endswith("RMSNorm")]
+
+
+def parameter_groups(model: nn.Module, lr: float, lr_ratio: float) -> list[dict[str, Any]]:
+    """AdamW groups of the trainable parameters: LoRA's B matrices at `lr * lr_ratio` (LoRA+), and no weight decay
+    on vectors (norm gains, biases; the usual convention: decay would pull gains towards zero)."""
+    groups: dict[tuple[float, float], list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            key = (lr * lr_ratio if "lora_B" in name else lr, 0.01 if p.ndim > 1 else 0.0)  # 0.01: AdamW's default
+            groups.setdefault(key, []).append(p)
+    return [{"params": params, "lr": rate, "weight_decay": decay} for (rate, decay), params in groups.items()]
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -141,10 +155,7 @@ def heal(
                         target_modules=target_modules(model, options.scope),
                         modules_to_save=trained_modules or None, task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
-    trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    # No weight decay on vectors (norm gains, biases), the usual convention: decay would pull gains towards zero.
-    optimizer = torch.optim.AdamW([{"params": [p for p in trainable if p.ndim > 1]},
-                                   {"params": [p for p in trainable if p.ndim <= 1], "weight_decay": 0.0}], lr=options.lr)
+    optimizer = torch.optim.AdamW(parameter_groups(peft_model, options.lr, options.lr_ratio))
     steps = options.steps
     decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(options.schedule, step, steps))
     device = next(peft_model.parameters()).device

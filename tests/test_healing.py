@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from ghosted_hf import ghost_prune
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.healing import (base_model_reference, heal, lr_factor, merge, norm_modules, resolve_precision,
-                                target_modules)
+from ghosted_hf.healing import (base_model_reference, heal, lr_factor, merge, norm_modules, parameter_groups,
+                                resolve_precision, target_modules)
 from isolated import assert_loads_with_same_logits
 from tiny import batch, build, char_tokenizer, kl_to_dense, texts
 
@@ -157,3 +157,18 @@ def test_train_norms_trains_every_rms_norm_and_saves_the_gains(architecture: str
     assert set(after) >= set(before) and all(not torch.equal(after[n], before[n]) for n in before)
     healing = merged.config.ghost_provenance["healing"]
     assert healing["train_norms"] is True and healing["trained_operators"] is False
+
+
+def test_parameter_groups_give_lora_b_its_ratio_and_vectors_no_decay() -> None:
+    peft_model, _ = heal(pruned(), char_tokenizer(), texts(), steps=1, lr=1e-3, seq_len=48, train_norms=True,
+                         progress=False)
+    groups = parameter_groups(peft_model, 1e-3, 16.0)
+    by_id = {id(p): (g["lr"], g["weight_decay"]) for g in groups for p in g["params"]}
+    trainable = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert len(by_id) == len(trainable)  # every trainable parameter in exactly one group
+    for name, p in trainable:
+        expected_lr = 16e-3 if "lora_B" in name else 1e-3
+        assert by_id[id(p)] == (expected_lr, 0.01 if p.ndim > 1 else 0.0), name
+    assert any("lora_B" in n for n, _ in trainable) and any(p.ndim == 1 for _, p in trainable)
+    with pytest.raises(ValueError, match="lr_ratio must be positive, got 0"):
+        heal(pruned(), char_tokenizer(), texts(), steps=1, lr_ratio=0.0, progress=False)
