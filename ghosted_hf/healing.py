@@ -142,15 +142,16 @@ def heal(
     **overrides: Any,
 ) -> tuple[PeftModel, list[float]]:
     """Train LoRA adapters (and, with `train_operators` / `train_norms`, the ghost operators / the norm gains,
-    saved with the adapter) for `steps` steps; returns the
-    PEFT model and the loss of every step. With a `teacher` the loss is KL(teacher || student) on real
-    tokens, otherwise next-token cross-entropy. Options are `HealOptions` fields. `after_step(model, losses)`
-    runs after every step (e.g. to evaluate at time budgets); returning True stops training there."""
+    saved with the adapter) for `steps` steps; returns the PEFT model and the loss of every step. With a `teacher`
+    the loss is KL(teacher || student) on real tokens, otherwise next-token cross-entropy. Options are `HealOptions`
+    fields. `after_step(model, losses)` runs after every step (e.g. to evaluate at time budgets); returning True
+    stops training there."""
     options = HealOptions.build(options, **overrides)
     check_ghosted(model)
     torch.manual_seed(options.seed)
     batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.batch_size).batches
-    trained_modules = ([GHOST_MODULE] if options.train_operators else []) + (norm_modules(model) if options.train_norms else [])
+    trained_modules = (([GHOST_MODULE] if options.train_operators else [])
+                       + (norm_modules(model) if options.train_norms else []))
     config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0,
                         target_modules=target_modules(model, options.scope),
                         modules_to_save=trained_modules or None, task_type="CAUSAL_LM")

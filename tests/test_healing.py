@@ -144,7 +144,7 @@ def test_train_norms_trains_every_rms_norm_and_saves_the_gains(architecture: str
     assert len(names) == kept * (4 if architecture == "qwen3" else 2) + 1 and "model.norm" in names
     before = {n: p.clone() for n, p in base.named_parameters() if "norm" in n}
     peft_model, _ = heal(base, char_tokenizer(), texts(), steps=10, lr=5e-3, seq_len=48, train_norms=True,
-                         progress=False)
+                         lr_ratio=4.0, progress=False)
     inputs = batch()
     with torch.no_grad():
         expected = peft_model(**inputs).logits
@@ -156,7 +156,7 @@ def test_train_norms_trains_every_rms_norm_and_saves_the_gains(architecture: str
     after = dict(merged.named_parameters())
     assert set(after) >= set(before) and all(not torch.equal(after[n], before[n]) for n in before)
     healing = merged.config.ghost_provenance["healing"]
-    assert healing["train_norms"] is True and healing["trained_operators"] is False
+    assert healing["train_norms"] is True and healing["lr_ratio"] == 4.0 and healing["trained_operators"] is False
 
 
 def test_parameter_groups_give_lora_b_its_ratio_and_vectors_no_decay() -> None:
