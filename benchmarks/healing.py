@@ -5,10 +5,11 @@ windows after each compute budget.
 
 A budget is training compute in CPU-minutes: the process CPU time spent in `heal` (evaluation excluded),
 summed over torch's threads (one by default). On a machine of shared virtual cores a step's CPU time still
-varies with what the host runs beside it (3.9 to 5.8 s for the same step here), so the tables give steps too. With a constant learning rate the model after budget b of one run is the model a run with
-budget b would give, so one run per start serves every budget; with a schedule (the default decays to zero)
-each budget is its own run, of as many steps as a short probe says fit (with 5% to spare), stopped at the
-budget if they do not.
+varies with what the host runs beside it (3.9 to 6.6 s for the same step here), so the tables give steps too.
+With a constant learning rate the model after budget b of one run is the model a run with budget b would give,
+so one run per start serves every budget; with a schedule (the default decays to zero) each budget is its own
+run, timed by `heal(minutes=b, clock=time.process_time)`: the schedule decays over the CPU time and training
+no step starts once the budget is spent.
 
     python benchmarks/healing.py --layers 8 --budgets 2.5 5 10 > benchmarks/results/healing.md
     python benchmarks/healing.py --layers 8 --budgets 10 --starts ghosted --lr 1e-3 --schedule constant --lambada 500
@@ -108,31 +109,17 @@ def main() -> None:
         heal(model, tokenizer, calibration, options, teacher=teacher, progress=False, after_step=after_step,
              steps=steps)
 
-    def seconds_per_step(model: torch.nn.Module, probe: int = 4) -> float:
-        """CPU seconds per healing step, from a short run (its first step, which warms up, not counted)."""
-        times = []
-        clock = time.process_time()
-
-        def after_step(_: torch.nn.Module, losses: list[float]) -> bool:
-            nonlocal clock
-            times.append(time.process_time() - clock)
-            clock = time.process_time()
-            return False
-
-        heal(model, tokenizer, calibration, options, teacher=teacher, progress=False, after_step=after_step, steps=probe)
-        return sum(times[1:]) / len(times[1:])
-
     for name in args.starts:
         model = start(name)
         report(name, model, 0.0, 0, 0.0)
         if options.schedule == "constant":  # the model after budget b of one run is that of a run of budget b
             train(name, model, list(args.budgets), 10**6)
             continue
-        # The schedule ends with the budget: one run per budget, probed just before (CPU time per step varies with
-        # what runs beside), its steps with 5% to spare.
-        for budget in args.budgets:
-            rate = seconds_per_step(start(name))
-            train(name, start(name), [budget], max(1, int(0.95 * budget * 60 / rate)))
+        for budget in args.budgets:  # the schedule ends with the budget: one run per budget
+            clock = time.process_time()
+            healed, losses = heal(start(name), tokenizer, calibration, options, teacher=teacher, progress=False,
+                                  minutes=budget, clock=time.process_time)
+            report(name, healed, budget, len(losses), time.process_time() - clock)
     print(f"\nTotal {time.perf_counter() - started:.0f} s wall.")
     print("\n<details><summary>raw results (JSON)</summary>\n\n```json\n" + json.dumps(records, indent=1) +
           "\n```\n</details>")

@@ -3,9 +3,11 @@ dense teacher's logits, then `merge_and_unload` back into a `GhostedForCausalLM`
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from .remote.modeling_ghosted import GHOST_MODULE, GhostedForCausalLM
 
 logger = logging.getLogger(__name__)
 
-SCOPES = ("boundary", "all-linear")
+SCOPES = ("all-linear", "downstream", "boundary")
 SCHEDULES = ("constant", "linear")
 PRECISIONS = ("auto", "fp32", "bf16")
 LINEAR = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
@@ -31,8 +33,10 @@ LINEAR = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 
 @dataclass
 class HealOptions(Options):
-    scope: str = option("all-linear", "LoRA targets: every linear layer of every decoder layer, or only the kept layers "
-                        "on both sides of every boundary.", SCOPES)
+    scope: str = option("all-linear", "LoRA targets: every linear layer of every decoder layer; of the layers from the "
+                        "last one before the first boundary on (the layers before it are intact, and the backward "
+                        "pass stops there: cheaper steps); or of the kept layers on both sides of every boundary.",
+                        SCOPES)
     train_operators: bool = option(False, "Also train the ghost operators (saved merged into the model).")
     train_norms: bool = option(False, "Also train every RMSNorm's gain (no weight decay): a per-channel rescale of "
                                "each layer's input, which a low-rank adapter cannot express.")
@@ -43,6 +47,8 @@ class HealOptions(Options):
     lr: float = option(2e-3, "AdamW learning rate (peak).")
     lr_ratio: float = option(1.0, "Learning rate of LoRA's B matrices as a multiple of lr (LoRA+, Hayou et al. 2024, "
                              "suggest 16: B starts at zero and learns the features).")
+    minutes: float = option(0.0, "Train for this many minutes (wall-clock) instead of a number of steps, the schedule "
+                            "decaying over the time; 0: train for `steps` steps.")
     schedule: str = option("linear", "Learning rate over the steps: constant, or decayed linearly to zero by the "
                            "last step.", SCHEDULES)
     precision: str = option("auto", "Matrix products under bf16 autocast (adapters and optimizer state stay fp32), "
@@ -54,6 +60,8 @@ class HealOptions(Options):
 
     def check(self) -> None:
         positive(self, "rank", "alpha", "steps", "seq_len", "batch_size")
+        if self.minutes < 0:
+            raise GhostedError(f"minutes must be 0 (train for `steps` steps) or positive, got {self.minutes}.")
         for name in ("lr", "lr_ratio"):
             if not getattr(self, name) > 0:
                 raise GhostedError(f"{name} must be positive, got {getattr(self, name)}.")
@@ -85,10 +93,12 @@ def target_modules(model: GhostedForCausalLM, scope: str) -> str:
     if scope not in SCOPES:
         raise GhostedError(f"Unknown scope {scope!r}; choose one of: {', '.join(SCOPES)}.")
     last = model.config.num_hidden_layers - 1
+    fed = [b["layer"] if b["target"] == LAYER_TARGET else last + 1 for b in model.config.ghost_boundaries]
     if scope == "all-linear":
         layers = range(last + 1)
+    elif scope == "downstream":
+        layers = range(max(min(fed, default=1) - 1, 0), last + 1)
     else:
-        fed = [b["layer"] if b["target"] == LAYER_TARGET else last + 1 for b in model.config.ghost_boundaries]
         layers = sorted({i for j in fed for i in (j - 1, j) if 0 <= i <= last})
     return rf"model\.layers\.({'|'.join(map(str, layers))})\.{LINEAR}"
 
@@ -124,10 +134,26 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return ("bf16" if native_bf16(device) else "fp32") if precision == "auto" else precision
 
 
-def lr_factor(schedule: str, step: int, steps: int) -> float:
-    """Learning rate of step `step` (from 0) as a fraction of the peak. A linear decay to zero anneals a short run
-    into a lower loss than a constant rate does (it would reach zero one step after the last)."""
-    return 1.0 - step / steps if schedule == "linear" else 1.0
+def lr_factor(schedule: str, done: float) -> float:
+    """Learning rate as a fraction of the peak, after the fraction `done` of the run (steps or time). A linear decay
+    to zero anneals a short run into a lower loss than a constant rate does."""
+    return max(1.0 - done, 0.0) if schedule == "linear" else 1.0
+
+
+@contextlib.contextmanager
+def training_attention(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Plain (eager) attention while training on a CPU, the model's own kernel again afterwards. At training
+    lengths PyTorch's fused CPU attention is the slower one, its backward most (benchmarks/healing_step.py); the
+    result is the same softmax attention either way."""
+    original = model.config._attn_implementation
+    switch = device.type == "cpu" and original != "eager"
+    if switch:
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if switch:
+            model.set_attn_implementation(original)
 
 
 def heal(
@@ -139,13 +165,14 @@ def heal(
     teacher: nn.Module | None = None,
     progress: bool = True,
     after_step: Callable[[PeftModel, list[float]], bool] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
     **overrides: Any,
 ) -> tuple[PeftModel, list[float]]:
     """Train LoRA adapters (and, with `train_operators` / `train_norms`, the ghost operators / the norm gains,
-    saved with the adapter) for `steps` steps; returns the PEFT model and the loss of every step. With a `teacher`
-    the loss is KL(teacher || student) on real tokens, otherwise next-token cross-entropy. Options are `HealOptions`
-    fields. `after_step(model, losses)` runs after every step (e.g. to evaluate at time budgets); returning True
-    stops training there."""
+    saved with the adapter) for `steps` steps, or for `minutes` by `clock` (seconds); returns the PEFT model and the
+    loss of every step. With a `teacher` the loss is KL(teacher || student) on real tokens, otherwise next-token
+    cross-entropy. Options are `HealOptions` fields. `after_step(model, losses)` runs after every step (e.g. to
+    evaluate at time budgets); returning True stops training there."""
     options = HealOptions.build(options, **overrides)
     check_ghosted(model)
     torch.manual_seed(options.seed)
@@ -157,32 +184,40 @@ def heal(
                         modules_to_save=trained_modules or None, task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
     optimizer = torch.optim.AdamW(parameter_groups(peft_model, options.lr, options.lr_ratio))
-    steps = options.steps
-    decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(options.schedule, step, steps))
+    peaks = [group["lr"] for group in optimizer.param_groups]
     device = next(peft_model.parameters()).device
     precision = resolve_precision(options.precision, device)
-    losses, tokens = [], 0
-    for batch in tqdm(itertools.islice(itertools.cycle(batches), steps), total=steps, desc="Healing", disable=not progress):
-        peft_model.train()  # again every step: after_step may have evaluated
-        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        tokens += int(mask.sum())
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            if teacher is None:
-                labels = ids.masked_fill(mask == 0, -100)
-                loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            else:
-                with torch.no_grad():
-                    target = teacher(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
-                student = peft_model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
-                kl = (target.exp() * (target - student)).sum(-1)
-                loss = kl[mask.bool()].mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        decay.step()
-        losses.append(loss.item())
-        if after_step is not None and after_step(peft_model, losses):
-            break
+    budget = options.minutes * 60
+    losses, tokens, started = [], 0, clock()
+    bar = tqdm(total=round(budget) if budget else options.steps, unit="s" if budget else "step", desc="Healing",
+               disable=not progress)
+    with training_attention(model, device), bar:
+        for batch in itertools.cycle(batches):
+            done = (clock() - started) / budget if budget else len(losses) / options.steps
+            if done >= 1 and losses:  # at least one step, however short the budget
+                break
+            for group, peak in zip(optimizer.param_groups, peaks):
+                group["lr"] = peak * lr_factor(options.schedule, done)
+            peft_model.train()  # again every step: after_step may have evaluated
+            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            tokens += int(mask.sum())
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                if teacher is None:
+                    labels = ids.masked_fill(mask == 0, -100)
+                    loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                else:
+                    with torch.no_grad():
+                        target = teacher(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+                    student = peft_model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+                    kl = (target.exp() * (target - student)).sum(-1)
+                    loss = kl[mask.bool()].mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            bar.update(min(round(clock() - started), bar.total) - bar.n if budget else 1)
+            if after_step is not None and after_step(peft_model, losses):
+                break
     peft_model.eval()
     logger.info("Healing loss %.4f -> %.4f over %d steps.", losses[0], losses[-1], len(losses))
     peft_model.ghost_healing = {  # read by `merge` into the provenance: what was trained, on what, how long

@@ -29,12 +29,13 @@ def mean_lm_loss(model, batches) -> float:
                    for b in batches) / len(batches)
 
 
-def test_target_modules_all_layers_or_the_layers_around_each_boundary() -> None:
+def test_target_modules_all_layers_those_from_the_first_boundary_or_those_around_each() -> None:
     model = pruned()  # removes 2-3: the boundary feeds pruned layer 2, after pruned layer 1
     linear = r"\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
     assert target_modules(model, "boundary") == r"model\.layers\.(1|2)" + linear
+    assert target_modules(model, "downstream") == r"model\.layers\.(1|2|3)" + linear
     assert target_modules(model, "all-linear") == r"model\.layers\.(0|1|2|3)" + linear
-    with pytest.raises(ValueError, match="Unknown scope 'everything'; choose one of: boundary, all-linear"):
+    with pytest.raises(ValueError, match="Unknown scope 'everything'; choose one of: all-linear, downstream, boundary"):
         target_modules(model, "everything")
 
 
@@ -55,8 +56,34 @@ def test_healing_lowers_the_training_loss(teacher: bool) -> None:
 
 
 def test_linear_schedule_decays_to_zero_and_constant_stays() -> None:
-    assert [lr_factor("linear", step, 4) for step in range(4)] == [1.0, 0.75, 0.5, 0.25]
-    assert {lr_factor("constant", step, 4) for step in range(4)} == {1.0}
+    assert [lr_factor("linear", step / 4) for step in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    assert lr_factor("linear", 1.25) == 0.0  # a timed run's last step may start past its budget
+    assert {lr_factor("constant", step / 4) for step in range(4)} == {1.0}
+
+
+def test_timed_healing_stops_once_the_budget_is_spent() -> None:
+    now = 0.0
+
+    def step_takes_50_seconds(model, losses: list[float]) -> bool:
+        nonlocal now
+        now += 50.0
+        return False
+
+    # steps start at 0, 50 and 100 s of a 120 s budget; the one that would start at 150 s does not
+    peft_model, losses = heal(pruned(), char_tokenizer(), texts(), minutes=2, steps=1, seq_len=48, progress=False,
+                              clock=lambda: now, after_step=step_takes_50_seconds)
+    assert len(losses) == 3 and peft_model.ghost_healing["steps"] == 3 and peft_model.ghost_healing["minutes"] == 2
+    with pytest.raises(ValueError, match="minutes must be 0"):
+        heal(pruned(), char_tokenizer(), texts(), minutes=-1, progress=False)
+
+
+def test_training_uses_eager_attention_on_cpu_and_restores_the_models_own() -> None:
+    model = pruned()
+    model.set_attn_implementation("sdpa")
+    seen: list[str] = []
+    heal(model, char_tokenizer(), texts(), steps=2, seq_len=48, progress=False,
+         after_step=lambda m, l: seen.append(model.model.layers[0].self_attn.config._attn_implementation) or False)
+    assert seen == ["eager", "eager"] and model.model.layers[0].self_attn.config._attn_implementation == "sdpa"
 
 
 def test_precision_auto_is_bf16_only_where_native(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,75 @@
+"""CPU seconds per healing step of the default ghosted model (8/30 on the packaged model): the attention kernel
+(PyTorch's fused SDPA, or eager as `heal` uses on a CPU) by LoRA scope (all-linear, downstream), side by side in
+one run, the configurations interleaved round by round so that what the host runs beside weighs on all alike.
+
+    python benchmarks/healing_step.py --rounds 4 > benchmarks/results/healing_step.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ghosted_hf import assets, ghost_prune, healing
+from ghosted_hf.options import PruneOptions
+
+from common import packaged_model
+from healing import cached_statistics
+
+ATTENTION = ("sdpa", "eager")
+SCOPES = ("all-linear", "downstream")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3, help="Timed steps per configuration and round.")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--statistics", default="benchmark-cache/healing-statistics.safetensors")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer, load = packaged_model()
+    calibration = assets.wikipedia_split("calibration")
+    prune = PruneOptions(num_layers=args.layers)
+    stats = cached_statistics(Path(args.statistics), load, tokenizer, calibration, prune)
+    model = ghost_prune(load(), tokenizer, calibration, prune, statistics=stats)
+    model.set_attn_implementation("sdpa")
+    eager_on_cpu = healing.training_attention
+    times: dict[tuple[str, str], list[float]] = {(a, s): [] for a in ATTENTION for s in SCOPES}
+    for _ in range(args.rounds):
+        for attention, scope in times:
+            # sdpa: keep the model's own kernel by skipping the switch `heal` makes on a CPU
+            healing.training_attention = eager_on_cpu if attention == "eager" else (lambda *a: contextlib.nullcontext())
+            clock = time.process_time()
+            seconds: list[float] = []
+
+            def after_step(_: torch.nn.Module, losses: list[float]) -> bool:
+                nonlocal clock
+                seconds.append(time.process_time() - clock)
+                clock = time.process_time()
+                return False
+
+            healed, _ = healing.heal(model, tokenizer, calibration, scope=scope, steps=args.steps + 1, progress=False,
+                                     after_step=after_step)
+            model = healed.unload()  # the adapters removed: the same ghosted model for the next configuration
+            times[attention, scope] += seconds[1:]  # the first step warms up
+    healing.training_attention = eager_on_cpu
+    reference = statistics.median(times["sdpa", "all-linear"])
+    print(f"SmolLM2-135M-Instruct, {args.layers}/30 removed, default healing options, {args.threads} torch thread(s); "
+          f"CPU seconds per step, median of {args.rounds} rounds x {args.steps} steps.\n")
+    print("| attention | scope | s per step (median) | min - max | relative to sdpa, all-linear |")
+    print("|---|---|---|---|---|")
+    for (attention, scope), seconds in times.items():
+        median = statistics.median(seconds)
+        print(f"| {attention} | {scope} | {median:.2f} | {min(seconds):.2f} - {max(seconds):.2f} | "
+              f"{median / reference:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
