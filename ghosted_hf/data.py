@@ -224,9 +224,12 @@ def tokenize_texts(
     batch_size: int = 4,
     text_column: str = "text",
     text_format: str = "plain",
+    shuffle_seed: int | None = None,
 ) -> TokenBatches:
     """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens and batch them. `text_format="chat"`
-    writes every text as the assistant's reply in the tokenizer's chat template (see `pack_conversations`)."""
+    writes every text as the assistant's reply in the tokenizer's chat template (see `pack_conversations`).
+    `shuffle_seed`: shuffle the sequences before batching (for training: packed in order, a batch would hold one
+    document's consecutive windows, and a short run would see only the first documents)."""
     if seq_len < 2 or batch_size < 1:
         raise GhostedError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}.")
     if text_format not in TEXT_FORMATS:
@@ -244,5 +247,8 @@ def tokenize_texts(
         sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id)
     if num_sequences is not None and len(sequences) < num_sequences:
         logger.warning("Only %d sequences of %d tokens in %s (asked for %d).", len(sequences), seq_len, name, num_sequences)
+    if shuffle_seed is not None:
+        order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(shuffle_seed))
+        sequences = [sequences[i] for i in order]
     return TokenBatches(batch_sequences(sequences, batch_size, pad_token_id(tokenizer)), name, text_hash(texts), len(texts),
                         text_format)

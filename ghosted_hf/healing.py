@@ -56,7 +56,7 @@ class HealOptions(Options):
                             "AVX512-BF16 or AMX), else fp32.", PRECISIONS)
     seq_len: int = option(256, "Training sequence length in tokens.")
     batch_size: int = option(4, "Sequences per step.")
-    seed: int = option(0, "Random seed of the adapters' initialisation.")
+    seed: int = option(0, "Random seed of the adapters' initialisation and of the order of the training sequences.")
 
     def check(self) -> None:
         positive(self, "rank", "alpha", "steps", "seq_len", "batch_size")
@@ -176,7 +176,8 @@ def heal(
     options = HealOptions.build(options, **overrides)
     check_ghosted(model)
     torch.manual_seed(options.seed)
-    batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.batch_size).batches
+    batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.batch_size,
+                             shuffle_seed=options.seed).batches
     trained_modules = (([GHOST_MODULE] if options.train_operators else [])
                        + (norm_modules(model) if options.train_norms else []))
     config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0,

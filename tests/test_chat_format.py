@@ -90,3 +90,21 @@ def test_plain_packing_reads_only_what_it_needs(max_sequences: int | None) -> No
     assert pack_tokens(lazy(), 8, max_sequences, 99) == expected
     if max_sequences is not None and max_sequences * 8 < len(stream):
         assert len(read) < len(docs)  # stopped early
+
+
+def test_shuffled_batches_hold_the_same_sequences_in_a_seeded_order() -> None:
+    """Training shuffles the packed sequences: the same windows, from several documents per batch, the order set by
+    the seed."""
+    documents = [letter * 200 for letter in "abcdefgh"]  # 8 documents of 5 windows of 40 (with separators)
+    ordered = tokenize_texts(char_tokenizer(), documents, 40, batch_size=4)
+    first, again, other = (tokenize_texts(char_tokenizer(), documents, 40, batch_size=4, shuffle_seed=seed)
+                           for seed in (0, 0, 1))
+
+    def rows(data):
+        return [tuple(row[mask.bool()].tolist()) for b in data.batches
+                for row, mask in zip(b["input_ids"], b["attention_mask"])]  # without the padding
+
+    assert sorted(rows(first)) == sorted(rows(ordered)) and rows(first) != rows(ordered)
+    assert rows(first) == rows(again) and rows(first) != rows(other)
+    assert len({row[5] for row in rows(ordered)[:4]}) == 1  # in order, a batch is one document's windows
+    assert len({row[5] for row in rows(first)[:4]}) > 1
