@@ -42,8 +42,8 @@ class HealOptions(Options):
                                "each layer's input, which a low-rank adapter cannot express.")
     rank: int = option(8, "LoRA rank.")
     alpha: int = option(16, "LoRA alpha.")
-    steps: int = option(150, "Optimizer steps (150 x 4 x 256 tokens: about 10 CPU-minutes for a 135M model on a core "
-                             "with AMX bf16, all-linear, without a teacher).")
+    steps: int = option(150, "Optimizer steps (150 x 4 x 256 tokens: 10-13 CPU-minutes for a 135M model on one core "
+                             "with AVX512-BF16, 4-5 s a step, all-linear, without a teacher).")
     lr: float = option(2e-3, "AdamW learning rate (peak).")
     lr_ratio: float = option(1.0, "Learning rate of LoRA's B matrices as a multiple of lr (LoRA+, Hayou et al. 2024, "
                              "suggest 16: B starts at zero and learns the features).")
