@@ -140,13 +140,17 @@ def lr_factor(schedule: str, done: float) -> float:
     return max(1.0 - done, 0.0) if schedule == "linear" else 1.0
 
 
+EAGER_MAX_LEN = 256  # the training length measured faster with eager attention (benchmarks/healing_step.py)
+
+
 @contextlib.contextmanager
-def training_attention(model: nn.Module, device: torch.device) -> Iterator[None]:
-    """Plain (eager) attention while training on a CPU, the model's own kernel again afterwards. At training
-    lengths PyTorch's fused CPU attention is the slower one, its backward most (benchmarks/healing_step.py); the
-    result is the same softmax attention either way."""
+def training_attention(model: nn.Module, device: torch.device, seq_len: int) -> Iterator[None]:
+    """Plain (eager) attention while training on a CPU at short lengths, the model's own kernel again afterwards:
+    there PyTorch's fused CPU attention is the slower one, its backward most (benchmarks/healing_step.py), and the
+    result is the same softmax attention. Longer sequences keep the fused kernel: eager attention stores an
+    L x L matrix per head for the backward pass."""
     original = model.config._attn_implementation
-    switch = device.type == "cpu" and original != "eager"
+    switch = device.type == "cpu" and seq_len <= EAGER_MAX_LEN and original != "eager"
     if switch:
         model.set_attn_implementation("eager")
     try:
@@ -192,7 +196,7 @@ def heal(
     losses, tokens, started = [], 0, clock()
     bar = tqdm(total=round(budget) if budget else options.steps, unit="s" if budget else "step", desc="Healing",
                disable=not progress)
-    with training_attention(model, device), bar:
+    with training_attention(model, device, options.seq_len), bar:
         for batch in itertools.cycle(batches):
             done = (clock() - started) / budget if budget else len(losses) / options.steps
             if done >= 1 and losses:  # at least one step, however short the budget

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from ghosted_hf import ghost_prune
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.healing import (base_model_reference, heal, lr_factor, merge, norm_modules, parameter_groups,
-                                resolve_precision, target_modules)
+from ghosted_hf.healing import (EAGER_MAX_LEN, base_model_reference, heal, lr_factor, merge, norm_modules,
+                                parameter_groups, resolve_precision, target_modules)
 from isolated import assert_loads_with_same_logits
 from tiny import batch, build, char_tokenizer, kl_to_dense, texts
 
@@ -77,13 +77,14 @@ def test_timed_healing_stops_once_the_budget_is_spent() -> None:
         heal(pruned(), char_tokenizer(), texts(), minutes=-1, progress=False)
 
 
-def test_training_uses_eager_attention_on_cpu_and_restores_the_models_own() -> None:
+@pytest.mark.parametrize("seq_len, during", [(48, "eager"), (EAGER_MAX_LEN + 1, "sdpa")])
+def test_short_training_sequences_use_eager_attention_on_cpu_then_the_models_own(seq_len: int, during: str) -> None:
     model = pruned()
     model.set_attn_implementation("sdpa")
     seen: list[str] = []
-    heal(model, char_tokenizer(), texts(), steps=2, seq_len=48, progress=False,
+    heal(model, char_tokenizer(), texts() * 4, steps=2, seq_len=seq_len, batch_size=1, progress=False,
          after_step=lambda m, l: seen.append(model.model.layers[0].self_attn.config._attn_implementation) or False)
-    assert seen == ["eager", "eager"] and model.model.layers[0].self_attn.config._attn_implementation == "sdpa"
+    assert seen == [during, during] and model.model.layers[0].self_attn.config._attn_implementation == "sdpa"
 
 
 def test_precision_auto_is_bf16_only_where_native(monkeypatch: pytest.MonkeyPatch) -> None:
