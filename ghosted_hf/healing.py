@@ -160,6 +160,16 @@ def training_attention(model: nn.Module, device: torch.device, seq_len: int) -> 
             model.set_attn_implementation(original)
 
 
+def training_loss(student: nn.Module, teacher: nn.Module | None, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, or with a teacher KL(teacher || student) over the real tokens."""
+    if teacher is None:
+        return student(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+    with torch.no_grad():
+        target = teacher(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+    predicted = student(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+    return (target.exp() * (target - predicted)).sum(-1)[mask.bool()].mean()
+
+
 def heal(
     model: GhostedForCausalLM,
     tokenizer: Any,
@@ -207,15 +217,7 @@ def heal(
             ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             tokens += int(mask.sum())
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                if teacher is None:
-                    labels = ids.masked_fill(mask == 0, -100)
-                    loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
-                else:
-                    with torch.no_grad():
-                        target = teacher(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
-                    student = peft_model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
-                    kl = (target.exp() * (target - student)).sum(-1)
-                    loss = kl[mask.bool()].mean()
+                loss = training_loss(peft_model, teacher, ids, mask)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
