@@ -8,8 +8,8 @@ summed over torch's threads (one by default). On a machine of shared virtual cor
 varies with what the host runs beside it (3.9 to 6.6 s for the same step here), so the tables give steps too.
 With a constant learning rate the model after budget b of one run is the model a run with budget b would give,
 so one run per start serves every budget; with a schedule (the default decays to zero) each budget is its own
-run, timed by `heal(minutes=b, clock=time.process_time)`: the schedule decays over the CPU time and training
-no step starts once the budget is spent.
+run, timed by `heal(minutes=b, clock=time.process_time)`: the schedule decays over the CPU time, and no step
+starts once the budget is spent.
 
     python benchmarks/healing.py --layers 8 --budgets 2.5 5 10 > benchmarks/results/healing.md
     python benchmarks/healing.py --layers 8 --budgets 10 --starts ghosted --lr 1e-3 --schedule constant --lambada 500

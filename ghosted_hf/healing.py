@@ -49,8 +49,8 @@ class HealOptions(Options):
                              "suggest 16: B starts at zero and learns the features).")
     minutes: float = option(0.0, "Train for this many minutes (wall-clock) instead of a number of steps, the schedule "
                             "decaying over the time; 0: train for `steps` steps.")
-    schedule: str = option("linear", "Learning rate over the steps: constant, or decayed linearly to zero by the "
-                           "last step.", SCHEDULES)
+    schedule: str = option("linear", "Learning rate over the run: constant, or decayed linearly to zero by the end "
+                           "(the last step, or the end of `minutes`).", SCHEDULES)
     precision: str = option("auto", "Matrix products under bf16 autocast (adapters and optimizer state stay fp32), "
                             "or in fp32; auto: bf16 where the device computes it natively (CUDA with bf16, a CPU with "
                             "AVX512-BF16 or AMX), else fp32.", PRECISIONS)
