@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets
-from ghosted_hf.calibration import StatisticsPlan, collect_statistics
+from ghosted_hf.statistics import collect_statistics, least_squares
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.selection import SelectionRequest, criterion
 
@@ -54,7 +54,7 @@ def run_row(name: str, sequences: int, seq_len: int, batch_size: int) -> tuple[f
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     data = tokenize_texts(tokenizer, assets.wikipedia_split("calibration"), seq_len, sequences, batch_size)
-    plans = {ROWS[1]: StatisticsPlan(grams=frozenset({12}), pairs=frozenset({(12, 20)})),
+    plans = {ROWS[1]: least_squares(12, 20),
              ROWS[2]: criterion("ghost-aware").statistics(
                  SelectionRequest(depth=model.config.num_hidden_layers, num_layers=8))}
 

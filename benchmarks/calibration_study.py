@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from ghosted_hf import assets, ghost_prune
-from ghosted_hf.calibration import collect_statistics
+from ghosted_hf.statistics import collect_statistics
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.evaluate import gap_closed, perplexity
 from ghosted_hf.operators import OPERATOR_KINDS
@@ -36,7 +36,8 @@ def main() -> None:
     calibration = assets.wikipedia_split("calibration")
     held_out = held_out_windows(tokenizer, args.eval_windows).batches
     dense = perplexity(load(), held_out, progress=False)
-    block = ghost_prune(load(), tokenizer, calibration, num_layers=args.num_layers, operator="none").config.removed_layers
+    block = ghost_prune(load(), tokenizer, calibration, num_layers=args.num_layers,
+                        operator="none").config.ghost_provenance["selection"]["removed"]
     manual = dict(criterion="manual", layers=block)
     plain = perplexity(ghost_prune(load(), tokenizer, calibration, operator="none", num_sequences=4, **manual), held_out,
                        progress=False)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from inference import interleaved_medians, synchronize  # noqa: E402
 
 from ghosted_hf import prune_layers  # noqa: E402
-from ghosted_hf.calibration import collect_statistics  # noqa: E402
+from ghosted_hf.statistics import CROSS, GRAM, collect_statistics  # noqa: E402
 from ghosted_hf.operators import operator_kind  # noqa: E402
 from ghosted_hf.selection import SelectionRequest, criterion  # noqa: E402
 
@@ -103,7 +103,7 @@ def main() -> None:
         "shape": args.shape, "dtype": args.dtype, "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
         "calibration": {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
                         "peak_gpu_memory_gib": peak / 2**30 if peak is not None else None,
-                        "grams": len(plan.grams), "pairs": len(plan.pairs)},
+                        "grams": sum(e.statistic is GRAM for e in plan), "pairs": sum(e.statistic is CROSS for e in plan)},
         "removed": selection.removed,
         "inference": {name: {"prefill_ms": 1000 * m["prefill"], "decode_ms_per_token": 1000 * m["decode"]}
                       for name, m in median.items()},

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ghosted_hf import assets, ghost_prune
-from ghosted_hf.calibration import CalibrationStatistics, collect_statistics
+from ghosted_hf import assets, ghost_prune, prune_layers
+from ghosted_hf.statistics import CalibrationStatistics, collect_statistics
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.evaluate import gap_closed, lambada, perplexity
 from ghosted_hf.healing import HealOptions, heal
@@ -68,7 +68,9 @@ def main() -> None:
         if name == "ghosted":
             return ghost_prune(load(), tokenizer, calibration, prune, statistics=stats)
         criterion = "ghost-aware" if name == "plain" else "streamline"
-        return ghost_prune(load(), tokenizer, calibration, prune, statistics=stats, criterion=criterion, operator="none")
+        stock = ghost_prune(load(), tokenizer, calibration, prune, statistics=stats, criterion=criterion, operator="none")
+        # heal takes a ghosted model: the same plainly pruned network, with identity operators
+        return prune_layers(load(), stock.config.ghost_provenance["stock_export"]["removed_layers"])
 
     started = time.perf_counter()
     dense = perplexity(load(), held_out.batches, progress=False)
@@ -117,8 +119,8 @@ def main() -> None:
             continue
         for budget in args.budgets:  # the schedule ends with the budget: one run per budget
             clock = time.process_time()
-            healed, losses = heal(start(name), tokenizer, calibration, options, teacher=teacher, progress=False,
-                                  minutes=budget, clock=time.process_time)
+            healed, losses, _ = heal(start(name), tokenizer, calibration, options, teacher=teacher, progress=False,
+                                     minutes=budget, clock=time.process_time)
             report(name, healed, budget, len(losses), time.process_time() - clock)
     print(f"\nTotal {time.perf_counter() - started:.0f} s wall.")
     print("\n<details><summary>raw results (JSON)</summary>\n\n```json\n" + json.dumps(records, indent=1) +

@@ -1,6 +1,6 @@
 """CPU seconds per healing step of the default ghosted model (8/30 on the packaged model): the attention kernel
-(PyTorch's fused SDPA, or eager as `heal` uses on a CPU) by LoRA scope (all-linear, downstream), side by side in
-one run, the configurations interleaved round by round so that what the host runs beside weighs on all alike.
+(PyTorch's fused SDPA, or eager as `heal` uses on a CPU), side by side in one run, the two interleaved round by
+round so that what the host runs beside weighs on both alike.
 
     python benchmarks/healing_step.py --rounds 4 > benchmarks/results/healing_step.md
 """
@@ -22,7 +22,6 @@ from common import packaged_model
 from healing import cached_statistics
 
 ATTENTION = ("sdpa", "eager")
-SCOPES = ("all-linear", "downstream")
 
 
 def main() -> None:
@@ -41,9 +40,9 @@ def main() -> None:
     model = ghost_prune(load(), tokenizer, calibration, prune, statistics=stats)
     model.set_attn_implementation("sdpa")
     eager_on_cpu = healing.training_attention
-    times: dict[tuple[str, str], list[float]] = {(a, s): [] for a in ATTENTION for s in SCOPES}
+    times: dict[str, list[float]] = {a: [] for a in ATTENTION}
     for _ in range(args.rounds):
-        for attention, scope in times:
+        for attention in times:
             # sdpa: keep the model's own kernel by skipping the switch `heal` makes on a CPU
             healing.training_attention = eager_on_cpu if attention == "eager" else (lambda *a: contextlib.nullcontext())
             clock = time.process_time()
@@ -55,20 +54,19 @@ def main() -> None:
                 clock = time.process_time()
                 return False
 
-            healed, _ = healing.heal(model, tokenizer, calibration, scope=scope, steps=args.steps + 1, progress=False,
-                                     after_step=after_step)
-            model = healed.unload()  # the adapters removed: the same ghosted model for the next configuration
-            times[attention, scope] += seconds[1:]  # the first step warms up
+            healed = healing.heal(model, tokenizer, calibration, steps=args.steps + 1, progress=False,
+                                  after_step=after_step)
+            model = healed.model.unload()  # the adapters removed: the same ghosted model for the next configuration
+            times[attention] += seconds[1:]  # the first step warms up
     healing.training_attention = eager_on_cpu
-    reference = statistics.median(times["sdpa", "all-linear"])
+    reference = statistics.median(times["sdpa"])
     print(f"SmolLM2-135M-Instruct, {args.layers}/30 removed, default healing options, {args.threads} torch thread(s); "
           f"CPU seconds per step, median of {args.rounds} rounds x {args.steps} steps.\n")
-    print("| attention | scope | s per step (median) | min - max | relative to sdpa, all-linear |")
-    print("|---|---|---|---|---|")
-    for (attention, scope), seconds in times.items():
+    print("| attention | s per step (median) | min - max | relative to sdpa |")
+    print("|---|---|---|---|")
+    for attention, seconds in times.items():
         median = statistics.median(seconds)
-        print(f"| {attention} | {scope} | {median:.2f} | {min(seconds):.2f} - {max(seconds):.2f} | "
-              f"{median / reference:.2f} |")
+        print(f"| {attention} | {median:.2f} | {min(seconds):.2f} - {max(seconds):.2f} | {median / reference:.2f} |")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from ghosted_hf import assets, export_plain, ghost_prune, prune_layers
+from ghosted_hf import assets, ghost_prune, prune_layers, to_stock_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -89,7 +89,7 @@ def build_models(args):
     rotation, _ = torch.linalg.qr(torch.randn(c, c, dtype=torch.float64))
     plain = prune_layers(dense, removed)
     ghosted = prune_layers(dense, removed, {removed[0]: operator})
-    folded = export_plain(prune_layers(dense, removed, {removed[0]: (1.1 * rotation).float()}))
+    folded = to_stock_model(prune_layers(dense, removed, {removed[0]: (1.1 * rotation).float()}))
     return ({"dense": dense, "plainly pruned": plain, "ghosted": ghosted, "folded (stock)": folded},
             "Llama-3-8B shape (random weights), layers 22-28 removed")
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from ghosted_hf import ghost_prune
-from ghosted_hf.calibration import StatisticsPlan, collect_statistics
+from ghosted_hf.statistics import StatisticsPlan, collect_statistics
 from ghosted_hf.evaluate import gap_closed, perplexity
 from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.recipe import boundary_spans
@@ -31,7 +31,6 @@ ROWS = [  # (row name, operator kind, needs custom code to run)
     ("linearpatch-diag", "linearpatch-diag", True),
     ("linearpatch-rotate", "linearpatch-rotate", True),
     ("replaceme-ls", "replaceme-ls", False),
-    ("folded (c, Q only)", "folded-cq", False),
     ("folded (c, T; embeddings stay tied)", "folded-tied", False),
     ("folded (c, Q, T)", "folded", False),
     ("ghost", "ghost", True),
@@ -53,7 +52,8 @@ def main() -> None:
     print("| removed | layers | recovery | stock checkpoint | perplexity | gap closed | ghost gain kept | parameters |")
     print("|---|---|---|---|---|---|---|---|")
     for n in args.layers:
-        removed = ghost_prune(load(), tokenizer, calibration, options, num_layers=n, operator="none").config.removed_layers
+        removed = ghost_prune(load(), tokenizer, calibration, options, num_layers=n,
+                              operator="none").config.ghost_provenance["selection"]["removed"]
         spans = boundary_spans(30, removed)
         plan = StatisticsPlan.union(OPERATOR_KINDS[kind].statistics(s, e) for _, kind, _ in ROWS for s, e in spans
                                     if s >= OPERATOR_KINDS[kind].first_removable)

@@ -23,7 +23,7 @@ import json
 import time
 
 from ghosted_hf import assets, ghost_prune
-from ghosted_hf.calibration import StatisticsPlan, collect_statistics
+from ghosted_hf.statistics import StatisticsPlan, collect_statistics
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.evaluate import ZERO_SHOT_TASKS, gap_closed, lambada, perplexity, zero_shot
 from ghosted_hf.healing import HealOptions, heal, merge
@@ -38,7 +38,6 @@ METHODS = [  # (row name, options)
     ("linearpatch-diag", dict(operator="linearpatch-diag")),
     ("linearpatch-rotate", dict(operator="linearpatch-rotate")),
     ("replaceme-ls (fused)", dict(operator="replaceme-ls")),
-    ("folded (c, Q only)", dict(operator="folded-cq")),
     ("folded (c, T; tied)", dict(operator="folded-tied")),
     ("folded", dict(operator="folded")),
     ("ghost independent", dict(operator="ghost", fitting="independent")),
@@ -117,11 +116,11 @@ def main() -> None:
         kinds = {OPERATOR_KINDS[m["operator"]] for name, m in METHODS if name in methods or name == "no recovery"}
         for criterion in criteria:
             removed = ghost_prune(load(), tokenizer, calibration, statistics=selection_stats, criterion=criterion,
-                                  operator="none", **calibration_options).config.removed_layers
+                                  operator="none", **calibration_options).config.ghost_provenance["selection"]["removed"]
             options = PruneOptions(criterion="manual", layers=removed, num_sequences=args.num_sequences, seq_len=args.seq_len)
             spans = boundary_spans(30, removed)
             plan = StatisticsPlan.union(kind.statistics(s, e) for kind in kinds for s, e in spans
-                                        if s >= kind.first_removable).missing_from(selection_stats)
+                                        if s >= kind.first_removable).missing_from(selection_stats.tensors)
             stats = (selection_stats.with_tensors(collect_statistics(load(), cal_data.batches, plan, progress=False))
                      if plan else selection_stats)
             for name, method in METHODS:
@@ -141,7 +140,7 @@ def main() -> None:
                 print(row(n, criterion, removed, label, result, baseline), flush=True)
                 records[f"{n}/{criterion}/{name}"] = {"removed": removed, **result}
                 if args.heal and (criterion, name) == DEFAULT:
-                    healed = merge(heal(model, tokenizer, calibration, healing, progress=False)[0])
+                    healed = merge(heal(model, tokenizer, calibration, healing, progress=False))
                     result = score(healed, healed=True)
                     print(row(n, criterion, removed, label + " + default healing", result, baseline), flush=True)
                     records[f"{n}/{criterion}/{name}/healed"] = {"removed": removed, **result}

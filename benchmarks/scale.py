@@ -35,7 +35,7 @@ def status(field: str) -> int:
 def reset_peak() -> int:
     """Reset the resident peak; return the baseline: what is live now, with the freed heap pages (e.g. of the
     warm-up forward's logits) handed back first, else they count in the baseline and the pass reuses them."""
-    from ghosted_hf.calibration import release_freed_memory
+    from ghosted_hf.statistics.capture import release_freed_memory
 
     gc.collect()
     release_freed_memory()
@@ -106,7 +106,7 @@ def measure_full(folder: str, sequences: int, seq_len: int, dtype: str) -> dict:
     """Load the whole model, warm up with one dense forward, then the ghost-aware statistics pass."""
     from transformers import AutoModelForCausalLM
 
-    from ghosted_hf.calibration import collect_statistics
+    from ghosted_hf.statistics import collect_statistics
 
     started_rss = status("VmRSS")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
@@ -125,11 +125,10 @@ def measure_full(folder: str, sequences: int, seq_len: int, dtype: str) -> dict:
 
 
 def measure_layerwise(folder: str, sequences: int, seq_len: int, dtype: str) -> dict:
-    from ghosted_hf.calibration import collect_statistics
-    from ghosted_hf.layerwise import LayerwiseModel
+    from ghosted_hf.statistics import LayerwisePass, collect_statistics
 
     data = calibration_data(folder, sequences, seq_len)
-    model = LayerwiseModel(folder, getattr(torch, dtype))
+    model = LayerwisePass(folder, getattr(torch, dtype))
     before = reset_peak()
     started = time.perf_counter()
     collect_statistics(model, data.batches, ghost_aware_plan(model.config.num_hidden_layers), progress=False)
@@ -148,14 +147,14 @@ def measure_processes(folder: str, sequences: int, seq_len: int) -> dict:
     """One rank of `calibrate` (the whole ghost-aware plan) under torchrun, or alone."""
     from transformers import AutoModelForCausalLM
 
-    from ghosted_hf.calibration import Calibrator, is_main_process, process_rank
+    from ghosted_hf.distributed import is_main_process, process_rank
+    from ghosted_hf.statistics import Calibrator, FullModelPass, collect_statistics
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     data = calibration_data(folder, sequences, seq_len)
     rank, world = process_rank()
-    calibrator = Calibrator(model, data)
+    calibrator = Calibrator(FullModelPass(model), data)
     plan = ghost_aware_plan(model.config.num_hidden_layers)
-    from ghosted_hf.calibration import collect_statistics
 
     collect_statistics(model, data.batches[:1], plan, progress=False)  # warm-up: kernels, thread pool, allocator
     import torch.distributed as dist
@@ -168,9 +167,9 @@ def measure_processes(folder: str, sequences: int, seq_len: int) -> dict:
     reduce_bytes = sum(t.numel() * 8 for t in stats.tensors.values())
     reduce_started = time.perf_counter()
     if world > 1:
-        from ghosted_hf.calibration import all_reduce_statistics
+        from ghosted_hf.distributed import all_reduce_sums
 
-        all_reduce_statistics(stats)
+        all_reduce_sums(stats.tensors, stats.tokens)
     reduce_seconds = time.perf_counter() - reduce_started
     if is_main_process():
         print(json.dumps({"world": world, "threads": torch.get_num_threads(), "tokens": data.num_tokens,
@@ -184,7 +183,8 @@ def measure_layer_cost(folder: str, seq_len: int) -> dict:
     """Per-batch costs of one decoder layer's forward and of the float64 accumulation, on one batch."""
     from transformers import AutoModelForCausalLM
 
-    from ghosted_hf.calibration import StatisticsAccumulator
+    from ghosted_hf.statistics import GRAM, CROSS
+    from ghosted_hf.statistics.accumulate import StatisticsAccumulator
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     data = calibration_data(folder, 4, seq_len)
@@ -195,13 +195,14 @@ def measure_layer_cost(folder: str, seq_len: int) -> dict:
         forward = time.perf_counter() - started
     plan = ghost_aware_plan(model.config.num_hidden_layers)
     c = model.config.hidden_size
-    x = {i: torch.randn(data.num_tokens, c) for i in plan.source_inputs() | plan.target_inputs()}
+    x = {read: torch.randn(data.num_tokens, c) for read in plan.reads()}
     accumulator = StatisticsAccumulator(plan, c)
     started = time.perf_counter()
-    accumulator.update(x)
+    accumulator.add(x)
     accumulate = time.perf_counter() - started
     return {"tokens": data.num_tokens, "dense_forward_s": forward, "layers": model.config.num_hidden_layers,
-            "accumulate_s": accumulate, "grams": len(plan.grams), "pairs": len(plan.pairs), "hidden": c}
+            "accumulate_s": accumulate, "grams": sum(e.statistic is GRAM for e in plan),
+            "pairs": sum(e.statistic is CROSS for e in plan), "hidden": c}
 
 
 # ------------------------------------------------------------------ drivers
@@ -277,7 +278,7 @@ def run_layerwise(args) -> None:
     print("|---|---|---|---|---|")
     from safetensors import safe_open
 
-    from ghosted_hf.layerwise import weight_map
+    from ghosted_hf.statistics.layerwise import weight_map
 
     size = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     groups: dict[str, int] = {}

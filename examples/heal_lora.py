@@ -33,9 +33,10 @@ def main(argv: list[str] | None = None) -> list[float]:
     if args.teacher:
         folder = assets.default_model_dir() if args.teacher == "packaged" else args.teacher
         teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    peft_model, losses = heal(model, tokenizer, assets.wikipedia_split("calibration"), teacher=teacher,
-                              steps=args.steps, seq_len=args.seq_len)
-    ghosted_hf.save_with_card(merge(peft_model), args.output, tokenizer)
+    healed = heal(model, tokenizer, assets.wikipedia_split("calibration"), teacher=teacher, steps=args.steps,
+                  seq_len=args.seq_len)
+    losses = healed.losses
+    ghosted_hf.save_with_card(merge(healed), args.output, tokenizer)
     loss = "KL to the teacher" if teacher is not None else "next-token loss"
     print(f"{loss}: first step {losses[0]:.4f}, last step {losses[-1]:.4f}; saved to {args.output}")
     return losses

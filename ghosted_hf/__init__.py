@@ -1,22 +1,25 @@
 """ghosted_hf: remove decoder layers from Llama/Qwen causal LMs and recover quality in closed form
 (Ghosted Layers, arXiv 2605.15491), as first-class Hugging Face Transformers models."""
 
+import importlib.metadata
+
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .remote.configuration_ghosted import GhostedConfig
 from .remote.modeling_ghosted import GhostedForCausalLM, GhostedModel, GhostOperator
-from .calibration import CalibrationStatistics, Calibrator, StatisticsPlan, collect_statistics
 from .card import save_with_card
 from .errors import GhostedError
-from .healing import HealOptions, heal
+from .export import export_stock
+from .healing import HealOptions, HealResult, heal, merge
 from .hub import push_to_hub
 from .operators import OPERATOR_KINDS, OperatorKind
-from .options import PruneOptions
-from .recipe import ghost_prune
+from .options import ExportOptions, PruneOptions
+from .recipe import calibrate, ghost_prune
 from .selection import CRITERIA, Criterion
-from .surgery import export_plain, prune_layers
+from .statistics import CalibrationStatistics, LayerwisePass, StatisticsPlan, collect_statistics
+from .surgery import prune_layers, to_stock_model
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("ghosted_hf")
 
 AutoConfig.register(GhostedConfig.model_type, GhostedConfig, exist_ok=True)
 AutoModel.register(GhostedConfig, GhostedModel, exist_ok=True)
@@ -30,23 +33,28 @@ __all__ = [
     "CRITERIA",
     "OPERATOR_KINDS",
     "CalibrationStatistics",
-    "Calibrator",
     "Criterion",
-    "GhostedError",
-    "HealOptions",
-    "OperatorKind",
+    "ExportOptions",
     "GhostedConfig",
+    "GhostedError",
     "GhostedForCausalLM",
     "GhostedModel",
     "GhostOperator",
+    "HealOptions",
+    "HealResult",
+    "LayerwisePass",
+    "OperatorKind",
     "PruneOptions",
     "StatisticsPlan",
+    "__version__",
+    "calibrate",
     "collect_statistics",
-    "export_plain",
+    "export_stock",
     "ghost_prune",
     "heal",
+    "merge",
     "prune_layers",
     "push_to_hub",
     "save_with_card",
-    "__version__",
+    "to_stock_model",
 ]

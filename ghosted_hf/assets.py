@@ -57,6 +57,7 @@ def packaged_gguf() -> Path:
 
 
 def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):

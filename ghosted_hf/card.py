@@ -18,7 +18,7 @@ from .summary import summarize
 logger = logging.getLogger(__name__)
 
 TAGS = ["ghosted-layers", "layer-pruning", "custom_code", "pruned"]
-PLAIN_TAGS = ["ghosted-layers", "layer-pruning", "pruned"]  # a stock checkpoint: no custom code
+STOCK_TAGS = ["ghosted-layers", "layer-pruning", "pruned"]  # a stock checkpoint: no custom code
 PLOT_FILE = "selection_scores.png"
 
 
@@ -70,7 +70,7 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
         library_name="transformers",
         pipeline_tag="text-generation",
         license=license or prov.get("base_model_license") or folder_license,
-        tags=PLAIN_TAGS if summary.plain else TAGS,
+        tags=STOCK_TAGS if summary.stock else TAGS,
         model_name=model_name,
         eval_results=eval_results(config) or None,
     )
@@ -91,7 +91,7 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
 def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_id: str | None = None,
                    license: str | None = None) -> Path:
     """`save_pretrained` plus the tokenizer, the generated README.md and the score plot; the way to save a
-    ghosted model or a plain export. All or nothing: the folder is written beside `folder` and replaces it whole, so an
+    ghosted model or a stock export. All or nothing: the folder is written beside `folder` and replaces it whole, so an
     interrupted save leaves the previous folder as it was and nothing of an earlier save survives."""
     config = model.config
     summarize(config)  # refuses a model that ghosted_hf did not make

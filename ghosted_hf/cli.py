@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +21,13 @@ logger = logging.getLogger("ghosted_hf")
 
 MODEL_HELP = f"Local folder or Hub id of a Llama / Qwen2 / Qwen3 causal LM (None: the packaged {assets.DEFAULT_MODEL})."
 TRUST_HELP = ("Run the model repository's own Python code. Not needed for ghosted models whose code is ghosted_hf's "
-              "own (checked byte for byte); never needed for plain Llama/Qwen models.")
+              "own (checked byte for byte); never needed for stock Llama/Qwen checkpoints.")
 
 
 @dataclass(kw_only=True)
 class LoadArgs:
+    """How a command loads its model: dtype, Hub revision, remote-code trust."""
+
     dtype: str = option("float32", "Dtype to load the model in.", tuple(DTYPES))
     revision: str | None = option(None, "Branch, tag or commit of a Hub model id.")
     trust_remote_code: bool = option(False, TRUST_HELP)
@@ -32,20 +35,25 @@ class LoadArgs:
 
 @dataclass(kw_only=True)
 class MemoryArgs:
+    """Memory limits of calibration: layer-by-layer passes and where their activations live."""
+
     layerwise: bool = option(False, "Calibrate one decoder layer at a time, read from the safetensors files (for models "
                                     "larger than memory; a local folder only).")
-    max_memory: str | None = option(None, "Memory the model may use (e.g. 16GiB): layer-wise calibration is chosen when "
-                                          "the weights do not fit (the final build still loads the model).")
+    max_memory: str | None = option(None, "Memory the model may use (e.g. 16GiB). When its weights in --dtype exceed "
+                                          "it, calibration runs layer by layer as with --layerwise (a warning says "
+                                          "so); the build afterwards still loads the pruned model whole.")
     activations_dir: str | None = option(None, "Keep the layer-wise pass's activations in files in this folder instead "
                                                "of host memory.")
 
 
 @dataclass(kw_only=True)
 class PruneArgs(LoadArgs, MemoryArgs):
+    """Arguments of `ghosted prune` besides the `PruneOptions`."""
+
     model: str | None = option(None, MODEL_HELP, positional=True)
     calibration: str | None = option(None, "Calibration text file, documents separated by blank lines "
                                            "(None: the packaged Wikipedia calibration articles).")
-    output: str | None = option(None, "New folder to write the pruned model to.")
+    output: str | None = option(None, "New folder to write the pruned model to (needed unless --dry-run).")
     dry_run: bool = option(False, "Select the layers and fit the operators (the calibration passes run), print the "
                                   "result, write nothing.")
     device: str | None = option(None, "device_map for loading (e.g. cpu, cuda, auto).")
@@ -54,21 +62,27 @@ class PruneArgs(LoadArgs, MemoryArgs):
 
 @dataclass(kw_only=True)
 class StatsCollectArgs(LoadArgs, MemoryArgs):
+    """Arguments of `ghosted stats collect` besides the `PruneOptions`."""
+
     model: str | None = option(None, MODEL_HELP, positional=True)
     calibration: str | None = option(None, "Calibration text file (None: the packaged Wikipedia calibration articles).")
     shard: str = option("0/1", "Which shard I/N of the calibration batches to collect (every N-th batch from batch I).")
-    output: str | None = option(None, "New statistics file to write (safetensors; required).")
+    output: str | None = option(None, "New statistics file to write (safetensors).", required=True)
     device: str | None = option(None, "device_map for loading (e.g. cpu, cuda, auto).")
 
 
 @dataclass(kw_only=True)
 class StatsMergeArgs:
+    """Arguments of `ghosted stats merge`."""
+
     files: list[str] = option(help="The statistics shards to merge (all N of one run, each once).")
-    output: str | None = option(None, "New statistics file to write (safetensors; required).")
+    output: str | None = option(None, "New statistics file to write (safetensors).", required=True)
 
 
 @dataclass(kw_only=True)
 class DemoArgs:
+    """Arguments of `ghosted demo` besides the `PruneOptions`."""
+
     model: str | None = option(None, "Model folder or Hub id instead of the packaged default.")
     output: str = option("ghosted-demo-output/smollm2-135m-ghosted", "New folder to save the ghosted model to.")
     eval_windows: int = option(16, "Held-out 512-token windows for perplexity.")
@@ -76,6 +90,8 @@ class DemoArgs:
 
 @dataclass(kw_only=True)
 class EvalArgs(LoadArgs):
+    """Arguments of `ghosted eval`."""
+
     folder: str | None = option(None, "Saved model folder or Hub id (None: the packaged model).", positional=True)
     text: str | None = option(None, "Held-out text file (None: the packaged evaluation articles).")
     seq_len: int = option(512, "Perplexity window length.")
@@ -89,6 +105,8 @@ class EvalArgs(LoadArgs):
 
 @dataclass(kw_only=True)
 class PushArgs:
+    """Arguments of `ghosted push`."""
+
     folder: str = option(help="Saved ghosted model folder (with its card).")
     repo_id: str = option(help="Hub repository, e.g. you/my-ghosted-model.")
     private: bool = option(False, "Create the repository as private.")
@@ -97,8 +115,10 @@ class PushArgs:
 
 @dataclass(kw_only=True)
 class HealArgs(LoadArgs):
+    """Arguments of `ghosted heal` besides the `HealOptions`."""
+
     folder: str = option(help="Saved ghosted model folder or Hub id.")
-    output: str | None = option(None, "New folder to save the healed model (or adapter) to (required).")
+    output: str | None = option(None, "New folder to save the healed model (or adapter) to.", required=True)
     data: str | None = option(None, "Training text file (None: the packaged calibration articles).")
     teacher: str = option("none", "'none': language-modelling loss on the text; or a dense model to distill from (KL to "
                                   "its logits): a folder or Hub id, or 'base': the model it was pruned from (recorded "
@@ -108,13 +128,17 @@ class HealArgs(LoadArgs):
 
 @dataclass(kw_only=True)
 class ExportArgs(LoadArgs):
+    """Arguments of `ghosted export-stock` besides the `ExportOptions`."""
+
     folder: str = option(help="Saved ghosted model folder or Hub id.")
-    output: str | None = option(None, "New folder for the stock checkpoint (required).")
+    output: str | None = option(None, "New folder for the stock checkpoint.", required=True)
     calibration: str | None = option(None, "Calibration text file (None: the packaged Wikipedia calibration articles).")
 
 
 @dataclass(kw_only=True)
 class InspectArgs:
+    """Arguments of `ghosted inspect`."""
+
     folder: str = option(help="Saved ghosted model folder.")
     top: int = option(8, "Selection scores to show.")
 
@@ -135,8 +159,9 @@ def check_new_output(output: str | Path | None, *inputs: str | None) -> Path:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from .calibration import is_main_process
+    """`ghosted prune`: prune, print the summary, save with a card (rank 0 only under torchrun)."""
     from .card import save_with_card
+    from .distributed import is_main_process
     from .recipe import ghost_prune
     from .summary import render_text, summarize
 
@@ -154,12 +179,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if run.dry_run:
         print("\n--dry-run: nothing written.")
         return 0
-    save_with_card(pruned, run.output, tokenizer)  # a plain export saves as a stock checkpoint, with its card
+    save_with_card(pruned, run.output, tokenizer)  # a stock checkpoint (folded kinds) saves with its card too
     print(f"\nSaved to {run.output}")
     return 0
 
 
 def check_new_file(output: str | None) -> Path:
+    """An output file that does not exist yet, in a folder that does."""
     if output is None:
         raise GhostedError("--output FILE is required (e.g. --output stats.safetensors).")
     path = Path(output)
@@ -172,7 +198,7 @@ def check_new_file(output: str | None) -> Path:
 
 def write_statistics(stats, path: Path) -> None:
     """Write on the main process only, through a temporary file renamed into place (never half a file)."""
-    from .calibration import is_main_process
+    from .distributed import is_main_process
 
     if not is_main_process():
         return
@@ -182,8 +208,10 @@ def write_statistics(stats, path: Path) -> None:
 
 
 def cmd_stats_collect(args: argparse.Namespace) -> int:
-    from .calibration import ShardSpec, is_main_process
+    """`ghosted stats collect`: the statistics of one shard, written atomically."""
+    from .distributed import is_main_process
     from .recipe import calibrate
+    from .statistics import ShardSpec
 
     run, options = from_namespace(StatsCollectArgs, args), from_namespace(PruneOptions, args)
     shard = ShardSpec.parse(run.shard)
@@ -198,11 +226,12 @@ def cmd_stats_collect(args: argparse.Namespace) -> int:
 
 
 def cmd_stats_merge(args: argparse.Namespace) -> int:
-    from .calibration import CalibrationStatistics
+    """`ghosted stats merge`: all shards of one run summed into one statistics file."""
+    from .statistics import CalibrationStatistics
 
     run = from_namespace(StatsMergeArgs, args)
     path = check_new_file(run.output)
-    merged = CalibrationStatistics.merge_files(run.files)
+    merged = CalibrationStatistics.merge(run.files)
     write_statistics(merged, path)
     print(f"Merged {len(run.files)} shards ({merged.tokens} tokens) into {path}")
     return 0
@@ -220,10 +249,10 @@ def calibration_text(path: str | None, statistics: str | None = None):
 
 
 def load_for_calibration(run) -> tuple:
-    """(model, tokenizer): a `LayerwiseModel` with --layerwise, or when the weights exceed --max-memory."""
+    """(model, tokenizer): a `LayerwisePass` with --layerwise, or when the weights exceed --max-memory."""
     from transformers import AutoTokenizer
 
-    from .layerwise import LayerwiseModel, model_bytes, parse_memory
+    from .statistics.layerwise import LayerwisePass, model_bytes, parse_memory
     from .loading import resolve
 
     limit = parse_memory(run.max_memory) if run.max_memory is not None else None
@@ -240,13 +269,13 @@ def load_for_calibration(run) -> tuple:
         raise GhostedError(f"Layer-by-layer calibration reads a local model folder; {run.model} is not one (download it "
                            "first, e.g. huggingface-cli download).")
     # The build after calibration still loads the model (layer surgery needs every kept weight in memory).
-    model = LayerwiseModel(folder, DTYPES[run.dtype], offload_folder=run.activations_dir)
+    model = LayerwisePass(folder, DTYPES[run.dtype], offload_folder=run.activations_dir)
     return model, AutoTokenizer.from_pretrained(folder)
 
 
 def rank_device(device: str | None) -> str | None:
     """Under torchrun (or mpirun) with `--device cuda`, each process takes its own GPU (its local rank)."""
-    from .calibration import init_distributed, launcher_process
+    from .distributed import init_distributed, launcher_process
 
     if device == "cuda" and init_distributed():
         return f"cuda:{launcher_process()[2]}"
@@ -254,6 +283,7 @@ def rank_device(device: str | None) -> str | None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """`ghosted demo`: the main job on the packaged model and corpus."""
     from .demo import format_rows, run_demo
 
     run, options = from_namespace(DemoArgs, args), from_namespace(PruneOptions, args)
@@ -268,6 +298,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """`ghosted eval`: held-out perplexity and, optionally, zero-shot tasks."""
     from .data import tokenize_texts
     from .evaluate import check_zero_shot, lambada, lambada_items, perplexity, zero_shot
 
@@ -292,6 +323,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
+    """`ghosted push`: verify a saved folder and upload it to the Hub."""
     from .hub import push_to_hub
 
     run = from_namespace(PushArgs, args)
@@ -303,6 +335,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_heal(args: argparse.Namespace) -> int:
+    """`ghosted heal`: LoRA-heal a ghosted model and save it merged (or the adapter alone)."""
     from .card import save_with_card
     from .healing import HealOptions, base_model_reference, heal, merge
 
@@ -313,38 +346,42 @@ def cmd_heal(args: argparse.Namespace) -> int:
     if run.teacher != "none":
         reference = base_model_reference(model) if run.teacher == "base" else run.teacher
         teacher, _ = load_model(reference, trust_remote_code=run.trust_remote_code)
-    peft_model, losses = heal(model, tokenizer, calibration_text(run.data), options, teacher=teacher)
+    healed = heal(model, tokenizer, calibration_text(run.data), options, teacher=teacher)
+    losses = healed.losses
     print(f"loss: first 5 steps {sum(losses[:5]) / len(losses[:5]):.4f}, last 5 steps "
           f"{sum(losses[-5:]) / len(losses[-5:]):.4f}")
     if run.adapter_only:
         with staged_folder(run.output) as staging:
-            peft_model.save_pretrained(staging)
+            healed.model.save_pretrained(staging)
         print(f"Saved the adapter to {run.output} (load with PeftModel.from_pretrained(base, path)).")
     else:
-        save_with_card(merge(peft_model), run.output, tokenizer)
+        save_with_card(merge(healed), run.output, tokenizer)
         print(f"Saved the merged model to {run.output}.")
     return 0
 
 
-def cmd_export_plain(args: argparse.Namespace) -> int:
+def cmd_export_stock(args: argparse.Namespace) -> int:
+    """`ghosted export-stock`: refit a ghosted model's operators as foldable ones and save a stock checkpoint."""
     from .card import save_with_card
+    from .export import export_stock
     from .options import ExportOptions
-    from .recipe import plain_export
     from .summary import render_text, summarize
 
     run, options = from_namespace(ExportArgs, args), from_namespace(ExportOptions, args)
     check_new_output(run.output, run.folder)
     model, tokenizer = load_model(run.folder, trust_remote_code=run.trust_remote_code, revision=run.revision)
     if getattr(model.config, "model_type", None) != "ghosted":
-        raise GhostedError(f"{run.folder} holds a {model.config.model_type!r} model, not a ghosted one: it is plain already.")
-    plain = plain_export(model, tokenizer, calibration_text(run.calibration), options)
-    print(render_text(summarize(plain.config)))
-    save_with_card(plain, run.output, tokenizer)
+        raise GhostedError(f"{run.folder} holds a {model.config.model_type!r} model, not a ghosted one: it is a stock "
+                           "checkpoint already.")
+    stock = export_stock(model, tokenizer, calibration_text(run.calibration), options)
+    print(render_text(summarize(stock.config)))
+    save_with_card(stock, run.output, tokenizer)
     print(f"\nSaved the stock checkpoint to {run.output} (loads with AutoModelForCausalLM, no trust_remote_code).")
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """`ghosted inspect`: what a saved ghosted folder contains and how it was made."""
     from safetensors import safe_open
 
     from .remote.configuration_ghosted import GhostedConfig
@@ -368,6 +405,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `ghosted` parser: one subcommand per job, its flags generated from the option dataclasses."""
     from .healing import HealOptions
     from .options import ExportOptions
 
@@ -383,9 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("eval", "Perplexity on held-out text and, optionally, zero-shot tasks.", [EvalArgs], cmd_eval),
         ("push", "Upload a saved ghosted model folder (with its card) to the Hub.", [PushArgs], cmd_push),
         ("heal", "LoRA-heal a ghosted model with PEFT and save it merged.", [HealArgs, HealOptions], cmd_heal),
-        ("export-plain", "Turn a ghosted model into the best stock Llama/Qwen checkpoint: each operator refitted as a "
+        ("export-stock", "Turn a ghosted model into the best stock Llama/Qwen checkpoint: each operator refitted as a "
                          "scaled rotation (and a down_proj transform) folded into the weights.",
-         [ExportArgs, ExportOptions], cmd_export_plain),
+         [ExportArgs, ExportOptions], cmd_export_stock),
         ("inspect", "Print what a saved ghosted model contains.", [InspectArgs], cmd_inspect),
     ]
     for name, help, groups, handler in subcommands:
@@ -410,16 +448,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; bad input ends in one line (exit 2), a bug in a traceback with a hint to report it (exit 1)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     command = args.command + (f" {args.action}" if getattr(args, "action", None) else "")
     try:
         return args.handler(args)
-    except (GhostedError, ValueError, OSError, ImportError) as error:
-        # Bad input (ours, or transformers' / huggingface_hub's own errors about files and ids): one line.
+    except (GhostedError, OSError) as error:
+        # Bad input (ours, or files and Hub ids that do not exist or cannot be read): one line.
         message = " ".join(str(error).split()) or type(error).__name__
         print(f"ghosted {command}: error: {message}", file=sys.stderr)
         return 2
+    except Exception:
+        # Anything else is a bug, not bad input: the whole traceback, and where to send it.
+        traceback.print_exc()
+        print(f"ghosted {command}: internal error (a bug in ghosted_hf, not a problem with your input). Please report "
+              "it to the ghosted_hf issue tracker with the traceback above and the command you ran.", file=sys.stderr)
+        return 1
     finally:
         import torch.distributed as dist
 

@@ -16,14 +16,7 @@ from .errors import GhostedError, MissingFileError
 
 logger = logging.getLogger(__name__)
 
-CalibrationSource = str | os.PathLike | Iterable[str] | Any  # text file, list of strings, or a datasets.Dataset
-
-TEXT_FORMATS = ("plain", "chat")
-# The user turn before each calibration text in the "chat" format: a neutral request, so that the text is what
-# the assistant writes (the turns an instruct model generates, and whose hidden states generation runs through).
-CHAT_PROMPT = "Write a text."
-_SENTINEL = "\x00GHOSTED_TEXT\x00"
-
+TextSource = str | os.PathLike | Iterable[str] | Any  # text file, list of strings, or a datasets.Dataset
 
 @dataclass
 class TokenBatches:
@@ -33,7 +26,6 @@ class TokenBatches:
     name: str
     text_sha256: str
     num_texts: int
-    text_format: str = "plain"
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -58,7 +50,6 @@ class TokenBatches:
             "tokens": self.num_tokens,
             "sequences": sum(len(b["input_ids"]) for b in self.batches),
             "sequence_length": max(b["input_ids"].shape[1] for b in self.batches),
-            "format": self.text_format,
         }
 
 
@@ -84,37 +75,38 @@ def _read_text_file(path: Path) -> list[str]:
     return [b for b in (block.strip() for block in content.split("\n\n")) if b]
 
 
-def load_texts(source: CalibrationSource, text_column: str = "text") -> tuple[list[str], str]:
+def load_texts(text: TextSource, text_column: str = "text") -> tuple[list[str], str]:
     """Texts and a display name from a text file (one document per blank-line-separated block), a list
     of strings, or a `datasets.Dataset` with a text column."""
-    if isinstance(source, str) and ("\n" in source or len(source) > 255):  # longer than any file name
+    if isinstance(text, str) and ("\n" in text or len(text) > 255):  # longer than any file name
         raise GhostedError(
-            f"The calibration source is one string of {len(source)} characters that is not a file path: pass a "
+            f"The calibration text is one string of {len(text)} characters that is not a file path: pass a "
             "list of strings (e.g. [text]) for text, or the path of a text file."
         )
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
+    if isinstance(text, (str, os.PathLike)):
+        path = Path(text)
         return _read_text_file(path), path.name
-    if isinstance(source, (bytes, Mapping)) or not isinstance(source, Iterable):
+    if isinstance(text, (bytes, Mapping)) or not isinstance(text, Iterable):
         raise GhostedError(
             f"Calibration text must be a list of strings, a text file path or a datasets.Dataset, got a "
-            f"{type(source).__name__}" + (" (for a dict of columns, use datasets.Dataset.from_dict)." if isinstance(source, Mapping) else ".")
+            f"{type(text).__name__}" + (" (for a dict of columns, use datasets.Dataset.from_dict)." if isinstance(text, Mapping) else ".")
         )
-    column_names = getattr(source, "column_names", None)
+    column_names = getattr(text, "column_names", None)
     if column_names is not None:
         if text_column not in column_names:
             raise GhostedError(f"The dataset has no {text_column!r} column (columns: {column_names}); pass text_column=.")
-        name = getattr(getattr(source, "info", None), "dataset_name", None) or "datasets.Dataset"
-        return [t for t in source[text_column] if t and t.strip()], name
-    texts = list(source)
+        name = getattr(getattr(text, "info", None), "dataset_name", None) or "datasets.Dataset"
+        return [t for t in text[text_column] if t and t.strip()], name
+    texts = list(text)
     bad = next((t for t in texts if not isinstance(t, str)), None)
     if bad is not None:
         raise GhostedError(f"Calibration texts must be strings, got a {type(bad).__name__}: {bad!r:.60}.")
-    name = getattr(source, "name", None) or f"{len(texts)} texts given as a list of strings"
+    name = getattr(text, "name", None) or f"{len(texts)} texts given as a list of strings"
     return [t for t in texts if t.strip()], name
 
 
 def text_hash(texts: list[str]) -> str:
+    """sha256 of the texts joined by NUL bytes: identifies the calibration text in reports."""
     digest = hashlib.sha256()
     for text in texts:
         digest.update(text.encode("utf-8"))
@@ -165,90 +157,30 @@ def batch_sequences(sequences: list[list[int]], batch_size: int, pad_id: int) ->
     return batches
 
 
-def chat_turn_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """(tokens before, tokens after) a text written as the assistant's reply to `CHAT_PROMPT`, rendered by the
-    tokenizer's own chat template (system prompt and markers included, as the template adds them)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise GhostedError("The tokenizer has no chat template (tokenizer.chat_template is not set), so calibration "
-                           "text cannot be put in chat form: use the plain text format, or a tokenizer with a template.")
-    messages = [{"role": "user", "content": CHAT_PROMPT}, {"role": "assistant", "content": _SENTINEL}]
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
-    if rendered.count(_SENTINEL) != 1:
-        raise GhostedError("The tokenizer's chat template does not render the assistant's message verbatim, so "
-                           "calibration text cannot be put in chat form: use the plain text format.")
-    before, after = rendered.split(_SENTINEL)
-
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-
-    return encode(before), encode(after)
-
-
-def pack_conversations(token_lists: Iterable[list[int]], before: list[int], after: list[int], seq_len: int,
-                       max_sequences: int | None) -> list[list[int]]:
-    """Sequences of whole conversations: each text is cut into pieces that, wrapped in `before`/`after`, fill
-    the rest of the current sequence, so that no conversation is cut and every sequence begins with the
-    template, as every request to a chat model does. (Wrapping whole documents before chunking would leave
-    the template in one sequence of a long document's many.)"""
-    overhead = len(before) + len(after)
-    if seq_len <= overhead:
-        raise GhostedError(f"seq_len {seq_len} leaves no room for text inside the chat template ({overhead} tokens): "
-                           "use a longer seq_len or the plain text format.")
-    sequences: list[list[int]] = []
-    current: list[int] = []
-    for tokens in token_lists:
-        start = 0
-        while start < len(tokens):
-            room = seq_len - len(current) - overhead
-            if room < 1:  # too little left for a conversation: the sequence ends here (padded)
-                sequences.append(current)
-                current, room = [], seq_len - overhead
-            piece = tokens[start:start + room]
-            current = current + before + piece + after
-            start += len(piece)
-            if len(current) == seq_len:
-                sequences.append(current)
-                current = []
-            if max_sequences is not None and len(sequences) >= max_sequences:
-                return sequences
-    if current:
-        sequences.append(current)
-    return sequences[:max_sequences] if max_sequences is not None else sequences
-
-
 def tokenize_texts(
     tokenizer: Any,
-    source: CalibrationSource,
+    text: TextSource,
     seq_len: int,
     num_sequences: int | None = None,
     batch_size: int = 4,
     text_column: str = "text",
-    text_format: str = "plain",
     shuffle_seed: int | None = None,
 ) -> TokenBatches:
-    """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens and batch them. `text_format="chat"`
-    writes every text as the assistant's reply in the tokenizer's chat template (see `pack_conversations`).
-    `shuffle_seed`: shuffle the sequences before batching (for training: packed in order, a batch would hold one
+    """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens (documents joined by EOS) and batch
+    them. Chat-formatted calibration is the caller's choice: render the texts with the tokenizer's chat
+    template first. `shuffle_seed`: shuffle the sequences before batching (for training: packed in order, a batch would hold one
     document's consecutive windows, and a short run would see only the first documents)."""
     if seq_len < 2 or batch_size < 1:
         raise GhostedError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}.")
-    if text_format not in TEXT_FORMATS:
-        raise GhostedError(f"Unknown text format {text_format!r}; choose one of: {', '.join(TEXT_FORMATS)}.")
-    texts, name = load_texts(source, text_column)
+    texts, name = load_texts(text, text_column)
     if not texts:
         raise GhostedError(f"The calibration text ({name}) is empty: provide at least a few paragraphs of text.")
-    if text_format == "chat":
-        before, after = chat_turn_tokens(tokenizer)
-        # Tokenized lazily: packing stops reading once it has the sequences asked for.
-        token_lists = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts)
-        sequences = pack_conversations(token_lists, before, after, seq_len, num_sequences)
-    else:
-        token_lists = (tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts)
-        sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id)
+    # Tokenized lazily: packing stops reading once it has the sequences asked for.
+    token_lists = (tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts)
+    sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id)
     if num_sequences is not None and len(sequences) < num_sequences:
         logger.warning("Only %d sequences of %d tokens in %s (asked for %d).", len(sequences), seq_len, name, num_sequences)
     if shuffle_seed is not None:
         order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(shuffle_seed))
         sequences = [sequences[i] for i in order]
-    return TokenBatches(batch_sequences(sequences, batch_size, pad_token_id(tokenizer)), name, text_hash(texts), len(texts),
-                        text_format)
+    return TokenBatches(batch_sequences(sequences, batch_size, pad_token_id(tokenizer)), name, text_hash(texts), len(texts))

@@ -29,6 +29,8 @@ DEFAULT_OUTPUT = "ghosted-demo-output/smollm2-135m-ghosted"  # .gitignore covers
 
 @dataclass
 class Row:
+    """One line of the demo table."""
+
     name: str
     perplexity: float
     parameters: int
@@ -52,6 +54,7 @@ def prefill_seconds(models: list[torch.nn.Module], input_ids: torch.Tensor, roun
 
 
 def sample(model: torch.nn.Module, tokenizer, max_new_tokens: int = 24) -> str:
+    """A short greedy continuation of the demo prompt (the side-by-side samples)."""
     inputs = tokenizer(PROMPT, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
@@ -80,6 +83,7 @@ def run_demo(output: str | Path, options: PruneOptions | None = None, model: str
 
 
 def format_rows(rows: list[Row], removed: list[int], eval_tokens: str) -> str:
+    """The demo table as aligned text."""
     dense = rows[0]
     lines = [
         f"Removed layers {removed}; perplexity on held-out Wikipedia articles ({eval_tokens}); "

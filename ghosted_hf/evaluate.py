@@ -21,12 +21,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .assets import cache_root
-from .calibration import input_device
+from .statistics.capture import input_device
 from .errors import GhostedError, MissingDependencyError
 
 
 def perplexity(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], progress: bool = True,
                description: str = "Perplexity") -> float:
+    """exp of the mean next-token loss over every predicted real token of the batches (padding excluded)."""
     nll, count = 0.0, 0
     device = input_device(model)
     batches = list(batches)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import GhostedError, MissingFileError
-from .remote.modeling_ghosted import ghost_tensor_hashes, operator_sha256, replace_folder
+from .remote.modeling_ghosted import ghost_tensor_key, operator_sha256, replace_folder
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +93,10 @@ def verify_folder(folder: str | os.PathLike) -> dict[str, Any]:
 def check_operator_hashes(config: dict[str, Any], tensors: dict[str, Any]) -> None:
     """Compare each operator with the sha256 its config recorded (when it recorded one)."""
     for boundary in config.get("ghost_boundaries", []):
-        for key, field in ghost_tensor_hashes(boundary).items():  # the operator, and an affine boundary's bias
-            if key not in tensors:
-                raise GhostedError(f"Operator tensor {key} is missing from the weight files; save the model again.")
-            expected = boundary.get(field)
-            if expected is not None and operator_sha256(tensors[key], config.get("operator_dtype", "float32")) != expected:
-                raise GhostedError(f"Operator tensor {key} does not match the {field} in config.json: the file was "
-                                   "changed or damaged after saving; save the model again.")
+        key = ghost_tensor_key(boundary)
+        if key not in tensors:
+            raise GhostedError(f"Operator tensor {key} is missing from the weight files; save the model again.")
+        expected = boundary.get("sha256")
+        if expected is not None and operator_sha256(tensors[key], config.get("operator_dtype", "float32")) != expected:
+            raise GhostedError(f"Operator tensor {key} does not match the sha256 in config.json: the file was "
+                               "changed or damaged after saving; save the model again.")

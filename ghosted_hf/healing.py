@@ -1,5 +1,8 @@
 """Optional LoRA healing of a ghosted model with PEFT: language-modeling loss or distillation from the
-dense teacher's logits, then `merge_and_unload` back into a `GhostedForCausalLM`."""
+dense teacher's logits, then `merge_and_unload` back into a `GhostedForCausalLM`.
+
+LoRA goes on every linear layer of every decoder layer: adapters only near the boundaries, or only
+downstream of them, healed less at every budget measured (docs/removed-levers.md)."""
 
 from __future__ import annotations
 
@@ -10,22 +13,20 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from tqdm.auto import tqdm
 
-from .data import CalibrationSource, tokenize_texts
+from .data import TextSource, tokenize_texts
 from .errors import GhostedError
 from .options import Options, positive, option
-from .remote.configuration_ghosted import LAYER_TARGET
 from .remote.modeling_ghosted import GHOST_MODULE, GhostedForCausalLM
 
 logger = logging.getLogger(__name__)
 
-SCOPES = ("all-linear", "downstream", "boundary")
 SCHEDULES = ("constant", "linear")
 PRECISIONS = ("auto", "fp32", "bf16")
 LINEAR = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
@@ -33,22 +34,16 @@ LINEAR = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 
 @dataclass
 class HealOptions(Options):
-    scope: str = option("all-linear", "LoRA targets: every linear layer of every decoder layer; of the layers from the "
-                        "last one before the first boundary on (the layers before it are intact, and the backward "
-                        "pass stops there: cheaper steps); or of the kept layers on both sides of every boundary.",
-                        SCOPES)
+    """How `heal` trains: LoRA on every linear layer, next-token loss (or KL to a teacher), a linear decay."""
+
     train_operators: bool = option(False, "Also train the ghost operators (saved merged into the model).")
-    train_norms: bool = option(False, "Also train every RMSNorm's gain (no weight decay): a per-channel rescale of "
-                               "each layer's input, which a low-rank adapter cannot express.")
     rank: int = option(8, "LoRA rank.")
     alpha: int = option(16, "LoRA alpha.")
     steps: int = option(150, "Optimizer steps (150 x 4 x 256 tokens: 10-13 CPU-minutes for a 135M model on one core "
                              "with AVX512-BF16, 4-5 s a step, all-linear, without a teacher).")
     lr: float = option(2e-3, "AdamW learning rate (peak).")
-    lr_ratio: float = option(1.0, "Learning rate of LoRA's B matrices as a multiple of lr (LoRA+, Hayou et al. 2024, "
-                             "suggest 16: B starts at zero and learns the features).")
-    minutes: float = option(0.0, "Train for this many minutes (wall-clock) instead of a number of steps, the schedule "
-                            "decaying over the time; 0: train for `steps` steps.")
+    minutes: float | None = option(None, "Train for this many minutes (wall-clock) instead of `steps` steps, the "
+                                   "schedule decaying over the time (at least one step is taken).")
     schedule: str = option("linear", "Learning rate over the run: constant, or decayed linearly to zero by the end "
                            "(the last step, or the end of `minutes`).", SCHEDULES)
     precision: str = option("auto", "Matrix products under bf16 autocast (adapters and optimizer state stay fp32), "
@@ -60,14 +55,14 @@ class HealOptions(Options):
 
     def check(self) -> None:
         positive(self, "rank", "alpha", "steps", "seq_len", "batch_size")
-        if self.minutes < 0:
-            raise GhostedError(f"minutes must be 0 (train for `steps` steps) or positive, got {self.minutes}.")
-        for name in ("lr", "lr_ratio"):
-            if not getattr(self, name) > 0:
-                raise GhostedError(f"{name} must be positive, got {getattr(self, name)}.")
+        if self.minutes is not None and not self.minutes > 0:
+            raise GhostedError(f"minutes must be positive (or left out to train for `steps` steps), got {self.minutes}.")
+        if not self.lr > 0:
+            raise GhostedError(f"lr must be positive, got {self.lr}.")
 
 
 def check_ghosted(model: Any) -> None:
+    """Refuse a model that is not a ghosted one (healing a dense model is fine-tuning)."""
     if getattr(getattr(model, "config", None), "model_type", None) != "ghosted":
         raise GhostedError(f"heal expects a ghosted model (GhostedForCausalLM), got {type(model).__name__}; prune it "
                            "with ghosted_hf.ghost_prune first.")
@@ -88,36 +83,7 @@ def base_model_reference(model: GhostedForCausalLM) -> str:
                        "language-modelling loss (teacher 'none').")
 
 
-def target_modules(model: GhostedForCausalLM, scope: str) -> str:
-    """LoRA targets: the linear layers of the kept layers on both sides of every boundary, or all of them."""
-    if scope not in SCOPES:
-        raise GhostedError(f"Unknown scope {scope!r}; choose one of: {', '.join(SCOPES)}.")
-    last = model.config.num_hidden_layers - 1
-    fed = [b["layer"] if b["target"] == LAYER_TARGET else last + 1 for b in model.config.ghost_boundaries]
-    if scope == "all-linear":
-        layers = range(last + 1)
-    elif scope == "downstream":
-        layers = range(max(min(fed, default=1) - 1, 0), last + 1)
-    else:
-        layers = sorted({i for j in fed for i in (j - 1, j) if 0 <= i <= last})
-    return rf"model\.layers\.({'|'.join(map(str, layers))})\.{LINEAR}"
-
-
-def norm_modules(model: nn.Module) -> list[str]:
-    """Every normalisation layer (each decoder layer's two norms, the final norm, Qwen3's q/k norms) by its full
-    name, found by class name: Llama, Qwen2 and Qwen3 each define their own RMSNorm class."""
-    return [name for name, module in model.named_modules() if type(module).__name__.endswith("RMSNorm")]
-
-
-def parameter_groups(model: nn.Module, lr: float, lr_ratio: float) -> list[dict[str, Any]]:
-    """AdamW groups of the trainable parameters: LoRA's B matrices at `lr * lr_ratio` (LoRA+), and no weight decay
-    on vectors (norm gains, biases; the usual convention: decay would pull gains towards zero)."""
-    groups: dict[tuple[float, float], list[nn.Parameter]] = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            key = (lr * lr_ratio if "lora_B" in name else lr, 0.01 if p.ndim > 1 else 0.0)  # 0.01: AdamW's default
-            groups.setdefault(key, []).append(p)
-    return [{"params": params, "lr": rate, "weight_decay": decay} for (rate, decay), params in groups.items()]
+TARGET_MODULES = rf"model\.layers\.\d+\.{LINEAR}"  # every linear layer of every decoder layer
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -131,6 +97,7 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
+    """"auto" resolved for `device`: bf16 where it is native, else fp32."""
     return ("bf16" if native_bf16(device) else "fp32") if precision == "auto" else precision
 
 
@@ -170,10 +137,19 @@ def training_loss(student: nn.Module, teacher: nn.Module | None, ids: torch.Tens
     return (target.exp() * (target - predicted)).sum(-1)[mask.bool()].mean()
 
 
+class HealResult(NamedTuple):
+    """What `heal` returns: the PEFT model, the loss of every step, and the record `merge` saves in the
+    provenance (what was trained, on what, for how long)."""
+
+    model: PeftModel
+    losses: list[float]
+    record: dict[str, Any]
+
+
 def heal(
     model: GhostedForCausalLM,
     tokenizer: Any,
-    data: CalibrationSource,
+    data: TextSource,
     options: HealOptions | None = None,
     *,
     teacher: nn.Module | None = None,
@@ -181,28 +157,27 @@ def heal(
     after_step: Callable[[PeftModel, list[float]], bool] | None = None,
     clock: Callable[[], float] = time.perf_counter,
     **overrides: Any,
-) -> tuple[PeftModel, list[float]]:
-    """Train LoRA adapters (and, with `train_operators` / `train_norms`, the ghost operators / the norm gains,
-    saved with the adapter) for `steps` steps, or for `minutes` by `clock` (seconds); returns the PEFT model and the
-    loss of every step. With a `teacher` the loss is KL(teacher || student) on real tokens, otherwise next-token
-    cross-entropy. Options are `HealOptions` fields. `after_step(model, losses)` runs after every step (e.g. to
-    evaluate at time budgets); returning True stops training there."""
+) -> HealResult:
+    """Train LoRA adapters (and, with `train_operators`, the ghost operators, saved with the adapter) for `steps`
+    steps, or for `minutes` by `clock` (seconds). With a `teacher` the loss is KL(teacher || student) on real
+    tokens, otherwise next-token cross-entropy. Options are `HealOptions` fields. `after_step(model, losses)` runs
+    after every step (e.g. to evaluate at time budgets); returning True stops training there."""
     options = HealOptions.build(options, **overrides)
     check_ghosted(model)
     torch.manual_seed(options.seed)
     batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.batch_size,
                              shuffle_seed=options.seed).batches
-    trained_modules = (([GHOST_MODULE] if options.train_operators else [])
-                       + (norm_modules(model) if options.train_norms else []))
-    config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0,
-                        target_modules=target_modules(model, options.scope),
-                        modules_to_save=trained_modules or None, task_type="CAUSAL_LM")
+    config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0, target_modules=TARGET_MODULES,
+                        modules_to_save=[GHOST_MODULE] if options.train_operators else None, task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
-    optimizer = torch.optim.AdamW(parameter_groups(peft_model, options.lr, options.lr_ratio))
-    peaks = [group["lr"] for group in optimizer.param_groups]
+    # No weight decay on vectors (the usual convention); 0.01 is AdamW's default.
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trainable if p.ndim > 1], "weight_decay": 0.01},
+              {"params": [p for p in trainable if p.ndim <= 1], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=options.lr)
     device = next(peft_model.parameters()).device
     precision = resolve_precision(options.precision, device)
-    budget = options.minutes * 60
+    budget = options.minutes * 60 if options.minutes is not None else None
     losses, tokens, started = [], 0, clock()
     bar = tqdm(total=round(budget) if budget else options.steps, unit="s" if budget else "step", desc="Healing",
                disable=not progress)
@@ -211,8 +186,8 @@ def heal(
             done = (clock() - started) / budget if budget else len(losses) / options.steps
             if done >= 1 and losses:  # at least one step, however short the budget
                 break
-            for group, peak in zip(optimizer.param_groups, peaks):
-                group["lr"] = peak * lr_factor(options.schedule, done)
+            for group in optimizer.param_groups:
+                group["lr"] = options.lr * lr_factor(options.schedule, done)
             peft_model.train()  # again every step: after_step may have evaluated
             ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             tokens += int(mask.sum())
@@ -227,22 +202,22 @@ def heal(
                 break
     peft_model.eval()
     logger.info("Healing loss %.4f -> %.4f over %d steps.", losses[0], losses[-1], len(losses))
-    peft_model.ghost_healing = {  # read by `merge` into the provenance: what was trained, on what, how long
-        "loss": "KL to the teacher's logits" if teacher is not None else "next-token cross-entropy",
-        "teacher": getattr(getattr(teacher, "config", None), "_name_or_path", None) if teacher is not None else None,
-        "steps": len(losses), "tokens": tokens,
-        **{k: v for k, v in options.to_dict().items() if k != "steps"}, "precision": precision}
-    return peft_model, losses
+    record = {"loss": "KL to the teacher's logits" if teacher is not None else "next-token cross-entropy",
+              "teacher": getattr(getattr(teacher, "config", None), "_name_or_path", None) if teacher is not None else None,
+              "steps": len(losses), "tokens": tokens,
+              **{k: v for k, v in options.to_dict().items() if k != "steps"}, "precision": precision}
+    return HealResult(peft_model, losses, record)
 
 
-def merge(peft_model: PeftModel) -> GhostedForCausalLM:
-    """Fold the adapters (and trained operators) into the weights: a plain `GhostedForCausalLM` again."""
+def merge(healed: HealResult) -> GhostedForCausalLM:
+    """Fold the adapters (and trained operators) into the weights: a `GhostedForCausalLM` again, its provenance
+    extended by the healing record."""
+    peft_model = healed.model
     lora = peft_model.peft_config[peft_model.active_adapter]
-    record = getattr(peft_model, "ghost_healing", {})
     merged = peft_model.merge_and_unload()
     if not isinstance(merged, GhostedForCausalLM):
         raise GhostedError(f"Expected the merged model to be a GhostedForCausalLM, got {type(merged).__name__}.")
     merged.config.ghost_provenance = {**merged.config.ghost_provenance, "healing": {
         "method": "LoRA (merged)", "r": lora.r, "lora_alpha": lora.lora_alpha, "target_modules": str(lora.target_modules),
-        "trained_operators": GHOST_MODULE in (lora.modules_to_save or ()), **record}}
+        "trained_operators": GHOST_MODULE in (lora.modules_to_save or ()), **healed.record}}
     return merged

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PushResult:
+    """What `push_to_hub` made: the commit of the weights and code (the revision to pin), and the card's."""
+
     commit: str  # the commit holding the weights and code: the revision to pin
     commit_url: str
     card_commit: str | None  # the follow-up commit that pins `commit` in the card

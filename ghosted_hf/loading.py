@@ -75,5 +75,8 @@ def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | Non
     ref = resolve(ref)
     trust = trust_remote_code or is_own_ghosted_model(ref, revision)
     common: dict[str, Any] = {"revision": revision, "trust_remote_code": trust}
-    model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPES[dtype], device_map=device_map, **common)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPES[dtype], device_map=device_map, **common)
+    except (ValueError, ImportError) as error:  # transformers' and the remote code's refusals of a checkpoint
+        raise GhostedError(f"{ref} cannot be loaded: {error}") from error
     return model.eval(), AutoTokenizer.from_pretrained(ref, **common)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .calibration import CalibrationStatistics, StatisticsPlan
+from .statistics import ABS, ROTATED_ABS, CalibrationStatistics, StatisticsPlan, least_squares, mlp_terms
 from .errors import GhostedError
 from .hadamard import rotation
 from .registry import Registry
@@ -21,14 +21,14 @@ from .registry import Registry
 
 @dataclass
 class BoundaryFit:
-    """One boundary's operator (x -> x @ operator [+ bias]) or, for fused kinds, the transform to fold."""
+    """One boundary's fit: the operator x -> x @ operator and, for kinds that fold into the weights, the
+    transform of the last upstream MLP output to fold into its down_proj."""
 
     kind: str
     source: int
     target: int
     operator: torch.Tensor | None = None
     fused: torch.Tensor | None = None
-    bias: torch.Tensor | None = None  # affine kinds: x -> x @ operator + bias
     figures: dict[str, Any] = field(default_factory=dict)
 
 
@@ -37,19 +37,16 @@ class OperatorKind:
 
     name: ClassVar[str]
     summary: ClassVar[str]
-    fused: ClassVar[bool] = False  # its fit is a transform of the last upstream MLP output, folded into down_proj
-    plain: ClassVar[bool] = False  # the result is a stock Llama/Qwen checkpoint: ghost_prune returns the plain model
+    stock: ClassVar[bool] = False  # folds into the weights: ghost_prune returns a stock Llama/Qwen checkpoint
     sequential: ClassVar[bool] = True  # can be refitted on the model already pruned and patched upstream
     first_removable: ClassVar[int] = 0  # the lowest layer a boundary of this kind may start at
-    # Its fit reads only the source's Gram matrix, sums and the pair terms with the target, so the target may be any
-    # hidden state: the final norm's input on the patched model (norm_operator), a layer's output (lookahead).
-    retargetable: ClassVar[bool] = False
 
     def statistics(self, s: int, e: int) -> StatisticsPlan:
         """What `fit` reads for the boundary removing layers s..e-1 (with the fit figures)."""
-        return StatisticsPlan(grams=frozenset({s}), pairs=frozenset({(s, e)}))
+        return least_squares(s, e)
 
     def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
+        """The closed-form fit of boundary (s, e) from `stats`."""
         raise NotImplementedError
 
 
@@ -84,6 +81,7 @@ def _ratio(numerator: float, denominator: float) -> float:
 
 
 def residual_figures(residual: float, untouched: float, energy: float) -> dict[str, float]:
+    """The fit figures reported per boundary, from three squared residuals."""
     return {
         # ||X W - X_e||^2 / ||X_e - X||^2: share of the pruning error left (1 = no recovery).
         "relative_residual": _ratio(residual, untouched),
@@ -115,9 +113,10 @@ def _safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Ten
 
 @register
 class Ghost(OperatorKind):
+    """The Ghosted Layers operator: the ridge least-squares fit of X_s W to X_e, W = I + M."""
+
     name = "ghost"
     summary = "W = I + M, (X_s^T X_s + eps I) M = X_s^T (X_e - X_s) (Ghosted Layers)"
-    retargetable = True
 
     def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
         w, m, eps = ghost_operator(stats, s, e, ridge)
@@ -131,81 +130,34 @@ class Ghost(OperatorKind):
         return BoundaryFit(self.name, s, e, operator=w, figures=figures)
 
 
-def solve_affine(gram: torch.Tensor, cross: torch.Tensor, source_sum: torch.Tensor, target_sum: torch.Tensor,
-                 count: float, ridge: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(M, b, eps) minimising ||X (I + M) + 1 b^T - Y||^2 + eps ||M||^2: the ghost fit with a ones column, the bias
-    unregularised. Solved on centred statistics (the Schur complement of the ones column), which is better
-    conditioned than the (C+1) x (C+1) system when the stream has a large mean."""
-    if count <= 0:
-        raise GhostedError("The affine fit needs at least one calibration token.")
-    mean_x, mean_y = source_sum / count, target_sum / count
-    centred_gram = gram - count * torch.outer(mean_x, mean_x)
-    centred_cross = cross - count * torch.outer(mean_x, mean_y)
-    m, eps = solve_ghost(centred_gram, centred_cross, ridge)
-    bias = mean_y - mean_x @ (m + torch.eye(m.shape[0], dtype=m.dtype, device=m.device))
-    return m, bias, eps
-
-
-def affine_squared_residual(stats: CalibrationStatistics, s: int, e: int, w: torch.Tensor, b: torch.Tensor) -> float:
-    """||X W + 1 b^T - Y||^2 from the statistics."""
-    source_sum, target_sum, count = stats.sums(s, e)
-    w, b = w.to(source_sum), b.to(source_sum)
-    linear = squared_residual(stats.gram(s), stats.cross(s, e), stats.energy(s, e), w)
-    return linear + float(2.0 * (source_sum @ w) @ b + count * (b @ b) - 2.0 * (target_sum @ b))
-
-
-LOOKAHEADS = ("none", "frozen-update", "linearised")
-
-
-def lookahead_correction(gram: torch.Tensor, u_z: torch.Tensor, u_y: torch.Tensor, ridge: float, mode: str,
-                         sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(R, c): the correction u -> u R (+ c) of the hidden state u entering a kept layer, whose output is z, toward
-    the dense output Y, from u^T u (`gram`), u^T z, u^T Y and, for an affine fit, `sums` = (sum u, sum z, sum Y, n).
-
-    "frozen-update": the layer's update z - u is held at its value, so the input should be Y - z + u (one
-    fixed-point step). "linearised": the layer is linearised as z ~ u A (+ const), A its least-squares fit on these
-    tokens (the Jacobian averaged over them, skip connection included), and R = I + D minimises
-    ||z + u D A - Y||^2: G D (A A^T) = u^T (Y - z) A^T. With A = I the two agree."""
-    c = gram.shape[0]
-    eye = torch.eye(c, dtype=gram.dtype, device=gram.device)
-    if sums is not None:  # the ones column: one more row and column, its diagonal not regularised
-        u_sum, z_sum, y_sum, count = sums
-        gram = torch.cat([torch.cat([gram, u_sum[:, None]], 1),
-                          torch.cat([u_sum, torch.tensor([count], dtype=gram.dtype, device=gram.device)])[None]], 0)
-        u_z, u_y = torch.cat([u_z, z_sum[None]], 0), torch.cat([u_y, y_sum[None]], 0)
-    eps = ridge_epsilon(gram[:c, :c], ridge)
-    regularised = gram + eps * torch.diag(torch.cat([torch.ones(c), torch.zeros(gram.shape[0] - c)]).to(gram))
-    if mode == "frozen-update":
-        d = torch.linalg.solve(regularised, u_y - u_z)  # target Y - z + u, minus the identity part
-    elif mode == "linearised":
-        a = torch.linalg.solve(regularised, u_z)[:c]  # z ~ u A (+ const)
-        p = torch.linalg.solve(regularised, u_y - u_z)  # the same as frozen-update before A
-        aat = a @ a.T
-        d = torch.linalg.solve(aat + ridge_epsilon(aat, ridge) * eye, a @ p.T).T  # P A^T (A A^T)^-1
-    else:
-        raise GhostedError(f"Unknown lookahead {mode!r}; choose one of: {', '.join(LOOKAHEADS)}.")
-    return eye + d[:c], (d[c] if sums is not None else None)
-
-
 @register
 class NoOperator(OperatorKind):
+    """Plain pruning: the removed layers are gone and nothing stands in for them."""
+
     name = "none"
-    summary = "W = I: plain pruning"
+    summary = "W = I: plain pruning (a stock checkpoint; no calibration pass beyond the criterion's)"
+    stock = True
     sequential = False
 
-    def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
+    def statistics(self, s: int, e: int) -> StatisticsPlan:
+        return StatisticsPlan()  # nothing to fit; the figures are reported where the criterion's statistics exist
+
+    def fit(self, stats: CalibrationStatistics | None, s: int, e: int, ridge: float) -> BoundaryFit:
+        if stats is None or not stats.has_pair(s, e):
+            return BoundaryFit(self.name, s, e)
         w = torch.eye(stats.hidden_size, dtype=torch.float64)
-        return BoundaryFit(self.name, s, e, operator=w, figures=fit_figures(stats, s, e, w))
+        return BoundaryFit(self.name, s, e, figures=fit_figures(stats, s, e, w))
 
 
 @register
 class LinearPatchDiag(OperatorKind):
+    """LinearPatch's channel scale without its rotation (a baseline)."""
+
     name = "linearpatch-diag"
     summary = "per-channel scale mean|X_e| / mean|X_s|"
 
     def statistics(self, s: int, e: int) -> StatisticsPlan:
-        return super().statistics(s, e) | StatisticsPlan(abs_sums=frozenset({s, e}))
+        return super().statistics(s, e) | StatisticsPlan.of(ABS(s), ABS(e))
 
     def channel_means(self, stats: CalibrationStatistics, i: int) -> torch.Tensor:
         return stats.abs_mean(i)
@@ -227,11 +179,13 @@ class LinearPatchDiag(OperatorKind):
 
 @register
 class LinearPatchRotate(LinearPatchDiag):
+    """LinearPatch (Chen et al. 2025): a channel scale in a Hadamard basis (a baseline)."""
+
     name = "linearpatch-rotate"
     summary = "the same scale in a Hadamard basis, W = H diag(d) H^T (LinearPatch)"
 
     def statistics(self, s: int, e: int) -> StatisticsPlan:
-        return OperatorKind.statistics(self, s, e) | StatisticsPlan(rotated_abs_sums=frozenset({s, e}))
+        return OperatorKind.statistics(self, s, e) | StatisticsPlan.of(ROTATED_ABS(s), ROTATED_ABS(e))
 
     def channel_means(self, stats: CalibrationStatistics, i: int) -> torch.Tensor:
         return stats.rotated_abs_mean(i)
@@ -245,16 +199,17 @@ class LinearPatchRotate(LinearPatchDiag):
 
 @register
 class ReplaceMeLS(OperatorKind):
+    """ReplaceMe's least-squares transform of the last upstream MLP output (a baseline; a stock checkpoint)."""
+
     name = "replaceme-ls"
     summary = ("least-squares T on the MLP output of the last kept layer before the boundary, folded into its "
-               "down_proj (ReplaceMe): a plain Llama/Qwen checkpoint")
-    fused = True
-    plain = True
+               "down_proj (ReplaceMe): a stock Llama/Qwen checkpoint")
+    stock = True
     sequential = False
     first_removable = 1  # needs a kept layer before the boundary to fold into
 
     def statistics(self, s: int, e: int) -> StatisticsPlan:
-        return super().statistics(s, e) | StatisticsPlan(mlp_terms=frozenset({(s, e)}))
+        return super().statistics(s, e) | mlp_terms(s, e)
 
     def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
         """T minimising ||M T - (X_e - Y)||, with M the MLP output of layer s-1 and Y = X_s - M its residual."""
@@ -263,7 +218,7 @@ class ReplaceMeLS(OperatorKind):
         eps = ridge_epsilon(mm, ridge)
         t = torch.linalg.solve(mm + eps * torch.eye(mm.shape[0], dtype=mm.dtype, device=mm.device), rhs)
         figures: dict[str, Any] = {"ridge_eps": eps}
-        if stats.has_pair(s, e) and stats.weighting == "none":
+        if stats.has_pair(s, e):
             gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
             untouched = energy - 2.0 * float(torch.trace(cross)) + float(torch.trace(gram))  # ||X_e - X_s||^2
             target = untouched + 2.0 * float(torch.trace(m_target) - torch.trace(m_source)) + float(torch.trace(mm))
@@ -312,21 +267,22 @@ def fit_folded(stats: CalibrationStatistics, s: int, e: int, ridge: float, *, ro
 
 @register
 class Folded(OperatorKind):
+    """The best recovery a stock checkpoint can hold: a scaled rotation and an MLP-output transform."""
+
     name = "folded"
     summary = ("c Q (Q orthogonal) with a transform T of the last upstream MLP output: folds exactly into the "
                "weights of a stock checkpoint (Q upstream of the boundary, 1/c into the writers after it, T into "
                "down_proj); tied embeddings are untied when Q rotates them")
-    plain = True
+    stock = True
     rotation: ClassVar[bool] = True
-    transform: ClassVar[bool] = True
 
     def statistics(self, s: int, e: int) -> StatisticsPlan:
         plan = super().statistics(s, e)
-        return plan | StatisticsPlan(mlp_terms=frozenset({(s, e)})) if self.transform and s >= 1 else plan
+        return plan | mlp_terms(s, e) if s >= 1 else plan
 
     def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
-        transform = self.transform and s >= 1  # at layer 0 only the embeddings are upstream: no MLP to transform
-        c, q, t, residual = fit_folded(stats, s, e, ridge, rotation=self.rotation, transform=transform)
+        # At layer 0 only the embeddings are upstream: no MLP output to transform.
+        c, q, t, residual = fit_folded(stats, s, e, ridge, rotation=self.rotation, transform=s >= 1)
         gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
         eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
         figures: dict[str, Any] = residual_figures(residual, squared_residual(gram, cross, energy, eye), energy)
@@ -335,39 +291,10 @@ class Folded(OperatorKind):
 
 
 @register
-class FoldedRotation(Folded):
-    name = "folded-cq"
-    summary = "the scale and rotation of `folded` alone (T = I): a stock checkpoint, nothing fused into down_proj"
-    transform = False
-
-
-@register
 class FoldedScale(Folded):
+    """`folded` without the rotation: tied embeddings stay tied."""
+
     name = "folded-tied"
     summary = ("the scale and transform of `folded` without the rotation (Q = I): nothing is folded into the "
                "embeddings, so tied embeddings stay tied (no extra parameters)")
     rotation = False
-
-
-@register  # after the others: the listed choices keep their order
-class GhostAffine(Ghost):
-    name = "ghost-affine"
-    summary = ("x -> x W + b: the ghost fit with a ones column (one more row and column in the Gram matrix); the "
-               "bias is a tensor next to the operator, so no plain export")
-
-    def statistics(self, s: int, e: int) -> StatisticsPlan:
-        return super().statistics(s, e) | StatisticsPlan(sums=frozenset({(s, e)}))
-
-    def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
-        source_sum, target_sum, count = stats.sums(s, e)
-        m, bias, eps = solve_affine(stats.gram(s), stats.cross(s, e), source_sum, target_sum, count, ridge)
-        w = m + torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
-        figures: dict[str, Any] = {"ridge_eps": eps}
-        if stats.has_pair(s, e):
-            eye = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
-            untouched = squared_residual(stats.gram(s), stats.cross(s, e), stats.energy(s, e), eye)
-            figures = {**residual_figures(affine_squared_residual(stats, s, e, w, bias), untouched, stats.energy(s, e)),
-                       **figures}
-        figures["bias_norm_vs_mean_target"] = float(torch.linalg.norm(bias) / torch.linalg.norm(target_sum / count)
-                                                    .clamp_min(1e-300))
-        return BoundaryFit(self.name, s, e, operator=w, bias=bias, figures=figures)

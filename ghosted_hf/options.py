@@ -12,10 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .calibration import WEIGHTINGS
-from .data import TEXT_FORMATS
 from .errors import GhostedError, UnknownOptionError
-from .operators import LOOKAHEADS, OPERATOR_KINDS, Folded
+from .operators import OPERATOR_KINDS, Folded
 from .remote.configuration_ghosted import OPERATOR_DTYPES
 from .selection import CRITERIA
 
@@ -25,10 +23,13 @@ T = TypeVar("T")
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "",
-           choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None, *, positional: bool = False) -> Any:
+           choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None, *, positional: bool = False,
+           required: bool = False) -> Any:
     """A dataclass field that is also a command-line option: a `--flag`, or a positional argument when it has no
-    default or `positional=True`. `choices` may be a callable, read when used (registries grow)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "positional": positional})
+    default or `positional=True`; `required=True` makes the flag mandatory on the command line. `choices` may be
+    a callable, read when used (registries grow)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "positional": positional,
+                                            "required": required})
 
 
 def same_as(cls: type, name: str) -> Any:
@@ -100,6 +101,7 @@ class Options:
 
     @classmethod
     def build(cls: type[T], options: T | None = None, **overrides: Any) -> T:
+        """`options` (or the defaults) with `overrides` applied; unknown names are refused."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:
@@ -108,10 +110,12 @@ class Options:
         return cls(**{**base, **overrides})
 
     def to_dict(self) -> dict[str, Any]:
+        """The options as plain values (recorded in the provenance)."""
         return dataclasses.asdict(self)
 
 
 def positive(options: Options, *names: str) -> None:
+    """Refuse a zero or negative value of any of the integer options `names`."""
     for name in names:
         if getattr(options, name) < 1:
             raise GhostedError(f"{name} must be positive, got {getattr(options, name)}.")
@@ -119,19 +123,11 @@ def positive(options: Options, *names: str) -> None:
 
 @dataclass
 class PruneOptions(Options):
+    """What `ghost_prune` removes and how it recovers: criterion, operator kind, fitting and calibration."""
+
     num_layers: int = option(8, "Number of decoder layers to remove (ignored with --criterion manual).")
     criterion: str = option("ghost-aware", "How to choose the layers to remove.", lambda: tuple(CRITERIA))
     layers: list[int] | None = option(None, "Layer indices to remove with criterion 'manual' (dense numbering).")
-    max_blocks: int = option(
-        1,
-        "Remove the layers as up to this many separate blocks (1: one contiguous block). With more, the criterion "
-        "scores every combination of blocks by the sum of their scores (ghost-aware only: fitted residuals add up).",
-    )
-    verify_candidates: int = option(
-        1,
-        "With max_blocks > 1: fit the operators of this many best-scored removals (sequentially, one calibration "
-        "pass per later boundary each) and keep the one whose fitted residuals sum to the least (1: the best score).",
-    )
     operator: str = option("ghost", "Operator kind that recovers each boundary.", lambda: tuple(OPERATOR_KINDS))
     fitting: str = option(
         "sequential",
@@ -140,32 +136,9 @@ class PruneOptions(Options):
         FITTINGS,
     )
     ridge: float = option(1e-6, "Ridge eps relative to the mean diagonal of the Gram matrix X^T X.")
-    weighting: str = option(
-        "none", "Token weighting of the least-squares fit: none, or rms (each token divided by its RMS).", WEIGHTINGS
-    )
-    skip_first_tokens: int = option(0, "Leave the first N tokens of each sequence (attention sinks) out of the fit.")
     seq_len: int = option(512, "Calibration sequence length in tokens.")
     num_sequences: int = option(128, "Number of calibration sequences.")
     batch_size: int = option(4, "Calibration sequences per forward pass.")
-    calibration_format: str = option(
-        "plain",
-        "How calibration text is fed: plain (documents joined by EOS), or chat (each piece of text is the "
-        "assistant's reply to a short user request, in the tokenizer's chat template; needs a template).",
-        TEXT_FORMATS,
-    )
-    norm_operator: bool = option(
-        False,
-        "After the boundaries, fit one more operator at the final norm's input, on the pruned and patched model "
-        "against the dense model's hidden state there (a downstream correction; nothing is added when a boundary "
-        "already feeds the norm).",
-    )
-    lookahead: str = option(
-        "none",
-        "Refit each boundary feeding a layer once so that the first kept layer's output, not only its input, "
-        "matches the dense model: frozen-update (the layer's update held at its value on the patched model) or "
-        "linearised (the layer replaced by its least-squares linear fit on the patched tokens); two more passes each.",
-        LOOKAHEADS,
-    )
     operator_dtype: str = option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
     stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
 
@@ -175,30 +148,21 @@ class PruneOptions(Options):
             raise GhostedError(f"criterion {self.criterion!r} needs the layer indices to remove (layers=[...]).")
         if self.layers and not takes_layers:
             raise GhostedError(f"layers=[...] is only used with criterion='manual', not {self.criterion!r}.")
-        positive(self, "seq_len", "num_sequences", "batch_size", "max_blocks", "verify_candidates")
-        if (self.max_blocks > 1 or self.verify_candidates > 1) and not CRITERIA[self.criterion].splits:
-            splitting = ", ".join(name for name, c in CRITERIA.items() if c.splits)
-            raise GhostedError(f"max_blocks > 1 and verify_candidates > 1 need a criterion whose scores add up over "
-                               f"blocks ({splitting}), not {self.criterion!r}.")
+        positive(self, "seq_len", "num_sequences", "batch_size")
         if self.seq_len < 2:
             raise GhostedError(f"seq_len must be at least 2, got {self.seq_len}.")
-        kind = OPERATOR_KINDS[self.operator]
-        for name, used in (("norm_operator", self.norm_operator), ("lookahead", self.lookahead != "none")):
-            if used and not kind.retargetable:
-                retargetable = ", ".join(n for n, k in OPERATOR_KINDS.items() if k.retargetable)
-                raise GhostedError(f"{name} refits the operator against another target, which operator kind "
-                                   f"{self.operator!r} cannot do; use one of: {retargetable}.")
-        if self.ridge < 0 or self.skip_first_tokens < 0:
-            raise GhostedError(f"ridge and skip_first_tokens must be >= 0, got {self.ridge} and {self.skip_first_tokens}.")
+        if self.ridge < 0:
+            raise GhostedError(f"ridge must be >= 0, got {self.ridge}.")
 
 
 def folded_kinds() -> tuple[str, ...]:
+    """The operator kinds `export_stock` can refit as."""
     return tuple(name for name, kind in OPERATOR_KINDS.items() if isinstance(kind, Folded))
 
 
 @dataclass
 class ExportOptions(Options):
-    """How `plain_export` refits an existing ghosted model's operators as foldable ones."""
+    """How `export_stock` refits an existing ghosted model's operators as foldable ones."""
 
     operator: str = option("folded", "Foldable operator kind that imitates each ghost operator.", folded_kinds)
     ridge: float = same_as(PruneOptions, "ridge")
@@ -237,8 +201,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         elif f.metadata.get("positional"):
             parser.add_argument(f.name, nargs="?", default=default, **kwargs)
         else:
-            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default, **kwargs)
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default,
+                                required=f.metadata.get("required", False), **kwargs)
 
 
 def from_namespace(cls: type[T], namespace: argparse.Namespace) -> T:
+    """An instance of dataclass `cls` from the parsed arguments `add_arguments` declared."""
     return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})

@@ -11,6 +11,8 @@ T = TypeVar("T")
 
 
 class Registry(dict[str, T], Generic[T]):
+    """Named entries of one kind (operator kinds, criteria); lookups of unknown names list the known ones."""
+
     def __init__(self, what: str) -> None:
         super().__init__()
         self.what = what

@@ -13,7 +13,7 @@ from .remote.configuration_ghosted import LAYER_TARGET, GhostedConfig
 from .selection import candidate_layers
 
 SHOWN_FIGURES = ("relative_residual", "residual_vs_target", "pruned_residual_vs_target", "condition_number",
-                 "antisymmetric_share", "bias_norm_vs_mean_target", "lookahead_change", "fitted_on")
+                 "antisymmetric_share", "fitted_on")
 
 
 def _figure(value: Any) -> str:
@@ -22,6 +22,8 @@ def _figure(value: Any) -> str:
 
 @dataclass
 class BoundarySummary:
+    """One boundary as `inspect` and the card show it."""
+
     removed: list[int]
     feeds: str
     operator: str
@@ -30,6 +32,8 @@ class BoundarySummary:
 
 @dataclass
 class ModelSummary:
+    """Everything `inspect` and the card show about a saved model."""
+
     base_model: str
     model_type: str
     hidden_size: int
@@ -48,23 +52,20 @@ class ModelSummary:
     boundaries: list[BoundarySummary]
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     healing: str | None = None
-    plain: bool = False  # a stock checkpoint: operators folded into the weights, no remote code
-    affine: bool = False  # some boundary is x W + b
-    lookahead: bool = False  # boundaries refitted on the first kept layer's output
-    norm_correction: bool = False  # the last boundary corrects the final norm's input, no layer removed there
+    stock: bool = False  # a stock checkpoint: operators folded into the weights, no remote code
     untied_embeddings: bool = False
 
 
 def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
-    """The summary of a ghosted model's config, or of a plain export's (whose provenance keeps the layout)."""
+    """The summary of a ghosted model's config, or of a stock export's (whose provenance keeps the layout)."""
     prov = getattr(config, "ghost_provenance", None) or {}
-    plain = prov.get("plain_export")
+    stock = prov.get("stock_export")
     if getattr(config, "model_type", None) == "ghosted":
         text, depth, removed_layers = config.text_config, config.original_num_hidden_layers, config.removed_layers
         boundaries, storage = config.ghost_boundaries, config.operator_dtype
-    elif plain:
-        text, depth, removed_layers = config, plain["original_num_hidden_layers"], plain["removed_layers"]
-        boundaries, storage = plain["boundaries"], "folded into the weights"
+    elif stock:
+        text, depth, removed_layers = config, stock["original_num_hidden_layers"], stock["removed_layers"]
+        boundaries, storage = stock["boundaries"], "folded into the weights"
     else:
         raise GhostedError(f"This {getattr(config, 'model_type', None)!r} config was not made by ghosted_hf.")
     params = prov.get("parameters")
@@ -74,7 +75,6 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
     ranked = sorted(scores.items(), key=lambda kv: kv[1], reverse=selection.get("better") == "higher")
     cal = prov.get("calibration") or {}
     healing = prov.get("healing")
-    lookahead = prov.get("lookahead") not in (None, "none")
     return ModelSummary(
         base_model=prov.get("base_model") or "unknown",
         model_type=text.model_type,
@@ -85,47 +85,30 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         operator_dtype=storage,
         parameters=(f"{params['dense']:,} -> {params['pruned']:,} (+ {params['operators']:,} in operators; "
                     f"{1 - (params['pruned'] + params['operators']) / params['dense']:.1%} fewer)" if params else "unknown"),
-        criterion=_criterion(selection),
+        criterion=selection.get("criterion"),
         better=selection.get("better"),
         scores=[(name, f"{score:.6g}", set(candidate_layers(name)) <= removed) for name, score in ranked],
-        recovery=f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')} fitting"
-                 + (f", one-layer lookahead refit ({prov['lookahead']})" if lookahead else "")
-                 + (", operator at the final norm's input" if prov.get("norm_operator") else ""),
+        recovery=f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')} fitting",
         calibration=(f"{cal.get('name')}: {cal.get('tokens_used')} tokens in {cal.get('sequences')} sequences of "
-                     f"{cal.get('sequence_length')}" + (f", {cal['format']} format" if cal.get("format") else "")
-                     + f", sha256 {cal.get('sha256')}" if cal else "unknown"),
+                     f"{cal.get('sequence_length')}, sha256 {cal.get('sha256')}" if cal else "unknown"),
         solver=", ".join(f"{k}={v}" for k, v in (prov.get("solver") or {}).items()) or "unknown",
         versions=", ".join(f"{k} {v}" for k, v in (prov.get("versions") or {}).items()) or "unknown",
         boundaries=[_boundary(b) for b in boundaries],
         evaluations=list(prov.get("evaluation", [])),
         healing=", ".join(f"{k}={v}" for k, v in healing.items()) if healing else None,
-        plain=bool(plain) and getattr(config, "model_type", None) != "ghosted",
-        untied_embeddings=bool(plain and plain.get("untied_embeddings")),
-        affine=any(b.get("bias") for b in boundaries),
-        lookahead=lookahead,
-        norm_correction=any(not b["removed"] for b in boundaries),
+        stock=bool(stock) and getattr(config, "model_type", None) != "ghosted",
+        untied_embeddings=bool(stock and stock.get("untied_embeddings")),
     )
-
-
-def _criterion(selection: dict[str, Any]) -> str | None:
-    """The criterion, with its split search and verification when they were used."""
-    name = selection.get("criterion")
-    if name and selection.get("max_blocks", 1) > 1:
-        name += f", up to {selection['max_blocks']} blocks"
-    if name and selection.get("verified"):
-        name += f", best {len(selection['verified'])} verified by their sequentially fitted residuals"
-    return name
 
 
 def _boundary(record: dict[str, Any]) -> BoundarySummary:
     feeds = (f"pruned layer {record['layer']} (dense {record['original_layer']})" if record["target"] == LAYER_TARGET
-             else "final norm" if record["removed"] else "final norm (a correction: no layer removed there)")
+             else "final norm")
     fit = record.get("fit") or {}
     return BoundarySummary(
         removed=record["removed"],
         feeds=feeds,
-        operator=record["operator"] + (", affine: x W + b" if record.get("bias") else "")
-        + (f", fused into {record['fused_into']}" if record.get("fused_into") else ""),
+        operator=record["operator"] + (f", fused into {record['fused_into']}" if record.get("fused_into") else ""),
         figures=", ".join(f"{k}={_figure(fit[k])}" for k in SHOWN_FIGURES if k in fit) or "-",
     )
 
@@ -137,7 +120,7 @@ def render_text(summary: ModelSummary, tensors: dict[str, tuple[int, ...]] | Non
         f"base model      : {s.base_model} ({s.model_type})",
         f"layers          : {s.depth} -> {s.kept} (removed {s.removed})",
         f"operators       : {s.operator_dtype}" + (" (a stock checkpoint; embeddings untied)" if s.untied_embeddings
-                                                  else " (a stock checkpoint)" if s.plain else ""),
+                                                  else " (a stock checkpoint)" if s.stock else ""),
         f"parameters      : {s.parameters}",
         f"recovery        : {s.recovery}",
         f"calibration     : {s.calibration}",

@@ -23,7 +23,7 @@ from .remote.configuration_ghosted import (
     expected_boundaries,
     pruned_index,
 )
-from .remote.modeling_ghosted import GHOST_BIAS, GHOST_MODULE, GhostedForCausalLM, ghost_tensor_key
+from .remote.modeling_ghosted import GHOST_MODULE, GhostedForCausalLM, ghost_tensor_key
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +82,6 @@ def validate_operator(operator: torch.Tensor, hidden_size: int, where: str,
     """The operator cast to its storage `dtype`, checked."""
     return _validate_ghost_tensor(operator, (hidden_size, hidden_size), "Operator", where,
                                   "hidden size x hidden size, applied as x @ W", dtype)
-
-
-def validate_bias(bias: torch.Tensor, hidden_size: int, where: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An affine boundary's bias cast to its storage `dtype`, checked as an operator is."""
-    return _validate_ghost_tensor(bias, (hidden_size,), "Bias", where, "hidden size, added as x @ W + b", dtype)
 
 
 def pruned_text_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig:
@@ -158,12 +153,34 @@ def _check_dense_model(model: PreTrainedModel) -> None:
         )
 
 
+def _stored_operators(operators: Mapping[int, torch.Tensor] | None, boundaries: list[dict], hidden: int,
+                      dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """The given operators keyed by their boundary's first removed layer, checked and cast to `dtype`."""
+    first = [b["removed"][0] for b in boundaries]
+    if operators is not None and not isinstance(operators, Mapping):
+        raise GhostedError(
+            f"operators must map the first removed layer of each boundary to its tensor (a dict such as "
+            f"{{{first[0]}: W}}), got a {type(operators).__name__}."
+        )
+    operators = {as_layer_index(k): v for k, v in (operators or {}).items()}
+    unknown = sorted(set(operators) - set(first))
+    if unknown:
+        raise GhostedError(
+            f"Operators given for {unknown}, but boundaries start at {first} "
+            "(key each operator by the first removed layer of its run of consecutive removed layers)."
+        )
+    if str(dtype).removeprefix("torch.") not in OPERATOR_DTYPES:
+        raise GhostedError(f"operator_dtype must be one of {OPERATOR_DTYPES}, got {dtype}.")
+    removed_at = {b["removed"][0]: b["removed"] for b in boundaries}
+    return {start: validate_operator(op, hidden, f"the boundary after removed layers {removed_at[start]}", dtype)
+            for start, op in operators.items()}
+
+
 def prune_layers(
     model: PreTrainedModel,
     remove: Iterable[int],
     operators: Mapping[int, torch.Tensor] | None = None,
     *,
-    biases: Mapping[int, torch.Tensor] | None = None,
     operator_kind: str = "custom",
     operator_dtype: torch.dtype = torch.float32,
 ) -> GhostedForCausalLM:
@@ -171,9 +188,7 @@ def prune_layers(
 
     Consecutive removed layers form one boundary; `operators` maps the first removed index of a boundary
     to its (C, C) operator, applied as ``x @ W`` to the hidden state that reaches the next kept layer (or
-    the final norm). The key `depth` (the dense layer count) adds a correction of the final norm's input
-    where no boundary feeds the norm. `biases` (same keys, (C,) tensors) make those boundaries affine,
-    ``x @ W + b``. Boundaries without an operator get the identity (operator kind "none": plain pruning);
+    the final norm). Boundaries without an operator get the identity (operator kind "none": plain pruning);
     the others are recorded as `operator_kind`.
 
     The returned model shares the dense model's tensors (no copy, so peak memory stays one model): treat
@@ -186,43 +201,18 @@ def prune_layers(
     kept = [i for i in range(depth) if i not in set(removed)]
     hidden = base_config.hidden_size
 
-    if operators is not None and not isinstance(operators, Mapping):
-        raise GhostedError(
-            f"operators must map the first removed layer of each boundary to its tensor (a dict such as "
-            f"{{{removed[0]}: W}}), got a {type(operators).__name__}."
-        )
-    operators = {as_layer_index(k): v for k, v in (operators or {}).items()}
-    biases = {as_layer_index(k): v for k, v in (biases or {}).items()}
-    boundaries = expected_boundaries(depth, removed, norm_correction=depth in operators)
-    start_of = lambda b: b["removed"][0] if b["removed"] else depth  # noqa: E731  (the norm correction: depth)
-    starts = {start_of(b): b for b in boundaries}
-    unknown = sorted(set(operators) - set(starts))
-    if unknown:
-        raise GhostedError(
-            f"Operators given for {unknown}, but boundaries start at {sorted(starts)} "
-            "(key each operator by the first removed layer of its run of consecutive removed layers; the key "
-            f"{depth} corrects the final norm's input, only where no boundary feeds the norm)."
-        )
-    unmatched = sorted(set(biases) - set(operators))
-    if unmatched:
-        raise GhostedError(f"Biases given for {unmatched} without an operator there: an affine boundary needs both.")
-    dtype_name = str(operator_dtype).removeprefix("torch.")
-    if dtype_name not in OPERATOR_DTYPES:
-        raise GhostedError(f"operator_dtype must be one of {OPERATOR_DTYPES}, got {operator_dtype}.")
-    stored = {start: validate_operator(op, hidden, f"the boundary after removed layers {starts[start]['removed']}",
-                                       operator_dtype) for start, op in operators.items()}
-    stored_biases = {start: validate_bias(b, hidden, f"the boundary after removed layers {starts[start]['removed']}",
-                                          operator_dtype) for start, b in biases.items()}
+    boundaries = expected_boundaries(depth, removed)
+    stored = _stored_operators(operators, boundaries, hidden, operator_dtype)
+    start_of = lambda b: b["removed"][0]  # noqa: E731
 
     config = GhostedConfig(
         text_config=pruned_text_config(base_config, kept),
         original_num_hidden_layers=depth,
         removed_layers=removed,
         ghost_boundaries=[
-            {**b, "operator": operator_kind if start_of(b) in stored else "none", "fit": {},
-             **({"bias": True} if start_of(b) in stored_biases else {})} for b in boundaries
+            {**b, "operator": operator_kind if start_of(b) in stored else "none", "fit": {}} for b in boundaries
         ],
-        operator_dtype=dtype_name,
+        operator_dtype=str(operator_dtype).removeprefix("torch."),
         ghost_provenance={"base_model": base_config._name_or_path or None},
     )
     config._attn_implementation = base_config._attn_implementation
@@ -239,9 +229,6 @@ def prune_layers(
         device = next(p.device for n, p in parent.named_parameters() if not n.startswith(GHOST_MODULE))
         value = stored.get(start_of(boundary), torch.eye(hidden, dtype=operator_dtype))
         _take_tensor(pruned, key, nn.Parameter(value.to(device=device).clone()))
-        if start_of(boundary) in stored_biases:
-            bias = stored_biases[start_of(boundary)]
-            _take_tensor(pruned, ghost_tensor_key(boundary, GHOST_BIAS), nn.Parameter(bias.to(device=device).clone()))
 
     still_meta = [n for n, t in {**dict(pruned.named_parameters()), **dict(pruned.named_buffers())}.items()
                   if t.device.type == "meta"]
@@ -266,6 +253,7 @@ def fold_into_down_proj(model: GhostedForCausalLM, dense_layer: int, transform: 
 
 
 def count_parameters(model: nn.Module) -> int:
+    """Parameters of a module (tied embeddings count once: `parameters()` yields a shared tensor once)."""
     return sum(p.numel() for p in model.parameters())
 
 
@@ -312,7 +300,7 @@ def _fold_norm_weight(norm: nn.Module, readers: list[nn.Linear]) -> None:
 
 
 def fold_scaled_rotation(model: PreTrainedModel, layer: int, c: float, q: torch.Tensor) -> None:
-    """Make a plain decoder compute what it would with ``x -> x @ (c Q)`` applied to the stream entering its
+    """Make a stock decoder compute what it would with ``x -> x @ (c Q)`` applied to the stream entering its
     layer `layer` (``len(layers)``: the final norm). Exact but for the norms' eps: every norm weight upstream is
     folded into the linear layers that read it, so that RMSNorm(x Q) = RMSNorm(x) Q; then the embeddings and
     the writers upstream (o_proj, down_proj) map into the basis Q and their readers (q/k/v, gate/up) back. The
@@ -341,26 +329,13 @@ def fold_scaled_rotation(model: PreTrainedModel, layer: int, c: float, q: torch.
                 _map_output(writer, torch.eye(q.shape[0], dtype=torch.float64) / c)
 
 
-def refuse_biases(config: GhostedConfig) -> None:
-    """A plain checkpoint cannot hold an affine boundary's bias: say so before any work."""
-    for boundary in config.ghost_boundaries:
-        if boundary.get("bias"):
-            raise GhostedError(
-                f"{ghost_tensor_key(boundary, GHOST_BIAS)}: an affine boundary's bias cannot be folded into a plain "
-                "checkpoint (it adds a constant to the residual stream, and the stock Llama/Qwen layers that write "
-                "the stream, o_proj and down_proj, have no bias to hold it). Save it as a ghosted model, or prune "
-                "the dense model with operator='folded'."
-            )
-
-
-def export_plain(model: GhostedForCausalLM) -> PreTrainedModel:
-    """The same network as a plain Llama/Qwen model (no remote code), when every operator is a scaled rotation
+def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
+    """The same network as a stock Llama/Qwen model (no remote code), when every operator is a scaled rotation
     c Q (the identity included, e.g. after `replaceme-ls`): each is folded into the weights with
     `fold_scaled_rotation`. Tied embeddings are untied when a rotation must be folded into them (the LM head
     keeps the original matrix). Shares the tensors it does not change with `model`."""
     from transformers import AutoModelForCausalLM
 
-    refuse_biases(model.config)
     folds = []
     for boundary in model.config.ghost_boundaries:
         name = ghost_tensor_key(boundary)
@@ -370,8 +345,8 @@ def export_plain(model: GhostedForCausalLM) -> PreTrainedModel:
         found = scaled_rotation(operator)
         if found is None:
             raise GhostedError(
-                f"{name} is not a scaled rotation c Q: it cannot be folded into a plain checkpoint. Fit one with "
-                "`ghosted export-plain` (ghosted_hf.plain_export), prune with operator='folded', or save it as a "
+                f"{name} is not a scaled rotation c Q: it cannot be folded into a stock checkpoint. Fit one with "
+                "`ghosted export-stock` (ghosted_hf.export_stock), prune with operator='folded', or save it as a "
                 "ghosted model."
             )
         layer = boundary["layer"] if boundary["target"] == LAYER_TARGET else model.config.text_config.num_hidden_layers
@@ -382,20 +357,20 @@ def export_plain(model: GhostedForCausalLM) -> PreTrainedModel:
     if untie:
         text_config.tie_word_embeddings = False
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(text_config)
-    _adopt_tensors(plain, model, lambda name: name)
+        stock = AutoModelForCausalLM.from_config(text_config)
+    _adopt_tensors(stock, model, lambda name: name)
     for layer, c, q in folds:
-        fold_scaled_rotation(plain, layer, c, q)
+        fold_scaled_rotation(stock, layer, c, q)
     provenance = dict(model.config.ghost_provenance or {})
     if "parameters" in provenance:
-        provenance["parameters"] = {**provenance["parameters"], "pruned": count_parameters(plain), "operators": 0}
+        provenance["parameters"] = {**provenance["parameters"], "pruned": count_parameters(stock), "operators": 0}
     # How the checkpoint was made travels in its config.json (read by the model card and `ghosted inspect`).
-    plain.config.ghost_provenance = {**provenance, "plain_export": {
+    stock.config.ghost_provenance = {**provenance, "stock_export": {
         "original_num_hidden_layers": model.config.original_num_hidden_layers,
         "removed_layers": list(model.config.removed_layers),
         "boundaries": copy.deepcopy(model.config.ghost_boundaries),
         "folded_operators": len(folds), "untied_embeddings": bool(untie),
     }}
-    plain.generation_config = copy.deepcopy(model.generation_config)
-    plain.train(model.training)
-    return plain
+    stock.generation_config = copy.deepcopy(model.generation_config)
+    stock.train(model.training)
+    return stock

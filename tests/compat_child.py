@@ -25,7 +25,7 @@ from pathlib import Path  # noqa: E402
 
 CHECKS = (
     "load", "config", "logits", "return_tuple", "generate_cache", "loss", "hidden_states", "pipeline",
-    "bf16_fp32_operators", "missing_operator", "tampered_operator", "wrong_shape", "resave",
+    "bf16_fp32_operators", "missing_operator", "tampered_operator", "wrong_shape", "resave", "format_version",
 )
 
 
@@ -252,6 +252,24 @@ def run_model(name: str, spec: dict, work: Path) -> None:
             logits = reloaded(**inputs).logits
         torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
 
+    def do_format_version():
+        # Saved as 1.0; every 1.x loads; a newer major version is refused with one line naming it.
+        if json.loads((folder / "config.json").read_text()).get("ghost_format_version") != "1.0":
+            raise AssertionError("config.json does not record ghost_format_version 1.0")
+        for version, refused in (("1.7", False), ("2.0", True)):
+            marked = work / f"{name}-format-{version}"
+            shutil.copytree(folder, marked, dirs_exist_ok=True)
+            config = json.loads((marked / "config.json").read_text())
+            (marked / "config.json").write_text(json.dumps({**config, "ghost_format_version": version}))
+            try:
+                load(marked)
+            except Exception as exc:  # noqa: BLE001
+                if not refused or "Ghosted format 2.0" not in str(exc):
+                    raise AssertionError(f"format {version}: {first_line(exc)}") from None
+            else:
+                if refused:
+                    raise AssertionError("a checkpoint of format 2.0 loaded")
+
     check("config", do_config)
     check("logits", do_logits)
     check("return_tuple", do_return_tuple)
@@ -264,6 +282,7 @@ def run_model(name: str, spec: dict, work: Path) -> None:
     check("tampered_operator", do_tampered)
     check("wrong_shape", do_wrong_shape)
     check("resave", do_resave)
+    check("format_version", do_format_version)
 
 
 def main() -> None:

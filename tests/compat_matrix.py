@@ -6,9 +6,7 @@
    ~/.cache/ghosted_hf/compat); see compat_venvs.py;
 2. with the current code, in this process, saves tiny random Llama, Qwen2 (mixed sliding-window layers) and
    Qwen3 (tied embeddings) ghosted models, each with a boundary feeding layer 0, one in the middle and one
-   feeding the final norm (removed layers 0, 2, 3, 5 of 6), and an affine Llama (x W + b at every boundary) whose
-   last boundary corrects the final norm's input with no layer removed there (removed 0, 2, 3), plus reference
-   logits, greedy tokens and loss;
+   feeding the final norm (removed layers 0, 2, 3, 5 of 6), plus reference logits, greedy tokens and loss;
 3. per version, runs compat_child.py once in that venv, without ghosted_hf and offline;
 4. prints a markdown table versions x checks and exits 1 if any check failed.
 """
@@ -89,14 +87,10 @@ def save_fixtures(out: Path) -> dict:
     input_ids[0, :4], attention_mask[0, :4] = PAD, 0
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     models = {}
-    for index, name in enumerate(("llama", "qwen2", "qwen3", "llama-affine")):
-        arch = name.split("-")[0]
-        dense = tiny_dense(arch, seed=index)
-        affine = name.endswith("-affine")
-        removed, starts = ([0, 2, 3], [0, 2, LAYERS]) if affine else (REMOVED, [0, 2, 5])  # LAYERS: the norm correction
-        operators = {s: torch.eye(HIDDEN) + 0.2 * torch.randn(HIDDEN, HIDDEN, generator=g) for s in starts}
-        biases = {s: 0.1 * torch.randn(HIDDEN, generator=g) for s in starts} if affine else None
-        model = prune_layers(dense, removed, operators, biases=biases, operator_kind="ghost").eval()
+    for index, name in enumerate(("llama", "qwen2", "qwen3")):
+        dense = tiny_dense(name, seed=index)
+        operators = {s: torch.eye(HIDDEN) + 0.2 * torch.randn(HIDDEN, HIDDEN, generator=g) for s in (0, 2, 5)}
+        model = prune_layers(dense, REMOVED, operators, operator_kind="ghost").eval()
         folder = out / name
         model.save_pretrained(folder)
         char_tokenizer().save_pretrained(folder)
@@ -118,9 +112,6 @@ def save_fixtures(out: Path) -> dict:
                    "loss": loss, "generated": generated}, str(reference))
         text = model.config.text_config
         tensors = list(model.ghost_operators())
-        if affine:  # first a bias (tampered), a bias in the middle (missing), an operator last (wrong shape)
-            bias = [k for k in model.ghost_tensors() if k.endswith(".bias")]
-            tensors = [bias[0], tensors[0], tensors[1], bias[1], bias[2], tensors[2]]
         models[name] = {
             "folder": str(folder),
             "reference": str(reference),

@@ -24,6 +24,13 @@ def dense_folder(tmp_path: Path) -> Path:
     return tmp_path / "dense"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every compat, distributed or real-model test is slow too: `pytest -m "not slow"` leaves them all out."""
+    for item in items:
+        if any(item.get_closest_marker(name) for name in ("compat", "distributed", "real_model")):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped:
         _skipped.append(report.nodeid)

@@ -10,19 +10,20 @@ PACKAGE = Path(__file__).parents[1] / "ghosted_hf"
 # text -> statistics -> operators/selection -> model -> files -> orchestration -> CLI
 LAYERS = {
     0: {"errors", "registry", "hadamard", "remote.configuration_ghosted", "remote.modeling_ghosted"},
-    1: {"data", "assets"},
-    2: {"calibration", "layerwise"},
+    1: {"data", "assets", "distributed"},
+    2: {"statistics.declarations", "statistics.plan", "statistics.store", "statistics.origin", "statistics.capture",
+        "statistics.accumulate", "statistics.passes", "statistics.layerwise", "statistics.__init__"},
     3: {"operators", "selection"},
     4: {"surgery"},
     5: {"summary", "card", "hub", "loading", "evaluate", "files"},
-    6: {"options", "recipe", "healing", "demo"},
+    6: {"options", "recipe", "export", "healing", "demo"},
     7: {"cli", "__init__"},
 }
 LEVEL = {module: level for level, modules in LAYERS.items() for module in modules}
 
 
 def package_imports(path: Path) -> set[str]:
-    prefix = "remote." if path.parent.name == "remote" else ""
+    prefix = "" if path.parent == PACKAGE else str(path.parent.relative_to(PACKAGE)).replace("/", ".") + "."
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level:

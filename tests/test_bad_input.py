@@ -48,7 +48,7 @@ def test_numpy_and_torch_integer_layer_indices_are_accepted() -> None:
         (lambda: prune(ridge="1e-6"), r"ridge must be a number, got '1e-6' \(str\)"),
         (lambda: prune(ridge=math.nan), r"ridge must be a finite number, got nan"),
         (lambda: prune(ridge=math.inf), r"ridge must be a finite number, got inf"),
-        (lambda: prune(ridge=-1.0), r"ridge and skip_first_tokens must be >= 0, got -1.0"),
+        (lambda: prune(ridge=-1.0), r"ridge must be >= 0, got -1.0"),
         (lambda: ghost_prune(build("llama"), char_tokenizer(), " ".join(texts(4)), **FAST),
          r"one string of \d+ characters that is not a file path: pass a list of strings"),
         (lambda: ghost_prune(build("llama"), char_tokenizer(), {"text": texts()}, **FAST),

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 
 
+@pytest.mark.slow
 def test_gpu_script_smoke_on_cpu(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--shape", "tiny", "--device", "cpu",
                            "--sequences", "8", "--seq-len", "32", "--num-layers", "2", "--repeats", "1",

@@ -1,4 +1,5 @@
-"""Streaming statistics on tiny models: exactness, padding, truncation, errors, offload, files."""
+"""Streaming statistics on tiny models: exactness, padding, truncation, the patched stream, errors, offload,
+files."""
 
 from __future__ import annotations
 
@@ -8,19 +9,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ghosted_hf.calibration import CalibrationStatistics, StatisticsPlan, collect_statistics
-from ghosted_hf.errors import GhostedError
 from ghosted_hf.data import batch_sequences
+from ghosted_hf.errors import GhostedError
+from ghosted_hf.statistics import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET,
+                                   ROTATED_ABS, CalibrationStatistics, Patch, StatisticsPlan, collect_statistics,
+                                   least_squares, mlp_terms, similarity)
+from ghosted_hf.statistics.declarations import STATISTICS, parse_key
 from tiny import LAYERS, PAD, build, sequences
 
-PLAN = StatisticsPlan(
-    grams=frozenset({0, 2}),
-    pairs=frozenset({(0, 3), (2, 6)}),
-    cosines=frozenset({(1, 2), (2, 6)}),
-    abs_sums=frozenset({2, 6}),
-    rotated_abs_sums=frozenset({2}),
-    mlp_terms=frozenset({(2, 4)}),
-)
+PLAN = (least_squares(0, 3) | least_squares(2, 6) | similarity(1, 2) | similarity(2, 6)
+        | StatisticsPlan.of(ABS(2), ABS(6), ROTATED_ABS(2)) | mlp_terms(2, 4))
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -62,6 +60,7 @@ def test_streaming_equals_in_memory_and_padding_is_excluded() -> None:
         assert stats.tokens == sum(map(len, seqs))
         for key, expected in reference.items():
             assert relative_error(stats.tensors[key], expected) < tolerance, (batch_size, key)
+        assert stats[COSINE(1, 2)] is stats.tensors["cos.1.2"]
 
 
 def test_pad_token_ids_do_not_change_statistics() -> None:
@@ -80,7 +79,7 @@ def test_pass_stops_after_deepest_needed_layer() -> None:
     calls = []
     for i, layer in enumerate(model.model.layers):
         layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
-    plan = StatisticsPlan(grams=frozenset({1}), pairs=frozenset({(1, 3)}))
+    plan = least_squares(1, 3)
     collect_statistics(model, batch_sequences(sequences(), 2, PAD), plan, progress=False)
     assert set(calls) == {0, 1, 2}  # layer 3 is never run: its input is the deepest statistic
     assert plan.deepest() == 3
@@ -90,20 +89,9 @@ def test_non_finite_activations_name_the_layer() -> None:
     model = build("llama")
     with torch.no_grad():
         model.model.layers[2].mlp.down_proj.weight[0, 0] = float("inf")
-    plan = StatisticsPlan(grams=frozenset({1, 4}))
+    plan = StatisticsPlan.of(GRAM(1), GRAM(4))
     with pytest.raises(FloatingPointError, match="the input of layer 3"):
         collect_statistics(model, batch_sequences(sequences(), 2, PAD), plan, progress=False)
-
-
-def test_skip_first_tokens_masks_leading_positions() -> None:
-    model = build("llama")
-    seqs = sequences()
-    plan = StatisticsPlan(grams=frozenset({0}))
-    stats = collect_statistics(model, batch_sequences(seqs, 3, PAD), plan, skip_first_tokens=2, progress=False)
-    assert stats.tokens == sum(len(s) - 2 for s in seqs)
-    embed = model.model.embed_tokens.weight.double()
-    x = torch.cat([embed[torch.tensor(s[2:])] for s in seqs])
-    torch.testing.assert_close(stats.gram(0), x.T @ x)
 
 
 def test_statistics_file_round_trip(tmp_path: Path) -> None:
@@ -134,26 +122,88 @@ def test_statistics_with_disk_offloaded_model(tmp_path: Path) -> None:
         assert relative_error(got.tensors[key], expected.tensors[key]) < 1e-12, key
 
 
-def test_unknown_weighting_and_mlp_terms_at_layer_zero_are_refused() -> None:
-    with pytest.raises(GhostedError, match="Unknown token weighting 'cube'; choose one of: none, rms"):
-        collect_statistics(build("llama"), batch_sequences(sequences(), 2, PAD), PLAN, weighting="cube", progress=False)
-    with pytest.raises(GhostedError, match="MLP terms need a layer before the source index"):
-        StatisticsPlan(mlp_terms=frozenset({(0, 2)}))
+def test_statistics_refuse_indices_that_do_not_exist() -> None:
+    with pytest.raises(GhostedError, match="MLP terms need a layer before the source"):
+        MLP_GRAM(0)
+    with pytest.raises(GhostedError, match="takes 2 non-negative layer index"):
+        CROSS(3)
+    with pytest.raises(GhostedError, match="'rotation.2' is not a statistic ghosted_hf writes"):
+        parse_key("rotation.2")
+
+
+def test_every_declared_statistic_round_trips_through_its_key() -> None:
+    for statistic in STATISTICS.values():
+        entry = statistic(*range(1, statistic.arity + 1))
+        assert parse_key(entry.key) == entry and entry.key.startswith(statistic.name + ".")
+    assert {e.statistic for e in PLAN} == set(STATISTICS.values())  # PLAN exercises every declaration
 
 
 def test_plans_combine_and_know_what_is_missing() -> None:
-    a = StatisticsPlan(grams=frozenset({1}), pairs=frozenset({(1, 3)}))
-    b = StatisticsPlan(grams=frozenset({2}), abs_sums=frozenset({1, 3}))
+    a = least_squares(1, 3)
+    b = StatisticsPlan.of(GRAM(2), ABS(1), ABS(3))
     union = a | b
-    assert union == StatisticsPlan(grams=frozenset({1, 2}), pairs=frozenset({(1, 3)}), abs_sums=frozenset({1, 3}))
+    assert union == StatisticsPlan.of(GRAM(1), CROSS(1, 3), ENERGY(1, 3), GRAM(2), ABS(1), ABS(3))
     assert StatisticsPlan.union([a, b]) == union and not StatisticsPlan()
     stats = collect_statistics(build("llama"), batch_sequences(sequences(), 2, PAD), a, progress=False)
     assert set(stats.tensors) == {"gram.1", "cross.1.3", "energy.1.3"}
-    assert union.missing_from(stats) == StatisticsPlan(grams=frozenset({2}), abs_sums=frozenset({1, 3}))
-    assert not a.missing_from(stats)
+    assert union.missing_from(stats.tensors) == b
+    assert not a.missing_from(stats.tensors)
     at_source, rest = union.split_at(1)
-    assert at_source == StatisticsPlan(grams=frozenset({1}), pairs=frozenset({(1, 3)}), abs_sums=frozenset({1}))
-    assert rest == StatisticsPlan(grams=frozenset({2}), abs_sums=frozenset({3}))
+    assert at_source == StatisticsPlan.of(GRAM(1), CROSS(1, 3), ENERGY(1, 3), ABS(1))
+    assert rest == StatisticsPlan.of(GRAM(2), ABS(3))
+    assert StatisticsPlan.from_json(union.to_json()) == union
+    assert similarity(2, 5) == StatisticsPlan.of(COSINE(2, 5), ANGULAR(2, 5))
+    assert mlp_terms(2, 5) == StatisticsPlan.of(MLP_GRAM(2), MLP_SOURCE(2), MLP_TARGET(2, 5))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_patched_stream_equals_the_built_pruned_model(arch: str) -> None:
+    """The patched stream (the dense model run with layers left out, operator pre-hooks and MLP transforms) gives
+    the statistics of the model that surgery builds, pruned numbering mapped back to dense numbering; qwen2's
+    mixed layer types must follow the kept layers."""
+    from ghosted_hf.surgery import fold_into_down_proj, prune_layers
+
+    model = build(arch)
+    generator = torch.Generator().manual_seed(3)
+    w = torch.eye(32) + 0.05 * torch.randn(32, 32, generator=generator)
+    t = torch.eye(32) + 0.05 * torch.randn(32, 32, generator=generator)
+    patch = Patch((1, 2), operators={1: w}, transforms={0: t})
+    batches = batch_sequences(sequences(), 3, PAD)
+    # Sources at dense layer 4 (pruned 2) and MLP output of dense layer 3 (pruned 1); targets from the dense model.
+    plan = least_squares(4, 6) | mlp_terms(4, 6)
+    got = collect_statistics(model, batches, plan, patch=patch, progress=False)
+    assert model.config.num_hidden_layers == LAYERS and len(model.model.layers) == LAYERS  # restored
+    pruned = prune_layers(model, [1, 2], {1: w})
+    fold_into_down_proj(pruned, 0, t.double())
+    sources = collect_statistics(pruned, batches, least_squares(2, 2) | StatisticsPlan.of(MLP_GRAM(2), MLP_SOURCE(2)),
+                                 progress=False)
+    dense = collect_statistics(model, batches, StatisticsPlan.of(ENERGY(6, 6)), progress=False)
+    assert relative_error(got[GRAM(4)], sources[GRAM(2)]) < 1e-5
+    assert relative_error(got[MLP_GRAM(4)], sources[MLP_GRAM(2)]) < 1e-5
+    assert relative_error(got[MLP_SOURCE(4)], sources[MLP_SOURCE(2)]) < 1e-5
+    assert torch.equal(got[ENERGY(4, 6)], dense[ENERGY(6, 6)])  # the target side is the dense model's
+    unpatched = collect_statistics(model, batches, plan, progress=False)
+    assert relative_error(got[GRAM(4)], unpatched[GRAM(4)]) > 1e-2  # the patch changed the source
+
+
+def test_statistics_files_refuse_damage(tmp_path: Path) -> None:
+    stats = collect_statistics(build("llama"), batch_sequences(sequences(), 2, PAD), least_squares(1, 3),
+                               progress=False)
+    path = tmp_path / "stats.safetensors"
+    stats.save(path)
+    raw = bytearray(path.read_bytes())
+    raw[-8] ^= 0xFF  # one byte of the last tensor's data
+    (tmp_path / "flipped.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(GhostedError, match="does not match the sha256 recorded for it"):
+        CalibrationStatistics.load(tmp_path / "flipped.safetensors")
+    (tmp_path / "text.safetensors").write_text("not a tensor file")
+    with pytest.raises(GhostedError, match="is not a readable safetensors file"):
+        CalibrationStatistics.load(tmp_path / "text.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"gram.1": torch.zeros(32, 32, dtype=torch.float64)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(GhostedError, match="is not a ghosted_hf statistics file"):
+        CalibrationStatistics.load(tmp_path / "other.safetensors")
 
 
 def test_calibration_runs_in_eval_mode_and_restores_the_mode() -> None:
@@ -172,11 +222,11 @@ def test_a_batch_activations_are_freed_before_the_next_forward(monkeypatch: pyte
     one batch may still be alive when the next batch's forward starts."""
     import weakref
 
-    from ghosted_hf import calibration
+    from ghosted_hf.statistics import passes
 
     model = build("llama")
     captured: list[weakref.ref] = []
-    capture = calibration.capture_hidden_states
+    capture = passes.capture_hidden_states
 
     def recording(*args, **kwargs):
         got = capture(*args, **kwargs)
@@ -186,7 +236,7 @@ def test_a_batch_activations_are_freed_before_the_next_forward(monkeypatch: pyte
     alive_at_start: list[int] = []
     model.model.layers[0].register_forward_pre_hook(
         lambda m, a: alive_at_start.append(sum(ref() is not None for ref in captured)))
-    monkeypatch.setattr(calibration, "capture_hidden_states", recording)
+    monkeypatch.setattr(passes, "capture_hidden_states", recording)
     collect_statistics(model, batch_sequences(sequences(), 2, PAD), PLAN, progress=False)
     assert len(alive_at_start) >= 3 and captured
     assert alive_at_start == [0] * len(alive_at_start)

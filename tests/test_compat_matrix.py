@@ -15,6 +15,7 @@ import pytest
 from compat_venvs import PINNED
 
 SCRIPT = Path(__file__).with_name("compat_matrix.py")
+pytestmark = pytest.mark.compat
 
 
 @pytest.mark.skipif(os.environ.get("GHOSTED_SKIP_COMPAT") == "1",

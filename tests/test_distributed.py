@@ -8,11 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ghosted_hf.calibration import CalibrationStatistics
+from ghosted_hf.statistics import CalibrationStatistics
 from tiny import build, char_tokenizer, texts
+
+pytestmark = pytest.mark.distributed
+
 
 OPTIONS = dict(num_layers=2, seq_len=32, num_sequences=14, batch_size=2)  # 7 batches: shares of 4 and 3
 CASES = {"ghost-aware": dict(OPTIONS), "shortgpt-sequential": dict(OPTIONS, criterion="shortgpt", num_layers=3,
@@ -46,7 +50,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from ghosted_hf.calibration import is_main_process
+    from ghosted_hf.distributed import is_main_process
     from ghosted_hf.recipe import calibrate, ghost_prune
 
     stats = calibrate(build("llama"), char_tokenizer(), texts(), **OPTIONS)
@@ -105,13 +109,12 @@ def test_statistics_of_a_model_loaded_with_a_device_map(tmp_path: Path) -> None:
     load each layer's weights on every call): the same statistics as the plain model."""
     from transformers import AutoModelForCausalLM
 
-    from ghosted_hf.calibration import StatisticsPlan, collect_statistics
+    from ghosted_hf.statistics import collect_statistics, least_squares, mlp_terms, similarity
     from ghosted_hf.data import batch_sequences
     from tiny import LAYERS, PAD, sequences
 
     build("llama").save_pretrained(tmp_path / "model")
-    plan = StatisticsPlan(grams=frozenset({0, 2}), pairs=frozenset({(0, 3), (2, LAYERS)}), cosines=frozenset({(1, 4)}),
-                          mlp_terms=frozenset({(2, 4)}))
+    plan = least_squares(0, 3) | least_squares(2, LAYERS) | similarity(1, 4) | mlp_terms(2, 4)
     batches = batch_sequences(sequences(), 4, PAD)
     plain = collect_statistics(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), batches, plan, progress=False)
     device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
@@ -135,7 +138,7 @@ def mpi_rank(rank: int, world: int, port: int, out: str) -> None:
                       OMPI_COMM_WORLD_SIZE=str(world), OMPI_COMM_WORLD_LOCAL_RANK=str(rank))
     import torch.distributed as dist
 
-    from ghosted_hf.calibration import process_rank
+    from ghosted_hf.distributed import process_rank
 
     joined = process_rank()
     summed = torch.tensor([rank + 1.0])
@@ -146,7 +149,7 @@ def mpi_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_launcher_environments(tmp_path: Path) -> None:
-    from ghosted_hf.calibration import launcher_process
+    from ghosted_hf.distributed import launcher_process
 
     assert launcher_process({}) == (0, 1, 0)
     assert launcher_process({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)  # torchrun

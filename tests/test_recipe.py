@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ghosted_hf import GhostedForCausalLM, PruneOptions, export_plain, ghost_prune
-from ghosted_hf.calibration import CalibrationStatistics, collect_statistics
+from ghosted_hf import GhostedForCausalLM, PruneOptions, to_stock_model, ghost_prune
+from ghosted_hf.statistics import CalibrationStatistics, collect_statistics
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.selection import SelectionRequest, criterion
 from isolated import assert_loads_with_same_logits
@@ -34,13 +34,17 @@ def held_out(tokenizer, count: int = 6):
     return tokenize_texts(tokenizer, texts(count, seed=99), 48, batch_size=3).batches
 
 
+@pytest.mark.slow
 def test_ghost_prune_end_to_end_beats_plain_pruning_and_reloads(tmp_path: Path) -> None:
     tokenizer = char_tokenizer()
     dense = build("qwen3")
     ghosted = ghost_prune(build("qwen3"), tokenizer, texts(), num_layers=2, **FAST)
     plain = ghost_prune(build("qwen3"), tokenizer, texts(), num_layers=2, operator="none", **FAST)
     report = ghosted.config.ghost_provenance
-    assert ghosted.config.removed_layers == plain.config.removed_layers == report["selection"]["removed"]
+    # Plain pruning is a stock checkpoint: its layout travels in the provenance.
+    assert plain.config.model_type == "qwen3"
+    assert (ghosted.config.removed_layers == plain.config.ghost_provenance["stock_export"]["removed_layers"]
+            == report["selection"]["removed"])
     assert report["calibration"]["tokens"] == 24 * 48 and len(report["calibration"]["sha256"]) == 64
     assert report["versions"]["transformers"] and report["solver"]["ridge"] == PruneOptions().ridge
     assert ghosted.config.ghost_boundaries[0]["fit"]["relative_residual"] < 1.0
@@ -73,12 +77,13 @@ def test_sequential_fitting_beats_independent_with_several_boundaries() -> None:
     assert error["sequential"] < error["independent"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_replaceme_fused_export_is_a_plain_checkpoint(arch: str, tmp_path: Path) -> None:
+def test_replaceme_fused_export_is_a_stock_checkpoint(arch: str, tmp_path: Path) -> None:
     tokenizer = char_tokenizer()
     plain = ghost_prune(build(arch), tokenizer, texts(), num_layers=2, operator="replaceme-ls", **FAST)
     assert type(plain).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
-    layout = plain.config.ghost_provenance["plain_export"]
+    layout = plain.config.ghost_provenance["stock_export"]
     record = layout["boundaries"][0]
     assert layout["removed_layers"][0] >= 1 and record["fused_into"].endswith("mlp.down_proj")
     assert record["fit"]["relative_residual"] < 1.0 and layout["folded_operators"] == 0
@@ -92,10 +97,10 @@ def test_replaceme_fused_export_is_a_plain_checkpoint(arch: str, tmp_path: Path)
     assert "LOADED transformers.models" in out
 
 
-def test_export_plain_refuses_real_operators() -> None:
+def test_to_stock_model_refuses_real_operators() -> None:
     ghosted = ghost_prune(build("llama"), char_tokenizer(), texts(), num_layers=2, **FAST)
     with pytest.raises(ValueError, match="is not a scaled rotation c Q"):
-        export_plain(ghosted)
+        to_stock_model(ghosted)
 
 
 @pytest.mark.parametrize("operator", ["linearpatch-diag", "linearpatch-rotate"])
@@ -173,3 +178,15 @@ def test_returns_a_ghosted_model_that_records_its_choice() -> None:
     selection = model.config.ghost_provenance["selection"]
     best = min(selection["scores"], key=selection["scores"].get)  # ghost-aware: lowest residual wins
     assert model.config.removed_layers == [int(best)] and model.config.num_hidden_layers == LAYERS - 1
+
+
+def test_plain_pruning_runs_no_calibration_pass_of_its_own() -> None:
+    """`operator="none"` fits nothing: with given layers it needs no text and runs no pass; with a criterion
+    only the criterion's pass runs. Either way the result is a stock checkpoint."""
+    given = ghost_prune(build("llama"), criterion="manual", layers=[2, 3], operator="none")
+    assert type(given).__name__ == "LlamaForCausalLM"
+    assert given.config.ghost_provenance["cost"]["passes"] == []
+    chosen = ghost_prune(build("llama"), char_tokenizer(), texts(), num_layers=2, operator="none", **FAST)
+    passes = chosen.config.ghost_provenance["cost"]["passes"]
+    assert [p["purpose"] for p in passes] == ["selection by 'ghost-aware'"]
+    assert chosen.config.ghost_provenance["stock_export"]["boundaries"][0]["fit"]["relative_residual"] == 1.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ghosted_hf.calibration import collect_statistics
+from ghosted_hf.statistics import collect_statistics
 from ghosted_hf.data import batch_sequences
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.selection import CRITERIA, SelectionRequest, candidate_layers, candidate_name, candidate_spans, criterion

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ghosted_hf.calibration import CalibrationStatistics, ShardSpec
+from ghosted_hf.statistics import CalibrationStatistics, ShardSpec
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.recipe import calibrate, ghost_prune
 from tiny import build, char_tokenizer, texts
@@ -36,7 +36,7 @@ def test_merged_shards_equal_the_unsharded_statistics(tmp_path: Path) -> None:
     whole = calibrate(model, char_tokenizer(), texts(), **OPTIONS)
     paths = shards(tmp_path, model)
     merged = CalibrationStatistics.merge(load(paths))
-    streamed = CalibrationStatistics.merge_files(paths)
+    streamed = CalibrationStatistics.merge(paths)
     assert streamed.tokens == merged.tokens and streamed.origin == merged.origin
     assert all(torch.equal(streamed.tensors[k], merged.tensors[k]) for k in merged.tensors)
     assert merged.tokens == whole.tokens and set(merged.tensors) == set(whole.tensors)
@@ -99,6 +99,7 @@ def ghosted(*args, cwd: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_stats_collect_merge_and_prune_on_the_command_line(tmp_path: Path) -> None:
     build("llama").save_pretrained(tmp_path / "dense")
     char_tokenizer().save_pretrained(tmp_path / "dense")

@@ -61,6 +61,7 @@ def test_card_includes_the_selection_plot(ghosted, tmp_path: Path) -> None:
     assert "![selection scores](selection_scores.png)" in (tmp_path / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_cli_push(ghosted, tmp_path: Path) -> None:
     save_with_card(ghosted, tmp_path / "model", char_tokenizer())
     with FakeHub() as hub:
@@ -106,6 +107,7 @@ def test_card_base_model_and_license_come_from_a_converted_base(ghosted, tmp_pat
     assert data["base_model"] == "org/base-model" and data["license"] == "mit"
 
 
+@pytest.mark.slow
 def test_push_then_load_by_repo_id_in_a_fresh_process(ghosted, tmp_path: Path, monkeypatch) -> None:
     with FakeHub() as hub:
         pushed = push_to_hub(ghosted, "tester/tiny-ghost", tokenizer=char_tokenizer(), token=hub.token,

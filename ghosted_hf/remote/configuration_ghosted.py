@@ -5,8 +5,8 @@ standard library and transformers.
 
 A ghosted model is a dense Llama / Qwen2 / Qwen3 / Mistral decoder with whole layers removed. At each
 pruning boundary a C x C operator ``W`` maps the residual stream that reaches the first surviving layer
-(or the final norm, when the last layers were removed) as ``x -> x @ W`` (``x -> x @ W + b`` for an affine
-boundary). An optional last boundary with no removed layers corrects the stream entering the final norm.
+(or the final norm, when the last layers were removed) as ``x -> x @ W``. The saved format is specified in
+docs/reference/format.md; `ghost_format_version` says which version a checkpoint follows.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 OPERATOR_DTYPES = ("float32", "bfloat16")
 NORM_TARGET = "norm"
 LAYER_TARGET = "layer"
+# The saved format's version, "MAJOR.MINOR". This code reads every checkpoint of its major version (a minor
+# version only adds what older readers may ignore) and refuses a newer major version.
+FORMAT_VERSION = "1.0"
 _READY = "_ghosted_init_done"
 
 
@@ -41,16 +44,15 @@ class GhostedConfig(PretrainedConfig):
         ghost_boundaries (`list[dict]`):
             One record per run of consecutive removed layers: `removed` (their original indices), `target`
             (`"layer"` or `"norm"`), `layer` (index of the fed layer in the pruned model, `None` for the norm),
-            `original_layer` (its index in the dense model), `operator` (how the tensor was obtained, e.g.
-            `"ghost"` or `"identity"`), `bias` (true: an affine boundary, ``x @ W + b``, with the tensor
-            `...ghost.bias`), `sha256` / `bias_sha256` of the tensors and free-form `fit` figures. It may end
-            with one record with `removed: []` and target `"norm"`: a correction of the final norm's input
-            where no boundary feeds the norm.
+            `original_layer` (its index in the dense model), `operator` (the operator kind that fitted the
+            tensor, e.g. `"ghost"`), `sha256` of the operator's bytes and free-form `fit` figures.
         operator_dtype (`str`):
             Storage and compute dtype of the operators, `"float32"` (default, whatever the model dtype) or
             `"bfloat16"`.
         ghost_provenance (`dict`):
             How the operators were obtained (selection, calibration data and hash, solver settings, versions).
+        ghost_format_version (`str`):
+            Version of the saved format, "MAJOR.MINOR" (written as `FORMAT_VERSION`).
     """
 
     model_type = "ghosted"
@@ -67,6 +69,7 @@ class GhostedConfig(PretrainedConfig):
         ghost_boundaries: list[dict[str, Any]] | None = None,
         operator_dtype: str = "float32",
         ghost_provenance: dict[str, Any] | None = None,
+        ghost_format_version: str = FORMAT_VERSION,
         **kwargs: Any,
     ) -> None:
         # Set before the parent init (recent versions read it there). Turned into a config object here on every
@@ -77,6 +80,7 @@ class GhostedConfig(PretrainedConfig):
         self.ghost_boundaries = [dict(b) for b in (ghost_boundaries or [])]
         self.operator_dtype = operator_dtype
         self.ghost_provenance = dict(ghost_provenance or {})
+        self.ghost_format_version = ghost_format_version
         tie = kwargs.pop("tie_word_embeddings", None)
         super().__init__(**kwargs)
         if self.original_num_hidden_layers is None:
@@ -103,8 +107,17 @@ class GhostedConfig(PretrainedConfig):
         output.pop(_READY, None)  # older versions serialise every instance attribute
         return output
 
+    def to_diff_dict(self) -> dict[str, Any]:
+        # config.json is written as the difference from a default config, which would drop the version
+        # (it equals the default): a checkpoint always says which format it is.
+        output = super().to_diff_dict()
+        output.pop(_READY, None)
+        output["ghost_format_version"] = self.ghost_format_version
+        return output
+
     def validate_ghost_layout(self) -> None:
         """Raise a ValueError naming the problem if the pruning metadata contradicts itself."""
+        check_format_version(self.ghost_format_version)
         text = self.text_config
         if text.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -125,11 +138,7 @@ class GhostedConfig(PretrainedConfig):
         if layer_types is not None and len(layer_types) != kept:
             raise ValueError(f"text_config.layer_types has {len(layer_types)} entries for {kept} layers.")
         found = [(b.get("target"), b.get("layer"), list(b.get("removed", []))) for b in self.ghost_boundaries]
-        correction = bool(found) and found[-1] == (NORM_TARGET, None, [])
-        expected = expected_boundaries(total, removed, norm_correction=correction)
-        not_bool = [b.get("removed") for b in self.ghost_boundaries if not isinstance(b.get("bias", False), bool)]
-        if not_bool:
-            raise ValueError(f"ghost_boundaries 'bias' must be true or false (boundaries {not_bool}).")
+        expected = expected_boundaries(total, removed)
         if found != [(b["target"], b["layer"], b["removed"]) for b in expected]:
             raise ValueError(
                 f"ghost_boundaries {found} do not match removed_layers {removed} "
@@ -146,9 +155,21 @@ def _text_config_object(text_config: dict | PretrainedConfig | None) -> Pretrain
     return AutoConfig.for_model(model_type, **values)
 
 
-def expected_boundaries(total_layers: int, removed: list[int], norm_correction: bool = False) -> list[dict[str, Any]]:
-    """One boundary per run of consecutive removed layers, pointing at what it feeds in the pruned model; with
-    `norm_correction`, a last one with no removed layers at the final norm (unless a boundary feeds it already)."""
+def check_format_version(version: Any) -> None:
+    """Refuse a checkpoint written in a newer major version of the format (or with no readable version)."""
+    major = str(version).split(".")[0]
+    if not major.isdigit() or len(str(version).split(".")) != 2:
+        raise ValueError(f"ghost_format_version {version!r} is not of the form MAJOR.MINOR (this code writes "
+                         f"{FORMAT_VERSION!r}): the config.json is damaged.")
+    if int(major) > int(FORMAT_VERSION.split(".")[0]):
+        raise ValueError(f"This checkpoint uses Ghosted format {version}, newer than this code reads "
+                         f"({FORMAT_VERSION.split('.')[0]}.x): update ghosted_hf (pip install -U ghosted_hf), or load "
+                         "with the remote code saved beside the checkpoint (trust_remote_code=True, without "
+                         "ghosted_hf imported).")
+
+
+def expected_boundaries(total_layers: int, removed: list[int]) -> list[dict[str, Any]]:
+    """One boundary per run of consecutive removed layers, pointing at what it feeds in the pruned model."""
     removed = sorted(removed)
     runs: list[list[int]] = []
     for i in removed:
@@ -164,8 +185,6 @@ def expected_boundaries(total_layers: int, removed: list[int], norm_correction: 
         else:
             boundaries.append({"removed": run, "target": LAYER_TARGET, "layer": pruned_index(fed, removed),
                                "original_layer": fed})
-    if norm_correction and not any(b["target"] == NORM_TARGET for b in boundaries):
-        boundaries.append({"removed": [], "target": NORM_TARGET, "layer": None, "original_layer": None})
     return boundaries
 
 

@@ -8,8 +8,8 @@ Weight layout (``model.safetensors``): the base decoder keeps its standard names
 (``model.layers.{i}.self_attn.q_proj.weight``, ``model.norm.weight``, ``lm_head.weight``); each operator is
 the tensor ``model.layers.{i}.ghost.operator`` (applied to the hidden state entering pruned-model layer
 ``i``) or ``model.norm.ghost.operator`` (applied before the final norm), of shape (C, C), used as
-``x -> x @ operator``; an affine boundary (``"bias": true`` in its config record) also has the (C,) tensor
-``...ghost.bias``, used as ``x -> x @ operator + bias``.
+``x -> x @ operator``. config.json records each operator's sha256 and the format version
+(docs/reference/format.md).
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ except ImportError:  # older releases: the same behaviour, here
 
 GHOST_MODULE = "ghost"
 GHOST_PARAM = "operator"
-GHOST_BIAS = "bias"
 
 # How this transformers declares tied weights, read off its own Llama: a {tied: source} dict (5.x) or a list
 # of tied names (4.x).
@@ -85,19 +84,11 @@ def operator_sha256(operator: torch.Tensor, dtype: str) -> str:
     return hashlib.sha256(tensor.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def ghost_tensor_key(boundary: dict[str, Any], param: str = GHOST_PARAM) -> str:
-    """State-dict key of a boundary's operator (or, with `param=GHOST_BIAS`, of its bias)."""
+def ghost_tensor_key(boundary: dict[str, Any]) -> str:
+    """State-dict key of a boundary's operator."""
     if boundary["target"] == LAYER_TARGET:
-        return f"model.layers.{boundary['layer']}.{GHOST_MODULE}.{param}"
-    return f"model.norm.{GHOST_MODULE}.{param}"
-
-
-def ghost_tensor_hashes(boundary: dict[str, Any]) -> dict[str, str]:
-    """{state-dict key: the config key of its recorded sha256} of every tensor of a boundary."""
-    hashes = {ghost_tensor_key(boundary): "sha256"}
-    if boundary.get("bias"):
-        hashes[ghost_tensor_key(boundary, GHOST_BIAS)] = "bias_sha256"
-    return hashes
+        return f"model.layers.{boundary['layer']}.{GHOST_MODULE}.{GHOST_PARAM}"
+    return f"model.norm.{GHOST_MODULE}.{GHOST_PARAM}"
 
 
 # What `save_pretrained` writes; files of an earlier save matching these never survive into a new one.
@@ -148,27 +139,24 @@ def _describe_mismatch(entry: Any) -> str:
 
 
 class GhostOperator(nn.Module):
-    """Maps the residual stream entering its parent module: ``x -> x @ operator`` (``+ bias`` when affine).
+    """Maps the residual stream entering its parent module: ``x -> x @ operator``.
 
     Lives as a child of the layer (or final norm) it feeds, so the base weight names stay standard and
     device placement follows the parent. The product is computed in the operator's dtype (float32 by
     default) and cast back to the activation dtype.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.operator = nn.Parameter(torch.empty(hidden_size, hidden_size, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(hidden_size, dtype=dtype)) if bias else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         operator = self.operator
         mapped = hidden_states.to(device=operator.device, dtype=operator.dtype) @ operator
-        if self.bias is not None:
-            mapped = mapped + self.bias
         return mapped.to(device=hidden_states.device, dtype=hidden_states.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.operator.shape[0]}, dtype={self.operator.dtype}, bias={self.bias is not None}"
+        return f"{self.operator.shape[0]}, dtype={self.operator.dtype}"
 
 
 def apply_ghost_operator(parent: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -185,6 +173,8 @@ def apply_ghost_operator(parent: nn.Module, args: tuple, kwargs: dict) -> tuple[
 
 
 class GhostedPreTrainedModel(PreTrainedModel):
+    """Loading, saving and integrity checks shared by the ghosted model classes."""
+
     config_class = GhostedConfig
     config: GhostedConfig
     base_model_prefix = "model"
@@ -199,8 +189,6 @@ class GhostedPreTrainedModel(PreTrainedModel):
         # refuses checkpoints whose operators are missing.
         if isinstance(module, GhostOperator):
             nn.init.eye_(module.operator)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
         else:
             super()._init_weights(module)
 
@@ -215,26 +203,20 @@ class GhostedPreTrainedModel(PreTrainedModel):
             self._keep_in_fp32_modules_strict = [GHOST_MODULE]
         for boundary in config.ghost_boundaries:
             parent = self.model.layers[boundary["layer"]] if boundary["target"] == LAYER_TARGET else self.model.norm
-            parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size, operator_dtype,
-                                                          bias=bool(boundary.get("bias"))))
+            parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size, operator_dtype))
             parent.register_forward_pre_hook(apply_ghost_operator, with_kwargs=True)
 
     def ghost_operators(self) -> dict[str, nn.Parameter]:
         """The operator of every boundary, keyed by its state-dict name."""
         return {ghost_tensor_key(b): self.get_parameter(ghost_tensor_key(b)) for b in self.config.ghost_boundaries}
 
-    def ghost_tensors(self) -> dict[str, nn.Parameter]:
-        """Every tensor of every boundary (operators and affine biases), keyed by its state-dict name."""
-        return {key: self.get_parameter(key) for b in self.config.ghost_boundaries for key in ghost_tensor_hashes(b)}
-
     def operator_value_problems(self) -> list[str]:
-        """What is wrong with the operators' (and biases') values: non-finite in the storage dtype, or not the
-        bytes whose sha256 config.json records. Empty when they are sound."""
+        """What is wrong with the operators' values: non-finite in the storage dtype, or not the bytes whose
+        sha256 config.json records. Empty when they are sound."""
         problems = []
         storage = self.config.operator_dtype
-        recorded = {key: b.get(field) for b in self.config.ghost_boundaries
-                    for key, field in ghost_tensor_hashes(b).items()}
-        for name, operator in self.ghost_tensors().items():
+        recorded = {ghost_tensor_key(b): b.get("sha256") for b in self.config.ghost_boundaries}
+        for name, operator in self.ghost_operators().items():
             if operator.device.type == "meta":
                 continue
             # In the storage dtype: a value finite in a wider checkpoint dtype (1e300) may not be once stored.
@@ -250,7 +232,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
 
     def _refresh_ghost_integrity(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Make `config.operator_dtype` and each boundary's `sha256` describe the tensors about to be saved."""
-        operators = self.ghost_tensors()
+        operators = self.ghost_operators()
         if state_dict is not None:
             operators = {name: state_dict.get(name, operator) for name, operator in operators.items()}
         dtypes = {str(op.dtype).removeprefix("torch.") for op in operators.values()}
@@ -258,19 +240,18 @@ class GhostedPreTrainedModel(PreTrainedModel):
             found = ", ".join(f"{name}: {str(op.dtype).removeprefix('torch.')}" for name, op in operators.items())
             raise ValueError(
                 f"Cannot save ghost operators as {found}: they must all be one of {', '.join(OPERATOR_DTYPES)}. "
-                "Cast them back first, e.g. `for op in model.ghost_tensors().values(): op.data = op.data.float()`."
+                "Cast them back first, e.g. `for op in model.ghost_operators().values(): op.data = op.data.float()`."
             )
         if dtypes:
             self.config.operator_dtype = dtypes.pop()
         boundaries = []
         for boundary in self.config.ghost_boundaries:
             boundary = dict(boundary)
-            for key, field in ghost_tensor_hashes(boundary).items():
-                operator = operators[key]
-                if operator.device.type == "meta":  # offloaded and not materialised: never keep a stale hash
-                    boundary.pop(field, None)
-                else:
-                    boundary[field] = operator_sha256(operator, self.config.operator_dtype)
+            operator = operators[ghost_tensor_key(boundary)]
+            if operator.device.type == "meta":  # offloaded and not materialised: never keep a stale hash
+                boundary.pop("sha256", None)
+            else:
+                boundary["sha256"] = operator_sha256(operator, self.config.operator_dtype)
             boundaries.append(boundary)
         self.config.ghost_boundaries = boundaries
 
@@ -330,7 +311,6 @@ class GhostedPreTrainedModel(PreTrainedModel):
         return (model, info) if want_info else model
 
 
-
 class GhostedModel(GhostedPreTrainedModel):
     """The pruned decoder with its operators and no LM head (`AutoModel`): hidden states for embeddings or
     feature extraction. Loads from the same checkpoint as `GhostedForCausalLM` (the head's weight is unused)."""
@@ -348,6 +328,10 @@ class GhostedModel(GhostedPreTrainedModel):
 
 
 class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
+    """A pruned Llama / Qwen2 / Qwen3 / Mistral causal LM with a Ghosted Layers operator at every pruning
+    boundary: a drop-in transformers model (`generate`, `pipeline`, PEFT, lm-eval) whose `from_pretrained`
+    refuses a checkpoint whose operators are missing, misshapen, non-finite or not the recorded bytes."""
+
     _tied_weights_keys = TIED_WEIGHTS_KEYS
 
     def __init__(self, config: GhostedConfig) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ghosted_hf import GhostedError, export_plain, ghost_prune, prune_layers, save_with_card
+from ghosted_hf import GhostedError, to_stock_model, ghost_prune, prune_layers, save_with_card
 from ghosted_hf.surgery import fold_into_down_proj
 from isolated import assert_loads_with_same_logits, run_without_ghosted
 from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, kl_to_dense, texts
@@ -39,7 +39,7 @@ def test_folding_c_q_and_t_is_exact(arch: str, tied: bool) -> None:
                            {0: scaled_rotation(1, 1.3), 2: scaled_rotation(2, 0.7), 5: scaled_rotation(3, 1.9)})
     t = torch.eye(HIDDEN) + 0.2 * torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(4))
     fold_into_down_proj(ghosted, 1, t.double())  # dense layer 1 = the last kept layer before boundary [2, 3]
-    plain = export_plain(ghosted)
+    plain = to_stock_model(ghosted)
     assert type(plain).__name__ == type(build(arch)).__name__
     assert plain.config.tie_word_embeddings is False  # the embeddings carry the first rotation
     expected = logits(ghosted)
@@ -49,7 +49,7 @@ def test_folding_c_q_and_t_is_exact(arch: str, tied: bool) -> None:
 def test_pure_scale_keeps_tied_embeddings_tied() -> None:
     eye = torch.eye(HIDDEN)
     ghosted = prune_layers(build("qwen3"), [2, 3], {2: 1.5 * eye})
-    plain = export_plain(ghosted)
+    plain = to_stock_model(ghosted)
     assert plain.config.tie_word_embeddings is True
     assert plain.lm_head.weight.data_ptr() == plain.model.embed_tokens.weight.data_ptr()
     torch.testing.assert_close(logits(plain), logits(ghosted), rtol=0, atol=1e-5)
@@ -58,9 +58,10 @@ def test_pure_scale_keeps_tied_embeddings_tied() -> None:
 def test_export_refuses_an_operator_that_is_not_a_scaled_rotation() -> None:
     ghosted = prune_layers(build("llama"), [2], {2: torch.eye(HIDDEN) + 0.3 * torch.ones(HIDDEN, HIDDEN)})
     with pytest.raises(GhostedError, match="model.layers.2.ghost.operator is not a scaled rotation c Q"):
-        export_plain(ghosted)
+        to_stock_model(ghosted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_folded_prune_is_a_stock_checkpoint_that_loads_without_remote_code(arch: str, tmp_path: Path) -> None:
     plain = ghost_prune(build(arch), char_tokenizer(), texts(), criterion="manual", layers=[0, 2, 3],
@@ -71,7 +72,7 @@ def test_folded_prune_is_a_stock_checkpoint_that_loads_without_remote_code(arch:
     assert not [f for f in files if f.endswith(".py")]
     config = json.loads((tmp_path / "plain" / "config.json").read_text())
     assert config["model_type"] == arch and "auto_map" not in config
-    assert config["ghost_provenance"]["plain_export"]["removed_layers"] == [0, 2, 3]
+    assert config["ghost_provenance"]["stock_export"]["removed_layers"] == [0, 2, 3]
     card = (tmp_path / "plain" / "README.md").read_text()
     assert "stock " + arch + " checkpoint" in card and "trust_remote_code" not in card
     out = assert_loads_with_same_logits(tmp_path / "plain", plain, batch(), tmp_path, trust_remote_code=False,
@@ -98,8 +99,8 @@ def test_folded_beats_replaceme_and_approaches_the_ghost() -> None:
         tokenizer, texts(6, seed=99), 48, batch_size=3).batches
     options = dict(criterion="manual", layers=[2, 3], **FAST)
     kl = {kind: kl_to_dense(dense, ghost_prune(build("llama"), tokenizer, texts(), operator=kind, **options), held_out)
-          for kind in ("none", "replaceme-ls", "folded-cq", "folded", "ghost")}
-    assert kl["ghost"] <= kl["folded"] < kl["folded-cq"] < kl["none"]
+          for kind in ("none", "replaceme-ls", "folded-tied", "folded", "ghost")}
+    assert kl["ghost"] <= kl["folded"] < kl["folded-tied"] < kl["none"]
     assert kl["folded"] < kl["replaceme-ls"] < kl["none"]
 
 
@@ -108,7 +109,7 @@ def test_sequential_folded_fits_see_the_earlier_folds() -> None:
     options = dict(criterion="manual", layers=[1, 3], operator="folded", **FAST)
     sequential = ghost_prune(build("llama"), tokenizer, texts(), fitting="sequential", **options)
     independent = ghost_prune(build("llama"), tokenizer, texts(), fitting="independent", **options)
-    fits = [b["fit"]["fitted_on"] for b in sequential.config.ghost_provenance["plain_export"]["boundaries"]]
+    fits = [b["fit"]["fitted_on"] for b in sequential.config.ghost_provenance["stock_export"]["boundaries"]]
     assert fits == ["dense model", "pruned and patched model"]
     held_out = __import__("ghosted_hf.data", fromlist=["tokenize_texts"]).tokenize_texts(
         tokenizer, texts(6, seed=99), 48, batch_size=3).batches
@@ -117,20 +118,20 @@ def test_sequential_folded_fits_see_the_earlier_folds() -> None:
     assert LAYERS - 2 == sequential.config.num_hidden_layers
 
 
-def test_export_plain_command_turns_a_ghosted_folder_into_a_stock_checkpoint(tmp_path: Path, capsys) -> None:
+def test_export_stock_command_turns_a_ghosted_folder_into_a_stock_checkpoint(tmp_path: Path, capsys) -> None:
     from ghosted_hf.cli import main
 
     tokenizer = char_tokenizer()
     ghosted = ghost_prune(build("llama"), tokenizer, texts(), criterion="manual", layers=[0, 2, 3], **FAST)
     save_with_card(ghosted, tmp_path / "ghosted", tokenizer)
     (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
-    argv = ["export-plain", str(tmp_path / "ghosted"), "--output", str(tmp_path / "plain"), "--calibration",
+    argv = ["export-stock", str(tmp_path / "ghosted"), "--output", str(tmp_path / "plain"), "--calibration",
             str(tmp_path / "cal.txt"), "--seq-len", "48", "--num-sequences", "24"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     config = json.loads((tmp_path / "plain" / "config.json").read_text())
     assert config["model_type"] == "llama" and "auto_map" not in config
-    boundaries = config["ghost_provenance"]["plain_export"]["boundaries"]
+    boundaries = config["ghost_provenance"]["stock_export"]["boundaries"]
     assert [b["fit"]["fitted_on"] for b in boundaries] == ["imitating the ghost operator"] * 2
     assert all(0.0 <= b["fit"]["relative_residual"] < 1.0 for b in boundaries)  # keeps part of each correction
     assert f"relative_residual={boundaries[0]['fit']['relative_residual']:.4g}" in out

@@ -3,9 +3,9 @@
 The model is never loaded whole: its skeleton lives on the meta device, the embeddings turn every
 calibration batch into hidden states kept in host memory (or on disk) in the model's dtype, then one
 decoder layer at a time is read from the safetensors files, run over every batch, and freed. The float64
-sums are the ones `collect_statistics` accumulates; each is added as soon as the hidden states it reads
-exist, and a source's rows are dropped once no later sum reads them. Sequential fitting runs a second
-stream, the model pruned and patched so far, through the same layer reads.
+sums are the ones the full-model pass accumulates; each is added as soon as the hidden states it reads
+exist, and rows are dropped once no later sum reads them. Sequential fitting runs a second stream, the
+model pruned and patched so far, through the same layer reads.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import tempfile
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,14 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from .calibration import (CalibrationStatistics, NonFiniteError, StatisticsAccumulator, StatisticsPlan,
-                          release_freed_memory, token_mask)
-from .errors import GhostedError, MissingFileError
+from ..errors import GhostedError, MissingFileError, NonFiniteError
+from .accumulate import StatisticsAccumulator
+from .capture import Patch, release_freed_memory
+from .declarations import Read, mlp, source, target
+from .origin import model_fingerprint
+from .passes import Batch, CalibrationPass
+from .plan import StatisticsPlan
+from .store import CalibrationStatistics
 
 
 class _Stop(Exception):
@@ -86,12 +91,11 @@ def weight_map(folder: Path) -> dict[str, str]:
         return {k: "model.safetensors" for k in handle.keys()}
 
 
-class LayerwiseModel:
-    """A Llama/Qwen causal LM that is calibrated one decoder layer at a time from its safetensors files.
+class LayerwisePass(CalibrationPass):
+    """Calibration of a Llama/Qwen causal LM one decoder layer at a time, from its safetensors folder.
 
-    Stands in for the model in `collect_statistics`, `Calibrator` and `ghost_prune`; `load_model(removed)` reads
-    what the build keeps, after the statistics are collected. `observer(i)` is called while layer
-    `i` is the one in memory (tests count the resident parameters there).
+    `model_for_build(removed)` reads what the build keeps, after the statistics are collected. `observer(i)` is
+    called while layer `i` is the one in memory (tests count the resident parameters there).
     """
 
     def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float32, *,
@@ -107,24 +111,15 @@ class LayerwiseModel:
         self.dtype, self.offload_folder = dtype, offload_folder
         self.weights = weight_map(self.folder)
         self.observer: Callable[[int], None] | None = None
-        self.training = False
-        embedding = self.config.get_text_config().vocab_size, self.config.get_text_config().hidden_size
-        self._embedding_shape = embedding
 
-    # What the recipe reads from a model.
-    def get_input_embeddings(self) -> nn.Module:
-        return nn.Embedding(*self._embedding_shape, device="meta")
+    @property
+    def vocab_size(self) -> int:
+        return self.config.get_text_config().vocab_size
 
-    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
-        return iter(())
+    def fingerprint(self) -> dict[str, Any]:
+        return model_fingerprint(config=self.config, folder=self.folder)
 
-    def eval(self) -> LayerwiseModel:
-        return self
-
-    def train(self, mode: bool = True) -> LayerwiseModel:
-        return self
-
-    def load_model(self, removed: Iterable[int] = ()) -> nn.Module:
+    def model_for_build(self, removed: Iterable[int] = ()) -> nn.Module:
         """The dense model for the build, with the decoder layers in `removed` left on the meta device: their
         weights are never read, so the build holds at most the pruned model, not the dense one."""
         from transformers import GenerationConfig
@@ -141,11 +136,6 @@ class LayerwiseModel:
         if (self.folder / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(self.folder)
         return model
-
-    def patched(self, removed: list[int], operators: Mapping[int, torch.Tensor]) -> tuple[list[int], dict[int, torch.Tensor]]:
-        """The model pruned of `removed` and patched with `operators` (keyed by each boundary's first removed
-        layer), as the second stream of a sequential pass."""
-        return sorted(removed), dict(operators)
 
     # ------------------------------------------------------------ the pass
 
@@ -169,127 +159,136 @@ class LayerwiseModel:
         inner.rotary_emb = type(inner.rotary_emb)(config=inner.config)  # computed buffers, not weights
         return skeleton.eval()
 
-    def layerwise_statistics(self, batches: list[Mapping[str, torch.Tensor]], plan: StatisticsPlan, *,
-                             weighting: str = "none", skip_first_tokens: int = 0, device: Any = None,
-                             source: tuple[tuple[list[int], dict[int, torch.Tensor]], Mapping[int, int]] | None = None,
-                             progress: bool = True, description: str = "Layer-wise calibration",
-                             allow_empty: bool = False) -> CalibrationStatistics:
+    def collect(self, batches: Iterable[Batch], plan: StatisticsPlan, *, patch: Patch | None = None,
+                device: str | torch.device | None = None, description: str = "Layer-wise calibration",
+                progress: bool = True) -> CalibrationStatistics:
+        batches = list(batches)
         depth, hidden = self.config.num_hidden_layers, self.config.hidden_size
-        accumulator = StatisticsAccumulator(plan, hidden, device if device is not None else "cpu", weighting)
-        deepest = plan.deepest()
-        source_side = plan.source_inputs() if source is not None else set()
-        target_side = (plan.source_inputs() | plan.target_inputs()) - source_side
-        removed, operators = (source[0] if source is not None else ([], {}))
-        ends = {}  # first removed layer of a boundary -> the kept index where its operator applies
-        for i in removed:
-            start = i if i - 1 not in removed else next(s for s in ends if ends[s] == i)
-            ends[start] = i + 1
-        apply_at = {e: operators[s] for s, e in ends.items() if s in operators}
-        # Each sum is added when its deepest input exists; rows of an index are kept until then.
-        last_use: dict[Any, int] = {}
-        for i in plan.grams | plan.abs_sums | plan.rotated_abs_sums:
-            last_use[i] = max(last_use.get(i, -1), i)
-        for s, e in plan.pairs | plan.cosines | plan.mlp_terms | plan.sums:
-            last_use[s], last_use[e] = max(last_use.get(s, -1), e), max(last_use.get(e, -1), e)
-        for s, e in plan.mlp_terms:
-            last_use[("mlp", s - 1)] = max(last_use.get(("mlp", s - 1), -1), e)
-
-        skeleton = self._skeleton()
-        inner = skeleton.model
-        originals = list(inner.layers)
-        run = min(deepest, depth)  # decoder layers to run: 0..run-1
-        temporary = tempfile.TemporaryDirectory(dir=self.offload_folder) if self.offload_folder is not None else None
-        folder = Path(temporary.name) if temporary is not None else None
-        dense, patched = _Store(folder, "dense"), (_Store(folder, "patched") if source is not None else None)
-        keeps, kwargs, kept_rows = [], [], []
+        reads = plan.reads()
+        if patch is not None and (patch.transforms or any(role == "mlp" for role, _ in reads)):
+            raise GhostedError("Layer-wise calibration cannot refit an operator kind that transforms an MLP output "
+                               "sequentially (the transform is not streamed layer by layer): pass "
+                               "fitting='independent'.")
+        accumulator = StatisticsAccumulator(plan, hidden, device if device is not None else "cpu")
+        # Each sum is added when its deepest read exists; the rows of a read are kept until then.
+        last_use: dict[Read, int] = {}
+        for entry in plan:
+            for read in entry.reads:
+                last_use[read] = max(last_use.get(read, -1), entry.ready_at)
+        run = min(plan.deepest(), depth)  # decoder layers to run: 0..run-1
+        stream = _Streams(self, batches, patch, run, depth)
         try:
-            self._load(inner.embed_tokens, "model.embed_tokens.")
-            catchers = max(run, 1)
             for b, batch in enumerate(batches):
-                record: dict = {}
-                for i in range(catchers):
-                    inner.layers[i] = _Catcher(i, i == catchers - 1, record)
-                with torch.no_grad():
-                    try:
-                        skeleton.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                       use_cache=False)
-                    except _Stop as stop:
-                        traceback.clear_frames(stop.__traceback__)
-                dense.put(b, record.pop("hidden"))
-                if patched is not None:
-                    patched.put(b, dense.get(b))
-                kwargs.append(record)
-                keep = token_mask(batch["attention_mask"], skip_first_tokens)
-                keeps.append(keep)
-                kept_rows.append({})
-                accumulator.tokens += int(keep.sum())
-            for i, layer in enumerate(originals):
-                inner.layers[i] = layer
-            inner.embed_tokens.to("meta")  # freed
+                accumulator.tokens += int(batch["attention_mask"].bool().sum())
+            kept_rows: list[dict[Read, torch.Tensor]] = [{} for _ in batches]
 
-            def rows(b: int, key: Any, value: torch.Tensor, where: str) -> None:
-                kept = value[keeps[b]]
+            def rows(b: int, read: Read | None, value: torch.Tensor, where: str) -> None:
+                kept = value[batches[b]["attention_mask"].bool()]
                 if not torch.isfinite(kept).all():
                     raise NonFiniteError(f"Non-finite activations (NaN/Inf) first appear at {where} on calibration "
                                          f"data, in {value.dtype}. Load the model in float32 or bfloat16.")
-                if key in last_use:
-                    kept_rows[b][key] = kept
+                if read in last_use:
+                    kept_rows[b][read] = kept
 
             def settle(b: int, i: int) -> None:
-                """Add every sum whose deepest input is `i`; drop the rows no later sum reads."""
+                """Add every sum whose deepest read is at `i`; drop the rows no later sum reads."""
                 if kept_rows[b]:
-                    accumulator.update(kept_rows[b], ending_at=i)
-                for key in [k for k in kept_rows[b] if last_use[k] <= i]:
-                    del kept_rows[b][key]
+                    accumulator.add(kept_rows[b], ready=i)
+                for read in [r for r in kept_rows[b] if last_use[r] <= i]:
+                    del kept_rows[b][read]
 
             def capture(b: int, i: int) -> None:
                 where = "the final norm's input" if i == depth else f"the input of layer {i}"
-                if i in target_side or (source is None and i in source_side):
-                    rows(b, i, dense.get(b), where)
-                elif source is None:
-                    rows(b, None, dense.get(b), where)
-                if i in source_side:
-                    rows(b, i, patched.get(b), where + " (pruned and patched model)")
+                hidden_state = stream.dense.get(b)
+                rows(b, target(i), hidden_state, where)
+                if patch is None:
+                    rows(b, source(i), hidden_state, where)
+                elif source(i) in last_use:
+                    rows(b, source(i), stream.patched.get(b), where + " (pruned and patched model)")
 
             for b in range(len(batches)):
                 capture(b, 0)
                 settle(b, 0)
-            bar = tqdm(range(run), desc=description, disable=not progress, leave=False)
-            for i in bar:
-                layer = originals[i]
-                self._load(layer, f"model.layers.{i}.")
-                if self.observer is not None:
-                    self.observer(i)
-                mlp_out: dict[int, torch.Tensor] = {}
-                hook = None
-                if i in plan.mlp_layers():
-                    hook = layer.mlp.register_forward_hook(lambda m, a, out: mlp_out.__setitem__(0, out))
-                try:
-                    for b in range(len(batches)):
-                        with torch.no_grad():
-                            out = layer(dense.get(b), **kwargs[b][i])
-                            if mlp_out:
-                                rows(b, ("mlp", i), mlp_out.pop(0), f"the MLP output of layer {i}")
-                            if patched is not None:
-                                h = patched.get(b)
-                                if i not in removed:
-                                    h = layer(h, **kwargs[b][i])
-                                if i + 1 in apply_at:
-                                    w = apply_at[i + 1]
-                                    h = (h.to(w.dtype) @ w.to(h.device)).to(h.dtype)
-                                patched.put(b, h)
-                        dense.put(b, out)
-                        capture(b, i + 1)
-                        settle(b, i + 1)
-                finally:
-                    if hook is not None:
-                        hook.remove()
-                    layer.to("meta")  # freed before the next layer is read
-                    release_freed_memory()
+            for i in tqdm(range(run), desc=description, disable=not progress, leave=False):
+                for b, mlp_output in stream.advance(i, wants_mlp=mlp(i) in last_use):
+                    if mlp_output is not None:
+                        rows(b, mlp(i), mlp_output, f"the MLP output of layer {i}")
+                    capture(b, i + 1)
+                    settle(b, i + 1)
         finally:
-            if temporary is not None:
-                temporary.cleanup()
-        return accumulator.result(depth, skip_first_tokens, allow_empty)
+            stream.close()
+        return accumulator.result(depth)
+
+
+class _Streams:
+    """The dense stream of every batch (and, with a patch, the pruned and patched one), advanced one decoder
+    layer at a time: the layer is read from disk, run over every batch, and freed."""
+
+    def __init__(self, owner: LayerwisePass, batches: list[Batch], patch: Patch | None, run: int, depth: int) -> None:
+        self.owner, self.patch = owner, patch
+        self.skeleton = owner._skeleton()
+        inner = self.skeleton.model
+        self.layers = list(inner.layers)
+        self.temporary = (tempfile.TemporaryDirectory(dir=owner.offload_folder) if owner.offload_folder is not None
+                          else None)
+        folder = Path(self.temporary.name) if self.temporary is not None else None
+        self.dense, self.patched = _Store(folder, "dense"), (_Store(folder, "patched") if patch is not None else None)
+        self.removed = set(patch.removed) if patch is not None else set()
+        # The operator of each boundary, at the index it feeds.
+        self.apply_at = ({fed: patch.operators[first] for first, fed in patch.fed(depth).items()
+                          if first in patch.operators} if patch is not None else {})
+        self.kwargs: list[dict] = []
+        owner._load(inner.embed_tokens, "model.embed_tokens.")
+        catchers = max(run, 1)
+        for b, batch in enumerate(batches):
+            record: dict = {}
+            for i in range(catchers):
+                inner.layers[i] = _Catcher(i, i == catchers - 1, record)
+            with torch.no_grad():
+                try:
+                    inner(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+                except _Stop as stop:
+                    traceback.clear_frames(stop.__traceback__)
+            self.dense.put(b, record.pop("hidden"))
+            if self.patched is not None:
+                self.patched.put(b, self.dense.get(b))
+            self.kwargs.append(record)
+        for i, layer in enumerate(self.layers):
+            inner.layers[i] = layer
+        inner.embed_tokens.to("meta")  # freed
+
+    def advance(self, i: int, wants_mlp: bool) -> Iterable[tuple[int, torch.Tensor | None]]:
+        """Run layer `i` over every batch; yields (batch, its MLP output if wanted) once both streams moved."""
+        layer = self.layers[i]
+        self.owner._load(layer, f"model.layers.{i}.")
+        if self.owner.observer is not None:
+            self.owner.observer(i)
+        mlp_out: dict[int, torch.Tensor] = {}
+        hook = layer.mlp.register_forward_hook(lambda m, a, out: mlp_out.__setitem__(0, out)) if wants_mlp else None
+        try:
+            for b, kwargs in enumerate(self.kwargs):
+                with torch.no_grad():
+                    out = layer(self.dense.get(b), **kwargs[i])
+                    captured = mlp_out.pop(0, None)
+                    if self.patched is not None:
+                        h = self.patched.get(b)
+                        if i not in self.removed:
+                            h = layer(h, **kwargs[i])
+                        if i + 1 in self.apply_at:
+                            w = self.apply_at[i + 1]
+                            h = (h.to(w.dtype) @ w.to(h.device)).to(h.dtype)
+                        self.patched.put(b, h)
+                self.dense.put(b, out)
+                yield b, captured
+        finally:
+            if hook is not None:
+                hook.remove()
+            layer.to("meta")  # freed before the next layer is read
+            release_freed_memory()
+
+    def close(self) -> None:
+        if self.temporary is not None:
+            self.temporary.cleanup()
 
 
 def model_bytes(folder: str | Path, dtype: torch.dtype | None = None) -> int:

@@ -1,0 +1,85 @@
+"""torch.distributed for data-parallel calibration: joining the group the launcher describes, the rank of
+this process, and the summation of float64 statistics across processes."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import torch
+
+from .errors import GhostedError
+
+logger = logging.getLogger(__name__)
+
+
+# (rank, world size, local rank) as torchrun (and accelerate's GPU launcher) or an MPI launcher (accelerate's
+# multi-CPU launcher runs mpirun: Open MPI, MPICH / Intel MPI, MVAPICH) describe them.
+LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+                      ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+                      ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+                      ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"))
+
+
+def launcher_process(environ: Mapping[str, str] | None = None) -> tuple[int, int, int]:
+    """(rank, world size, local rank) that the launcher gave this process; (0, 1, 0) when none did."""
+    environ = os.environ if environ is None else environ
+    for rank, world, local in LAUNCHER_VARIABLES:
+        if environ.get(world):
+            return int(environ.get(rank, "0")), int(environ[world]), int(environ.get(local, "0"))
+    return 0, 1, 0
+
+
+def init_distributed() -> bool:
+    """Join the process group that torchrun / accelerate launch (its torchrun or mpirun launchers) describe
+    in the environment (NCCL with CUDA, gloo otherwise); True when running with more than one process."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    if dist.is_initialized():
+        return dist.get_world_size() > 1
+    rank, world, local_rank = launcher_process()
+    if world <= 1:
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise GhostedError(f"Process {rank} of {world}: MASTER_ADDR and MASTER_PORT are not set, so the processes cannot "
+                           "find each other; start them with torchrun or accelerate launch (which set them).")
+    logger.info("Joining process group: rank %d of %d (%s).", rank, world, backend)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    return True
+
+
+def process_rank() -> tuple[int, int]:
+    """(rank, world size) of this process; (0, 1) without torch.distributed."""
+    import torch.distributed as dist
+
+    if init_distributed():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_main_process() -> bool:
+    """Only the main process (rank 0) writes files."""
+    return process_rank()[0] == 0
+
+
+def all_reduce_sums(tensors: Mapping[str, torch.Tensor], tokens: int) -> tuple[dict[str, torch.Tensor], int]:
+    """The sums of every process (and their token counts); every process gets the same sums."""
+    import torch.distributed as dist
+
+    if process_rank()[1] == 1:
+        return dict(tensors), tokens
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    count = torch.tensor([tokens], dtype=torch.float64, device=device)
+    dist.all_reduce(count)
+    summed = {}
+    for key in sorted(tensors):  # the same order on every process
+        buffer = tensors[key].to(device=device, dtype=torch.float64).contiguous()
+        dist.all_reduce(buffer)
+        summed[key] = buffer.to(tensors[key].device)
+    return summed, int(count.item())

@@ -1,0 +1,71 @@
+"""Streaming float64 sums of a plan over batches of captured hidden states."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import GhostedError
+from ..hadamard import rotation
+from .declarations import ROTATED_ABS, Read
+from .plan import StatisticsPlan
+from .store import CalibrationStatistics
+
+
+class _LazyFloat64(dict):
+    """float64 copies of `source`'s tensors, made on first read; keys sharing one tensor share one copy."""
+
+    def __init__(self, source: Mapping[Read, torch.Tensor], device: torch.device) -> None:
+        super().__init__()
+        self.source, self.device, self.copies = source, device, {}
+
+    def __missing__(self, key: Read) -> torch.Tensor:
+        tensor = self.source[key]
+        if id(tensor) not in self.copies:
+            self.copies[id(tensor)] = tensor.to(device=self.device, dtype=torch.float64)
+        value = self[key] = self.copies[id(tensor)]
+        return value
+
+
+class StatisticsAccumulator:
+    """The sums of `plan`, every one present from the start (zeros: a process or shard with no batch still has
+    every key to reduce), updated one batch of rows ({read: (N, C) tensor}) at a time."""
+
+    # Fixed-size row chunks: the float64 copies are small and of one size for every batch, so the allocator
+    # reuses the same blocks instead of fragmenting (peak memory does not grow with the number of tokens).
+    CHUNK = 256
+
+    def __init__(self, plan: StatisticsPlan, hidden_size: int, device: str | torch.device = "cpu") -> None:
+        if not plan:
+            raise GhostedError("The statistics plan is empty: nothing to collect.")
+        self.plan, self.hidden_size, self.device = plan, hidden_size, torch.device(device)
+        self.entries = list(plan)
+        self.tokens = 0
+        self.constants: dict[str, torch.Tensor] = {}
+        self.rotation_kind = "none"
+        if any(e.statistic is ROTATED_ABS for e in self.entries):
+            h, self.rotation_kind = rotation(hidden_size)
+            self.constants["rotation"] = h.to(self.device)
+        self.sums = {e.key: torch.zeros(e.statistic.shape(hidden_size), dtype=torch.float64, device=self.device)
+                     for e in self.entries}
+
+    def add(self, rows: Mapping[Read, torch.Tensor], ready: int | None = None) -> None:
+        """Add one batch's rows to every sum (with `ready`: only to the sums whose deepest read is at index
+        `ready`; a layer-by-layer pass adds each sum as soon as its reads exist). Tokens are counted apart."""
+        entries = self.entries if ready is None else [e for e in self.entries if e.ready_at == ready]
+        if not entries:
+            return
+        count = next(iter(rows.values())).shape[0]
+        for start in range(0, count, self.CHUNK):
+            # No closure over the rows here: a reference cycle would keep every batch's activations alive until
+            # the cyclic GC happens to run.
+            chunks: dict[int, torch.Tensor] = {}  # one slice per tensor (reads may share one)
+            x = _LazyFloat64({k: chunks.setdefault(id(v), v[start:start + self.CHUNK]) for k, v in rows.items()},
+                             self.device)
+            for entry in entries:
+                entry.statistic.update(self.sums[entry.key], x, entry.index, self.constants)
+
+    def result(self, depth: int) -> CalibrationStatistics:
+        return CalibrationStatistics(tensors=self.sums, depth=depth, hidden_size=self.hidden_size, tokens=self.tokens,
+                                     rotation_kind=self.rotation_kind)

@@ -1,0 +1,199 @@
+"""Hidden states out of one truncated forward pass (hooks that stop the model after the deepest state
+needed), and the patched stream: the same model run as if pruned and patched, without building it."""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import GhostedError, NonFiniteError
+
+
+@dataclass(frozen=True)
+class Patch:
+    """The model pruned of `removed` (dense numbering) with each boundary's operator `operators[first removed
+    layer]` applied to the stream it feeds, and the MLP output of layer j multiplied by `transforms[j]` (the
+    transforms that fold into down_proj)."""
+
+    removed: tuple[int, ...]
+    operators: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    transforms: Mapping[int, torch.Tensor] = field(default_factory=dict)
+
+    def fed(self, depth: int) -> dict[int, int]:
+        """First removed layer of each boundary -> the index it feeds (depth: the final norm)."""
+        removed, fed = set(self.removed), {}
+        for i in sorted(removed):
+            if i - 1 not in removed:
+                end = i
+                while end in removed:
+                    end += 1
+                fed[i] = end
+        return fed
+
+    def position(self, i: int) -> int:
+        """Where dense index `i` (a kept layer's input, or the final norm's) sits in the pruned model."""
+        if i in self.removed:
+            raise GhostedError(f"Layer {i} is removed in this patch: its input is not part of the patched stream.")
+        return i - sum(1 for r in self.removed if r < i)
+
+
+class _StopForward(Exception):
+    """Raised by the hook on the deepest needed hidden state: the rest of the model is not run."""
+
+
+def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
+    """The decoder layers and final norm of a Llama-style causal LM (dense or ghosted)."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "norm"):
+        raise GhostedError(f"Expected a causal LM with `model.layers` and `model.norm`, got {type(model).__name__}.")
+    return inner.layers, inner.norm
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where the model's inputs go (its embedding's device; the CPU for a meta skeleton)."""
+    weight = model.get_input_embeddings().weight
+    return torch.device("cpu") if weight.device.type == "meta" else weight.device
+
+
+def apply_matrix(matrix: torch.Tensor):
+    """x -> x @ matrix, computed in the matrix's dtype (as a ghost operator computes)."""
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        return (x.to(device=matrix.device, dtype=matrix.dtype) @ matrix).to(device=x.device, dtype=x.dtype)
+    return apply
+
+
+@contextlib.contextmanager
+def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
+    """Within the context, `model` computes the model pruned and patched by `patch`: the removed layers are
+    left out of its layer list (and of its per-layer config), each operator is a pre-hook on what its boundary
+    feeds, each transform a hook on an MLP's output. Everything is restored on exit."""
+    inner = model.model
+    layers, norm = decoder_parts(model)
+    depth = len(layers)
+    config = inner.config
+    saved = {name: getattr(config, name) for name in ("num_hidden_layers", "layer_types") if hasattr(config, name)}
+    kept = [i for i in range(depth) if i not in set(patch.removed)]
+    handles = []
+
+    def operator_hook(matrix: torch.Tensor):
+        apply = apply_matrix(matrix)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (apply(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": apply(kwargs["hidden_states"])}
+        return hook
+
+    def transform_hook(matrix: torch.Tensor):
+        apply = apply_matrix(matrix)
+        return lambda module, args, output: apply(output)
+
+    try:
+        for first, fed in patch.fed(depth).items():
+            if first in patch.operators:
+                target = layers[fed] if fed < depth else norm
+                handles.append(target.register_forward_pre_hook(operator_hook(patch.operators[first]), with_kwargs=True))
+        for j, matrix in patch.transforms.items():
+            handles.append(layers[j].mlp.register_forward_hook(transform_hook(matrix)))
+        inner.layers = nn.ModuleList([layers[i] for i in kept])
+        config.num_hidden_layers = len(kept)
+        if saved.get("layer_types") is not None:
+            config.layer_types = [saved["layer_types"][i] for i in kept]
+        yield
+    finally:
+        inner.layers = layers
+        for name, value in saved.items():
+            setattr(config, name, value)
+        for handle in handles:
+            handle.remove()
+
+
+def capture_hidden_states(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    inputs: set[int],
+    mlp_layers: set[int],
+    keep: torch.Tensor,
+    device: torch.device,
+) -> dict[tuple[str, int], torch.Tensor]:
+    """Run `model` on `batch` up to the deepest requested point; return the kept tokens (N, C) of the input of
+    each layer in `inputs` (key ("input", i); i == the layer count: the final norm's) and of the MLP output of
+    each layer in `mlp_layers` (key ("mlp", j)). Every hidden state on the way is checked to be finite."""
+    layers, norm = decoder_parts(model)
+    depth = len(layers)
+    deepest = max(inputs | {j + 1 for j in mlp_layers})
+    captured: dict[tuple[str, int], torch.Tensor] = {}
+
+    def rows(hidden: torch.Tensor, where: str) -> torch.Tensor:
+        kept = hidden[keep.to(hidden.device)]
+        if not torch.isfinite(kept).all():
+            raise NonFiniteError(
+                f"Non-finite activations (NaN/Inf) first appear at {where} on calibration data, in {hidden.dtype}. "
+                "Load the model in float32 or bfloat16 (float16 overflows in many LLMs) and check its weights."
+            )
+        return kept
+
+    def pre_hook(i: int):
+        # On every layer up to the deepest, so that a NaN is reported where it first appears.
+        where = ("the input of the final norm" if i == depth else f"the input of layer {i}") + (
+            f" (the output of layer {i - 1})" if i else "")
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            kept = rows(args[0] if args else kwargs["hidden_states"], where)
+            if i in inputs:
+                captured[("input", i)] = kept.to(device)
+            if i == deepest:
+                raise _StopForward
+        return hook
+
+    def mlp_hook(j: int):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            captured[("mlp", j)] = rows(output, f"the MLP output of layer {j}").to(device)
+        return hook
+
+    handles = []
+    try:
+        # Registered after any patch's hooks: what is captured is what the next module receives.
+        for i in range(deepest + 1):
+            target = layers[i] if i < depth else norm
+            handles.append(target.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+        for j in mlp_layers:
+            handles.append(layers[j].mlp.register_forward_hook(mlp_hook(j)))
+        first = input_device(model)
+        with torch.no_grad():
+            try:
+                model(**{k: v.to(first) for k, v in batch.items()}, use_cache=False)
+            except _StopForward as stop:
+                # The traceback's frames hold this batch's activations in reference cycles (the hook closures and
+                # transformers' wrappers) that only the cyclic GC frees, seldom: free them now.
+                traceback.clear_frames(stop.__traceback__)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def _malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Give the pages of freed blocks back to the OS (glibc). A batch's activations are freed between blocks
+    that stay allocated, so without this the heap fragments and peak memory creeps up batch after batch."""
+    if _TRIM is not None:
+        _TRIM(0)

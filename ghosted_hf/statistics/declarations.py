@@ -1,0 +1,189 @@
+"""Every calibration statistic, declared once: its name, its indices, the hidden states it reads, its shape
+and how one batch adds to it. Shards and processes combine by summation, so a declaration is all the engine
+needs; nothing outside this module spells a statistic's name.
+
+Index convention (dense numbering): `i` in 0..depth-1 is the hidden state entering decoder layer `i`,
+`i == depth` the one entering the final norm. A boundary removing layers s..e-1 maps X_s to X_e.
+
+Each statistic reads hidden states by role: `source(i)` (the stream a fit maps from; under sequential
+fitting it comes from the model pruned and patched so far), `target(i)` (always the dense model), and
+`mlp(j)` (the MLP output of layer j, on the source side).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import GhostedError
+
+# A hidden state a statistic reads: (role, index), role "source", "target" or "mlp".
+Read = tuple[str, int]
+
+
+def source(i: int) -> Read:
+    """Read the hidden state entering layer i on the source side (patched under sequential fitting)."""
+    return ("source", i)
+
+
+def target(i: int) -> Read:
+    """Read the hidden state entering layer i of the dense model."""
+    return ("target", i)
+
+
+def mlp(j: int) -> Read:
+    """Read the MLP output of layer j (source side)."""
+    return ("mlp", j)
+
+
+def ready_at(read: Read) -> int:
+    """The hidden-state index by which `read` exists in a forward pass (an MLP output: the next layer's input)."""
+    role, i = read
+    return i + 1 if role == "mlp" else i
+
+
+Inputs = Mapping[Read, torch.Tensor]  # (N, C) float64 rows of the real tokens of one batch
+Update = Callable[[torch.Tensor, Inputs, tuple[int, ...], Mapping[str, torch.Tensor]], None]
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: each is declared once
+class Statistic:
+    """One kind of float64 sum over calibration tokens."""
+
+    name: str  # tensor-name prefix in statistics files: "<name>.<index>..."
+    arity: int  # number of indices
+    vector: bool  # shape (C,) instead of (C, C); `scalar` below wins
+    scalar: bool
+    reads: Callable[..., tuple[Read, ...]]  # indices -> the hidden states it reads
+    update: Update  # adds one batch in place: update(total, inputs, index, constants)
+    valid: Callable[..., bool] = lambda *index: True
+    what: str = ""
+
+    def __call__(self, *index: int) -> Entry:
+        if len(index) != self.arity or not all(isinstance(i, int) and i >= 0 for i in index):
+            raise GhostedError(f"Statistic {self.name} takes {self.arity} non-negative layer index(es), got {index}.")
+        if not self.valid(*index):
+            raise GhostedError(f"Statistic {self.name}{index} does not exist ({self.what}).")
+        return Entry(self, tuple(index))
+
+    def shape(self, hidden_size: int) -> tuple[int, ...]:
+        return (1,) if self.scalar else (hidden_size,) if self.vector else (hidden_size, hidden_size)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One statistic at given indices, e.g. ``CROSS(3, 7)``: the unit a plan is made of and a store holds."""
+
+    statistic: Statistic
+    index: tuple[int, ...]
+
+    @property
+    def key(self) -> str:
+        """Its tensor name, e.g. ``cross.3.7``."""
+        return ".".join((self.statistic.name, *map(str, self.index)))
+
+    @property
+    def reads(self) -> tuple[Read, ...]:
+        return self.statistic.reads(*self.index)
+
+    @property
+    def ready_at(self) -> int:
+        return max(ready_at(r) for r in self.reads)
+
+    @property
+    def first(self) -> int:
+        """Its first index: the source of a pair, the layer input of a single-index statistic."""
+        return self.index[0]
+
+    def __repr__(self) -> str:
+        return f"{self.statistic.name.upper()}{self.index}"
+
+    def __lt__(self, other: Entry) -> bool:  # plans print and serialise in a stable order
+        return (self.statistic.name, self.index) < (other.statistic.name, other.index)
+
+
+# ---------------------------------------------------------------- the updates (addmm_ into the sums: no
+# (C, C) temporary per product)
+
+
+def _gram(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+    (i,) = index
+    total.addmm_(x[source(i)].T, x[source(i)])
+
+
+def _cross(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+    s, e = index
+    total.addmm_(x[source(s)].T, x[target(e)])
+
+
+def _energy(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+    total += x[target(index[1])].square().sum().reshape(1)
+
+
+def _cosines(x: Inputs, s: int, e: int) -> torch.Tensor:
+    a, b = x[source(s)], x[target(e)]
+    norms = (a.norm(dim=1) * b.norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
+    return ((a * b).sum(dim=1) / norms).clamp(-1.0, 1.0)
+
+
+def _cosine(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+    total += _cosines(x, *index).sum().reshape(1)
+
+
+def _angular(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+    total += (torch.arccos(_cosines(x, *index)) / math.pi).sum().reshape(1)
+
+
+def _abs(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+    total += x[source(index[0])].abs().sum(dim=0)
+
+
+def _rotated_abs(total: torch.Tensor, x: Inputs, index: tuple[int, ...], constants: Mapping[str, torch.Tensor]) -> None:
+    total += (x[source(index[0])] @ constants["rotation"]).abs().sum(dim=0)
+
+
+def _mlp_gram(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+    m = x[mlp(index[0] - 1)]
+    total.addmm_(m.T, m)
+
+
+def _mlp_source(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+    total.addmm_(x[mlp(index[0] - 1)].T, x[source(index[0])])
+
+
+def _mlp_target(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+    s, e = index
+    total.addmm_(x[mlp(s - 1)].T, x[target(e)])
+
+
+_after_a_layer = dict(valid=lambda s, *rest: s >= 1, what="MLP terms need a layer before the source: s >= 1")
+
+GRAM = Statistic("gram", 1, False, False, lambda i: (source(i),), _gram, what="X_i^T X_i")
+CROSS = Statistic("cross", 2, False, False, lambda s, e: (source(s), target(e)), _cross, what="X_s^T X_e")
+ENERGY = Statistic("energy", 2, False, True, lambda s, e: (target(e),), _energy, what="sum ||x_e||^2")
+COSINE = Statistic("cos", 2, False, True, lambda s, e: (source(s), target(e)), _cosine, what="sum cos(x_s, x_e)")
+ANGULAR = Statistic("ang", 2, False, True, lambda s, e: (source(s), target(e)), _angular,
+                    what="sum arccos(cos(x_s, x_e)) / pi")
+ABS = Statistic("abs", 1, True, False, lambda i: (source(i),), _abs, what="sum |x_i| per channel")
+ROTATED_ABS = Statistic("rabs", 1, True, False, lambda i: (source(i),), _rotated_abs,
+                        what="sum |x_i H| per channel, H the Hadamard rotation")
+MLP_GRAM = Statistic("mlp_gram", 1, False, False, lambda s: (mlp(s - 1),), _mlp_gram, **_after_a_layer)
+MLP_SOURCE = Statistic("mlp_source", 1, False, False, lambda s: (mlp(s - 1), source(s)), _mlp_source,
+                       **_after_a_layer)
+MLP_TARGET = Statistic("mlp_target", 2, False, False, lambda s, e: (mlp(s - 1), target(e)), _mlp_target,
+                       **_after_a_layer)
+
+STATISTICS: dict[str, Statistic] = {s.name: s for s in (GRAM, CROSS, ENERGY, COSINE, ANGULAR, ABS, ROTATED_ABS,
+                                                        MLP_GRAM, MLP_SOURCE, MLP_TARGET)}
+
+
+def parse_key(key: str) -> Entry:
+    """The entry of a tensor name (``cross.3.7`` -> CROSS(3, 7)); a clear error for any other name."""
+    name, *index = key.split(".")
+    if name not in STATISTICS or not all(part.isdigit() for part in index):
+        raise GhostedError(f"{key!r} is not a statistic ghosted_hf writes (known: {', '.join(STATISTICS)}).")
+    return STATISTICS[name](*map(int, index))

@@ -1,0 +1,251 @@
+"""The statistics container, its file format, and the merge of shards.
+
+A file is a safetensors file of float64 tensors named by their entries (``gram.3``, ``cross.3.7``) with
+metadata: the format and its version, depth, hidden size, token count, the rotation of rotated sums, the
+sha256 of every tensor, and the origin (model fingerprint, calibration-data hash, plan, shard) that merge
+and `ghost_prune(statistics=...)` check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from ..errors import GhostedError, MissingFileError
+from .declarations import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, ROTATED_ABS,
+                           Entry, parse_key)
+from .plan import StatisticsPlan
+
+FORMAT = "ghosted-statistics"
+FORMAT_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Shard `index` of `count`: every count-th calibration batch, starting at batch `index`."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise GhostedError(f"Shard {self.index}/{self.count} does not exist: use I/N with 0 <= I < N (e.g. 0/3, 1/3, "
+                               "2/3).")
+
+    @classmethod
+    def parse(cls, text: str) -> ShardSpec:
+        index, slash, count = str(text).partition("/")
+        if not slash or not index.strip().isdigit() or not count.strip().isdigit():
+            raise GhostedError(f"Shard {text!r} is not of the form I/N (e.g. 0/3 for the first of three shards).")
+        return cls(int(index), int(count))
+
+    def take(self, items: list) -> list:
+        return items[self.index::self.count]
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """Hex sha256 of a tensor's raw bytes (CPU, contiguous)."""
+    return hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@dataclass
+class CalibrationStatistics:
+    """Float64 sums over calibration tokens, keyed by entry (see `declarations`)."""
+
+    tensors: dict[str, torch.Tensor]
+    depth: int
+    hidden_size: int
+    tokens: int
+    rotation_kind: str = "none"  # the Hadamard construction of ROTATED_ABS sums, "none" without them
+    # What the sums were made from: "model" (model_fingerprint), "data" (token hash), "plan" (StatisticsPlan
+    # JSON), "shard" ("I/N"); merge compares them.
+    origin: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    # ------------------------------------------------------------ reading
+
+    def __getitem__(self, entry: Entry) -> torch.Tensor:
+        if entry.key not in self.tensors:
+            raise GhostedError(f"These statistics hold no {entry.statistic.what} ({entry.key}); collect them with a "
+                               "plan that includes it.")
+        return self.tensors[entry.key]
+
+    def holds(self, *entries: Entry) -> bool:
+        return all(e.key in self.tensors for e in entries)
+
+    def gram(self, i: int) -> torch.Tensor:
+        return self[GRAM(i)]
+
+    def cross(self, s: int, e: int) -> torch.Tensor:
+        return self[CROSS(s, e)]
+
+    def energy(self, s: int, e: int) -> float:
+        return float(self[ENERGY(s, e)])
+
+    def has_pair(self, s: int, e: int) -> bool:
+        """Whether the least-squares statistics of (s, e) are here (the fit figures need them)."""
+        return self.holds(GRAM(s), CROSS(s, e), ENERGY(s, e))
+
+    def mlp_terms(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(M^T M, M^T X_s, M^T X_e) for the MLP output M of layer s-1."""
+        return self[MLP_GRAM(s)], self[MLP_SOURCE(s)], self[MLP_TARGET(s, e)]
+
+    def mean_cosine(self, s: int, e: int) -> float:
+        return float(self[COSINE(s, e)]) / self.tokens
+
+    def mean_angular(self, s: int, e: int) -> float:
+        return float(self[ANGULAR(s, e)]) / self.tokens
+
+    def abs_mean(self, i: int) -> torch.Tensor:
+        return self[ABS(i)] / self.tokens
+
+    def rotated_abs_mean(self, i: int) -> torch.Tensor:
+        return self[ROTATED_ABS(i)] / self.tokens
+
+    def extended(self, values: Mapping[Entry, torch.Tensor]) -> CalibrationStatistics:
+        """A copy holding `values` too (statistics derived exactly from these, e.g. those of a target X W)."""
+        return dataclasses.replace(self, tensors={**self.tensors, **{e.key: v for e, v in values.items()}})
+
+    def with_tensors(self, other: CalibrationStatistics) -> CalibrationStatistics:
+        """These statistics updated with `other`'s (same calibration tokens; `other` wins on shared keys)."""
+        if other.tokens != self.tokens or other.depth != self.depth:
+            raise GhostedError(
+                f"Cannot combine statistics of {self.tokens} and {other.tokens} tokens: they come from different "
+                "calibration data (pass the same text, sequence length and number of sequences)."
+            )
+        rotation_kind = other.rotation_kind if other.rotation_kind != "none" else self.rotation_kind
+        origin = {**self.origin, **other.origin}
+        if "plan" in self.origin and "plan" in other.origin:
+            origin["plan"] = (StatisticsPlan.from_json(self.origin["plan"])
+                              | StatisticsPlan.from_json(other.origin["plan"])).to_json()
+        return dataclasses.replace(self, tensors={**self.tensors, **other.tensors}, rotation_kind=rotation_kind,
+                                   origin=origin)
+
+    # ------------------------------------------------------------ files
+
+    def save(self, path: str | Path) -> None:
+        """Write to a safetensors file, to try other selections or operators without another pass."""
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}
+        metadata = {
+            "format": FORMAT, "version": FORMAT_VERSION, "depth": str(self.depth),
+            "hidden_size": str(self.hidden_size), "tokens": str(self.tokens), "rotation_kind": self.rotation_kind,
+            "origin": json.dumps(self.origin, sort_keys=True),
+            "sha256": json.dumps({k: tensor_sha256(v) for k, v in tensors.items()}, sort_keys=True),
+        }
+        save_file(tensors, str(path), metadata=metadata)
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> CalibrationStatistics:
+        """Read a file written by `save`, every tensor checked against the shape and hash it claims."""
+        header, hashes = _read_header(path)
+        tensors = load_file(str(path), device=str(device))
+        for key, tensor in tensors.items():
+            expected = parse_key(key).statistic.shape(header.hidden_size)
+            if tuple(tensor.shape) != expected or tensor.dtype != torch.float64:
+                raise GhostedError(f"{path}: tensor {key} is {tensor.dtype} {tuple(tensor.shape)}, not float64 "
+                                   f"{expected}: the file is damaged or was not written by ghosted_hf.")
+            if tensor_sha256(tensor) != hashes.get(key):
+                raise GhostedError(f"{path}: tensor {key} does not match the sha256 recorded for it: the file was "
+                                   "altered or damaged; collect the statistics again.")
+        return dataclasses.replace(header, tensors=tensors)
+
+    @classmethod
+    def load_header(cls, path: str | Path) -> CalibrationStatistics:
+        """The file's metadata and tensor names, without the tensors (their values are None)."""
+        return _read_header(path)[0]
+
+    # ------------------------------------------------------------ shards
+
+    @classmethod
+    def merge(cls, shards: Iterable[CalibrationStatistics | str | Path]) -> CalibrationStatistics:
+        """The sums of shards 0/N .. N-1/N of one calibration set: the statistics of the whole set. Files are
+        checked from their headers first, then read and summed one at a time (memory: two shards' tensors)."""
+        shards = list(shards)
+        names = [str(s) if isinstance(s, (str, Path)) else f"shard #{k}" for k, s in enumerate(shards)]
+        headers = [cls.load_header(s) if isinstance(s, (str, Path)) else s for s in shards]
+        count = check_shards(headers, names)
+        merged: CalibrationStatistics | None = None
+        for shard in shards:
+            shard = cls.load(shard) if isinstance(shard, (str, Path)) else shard
+            if merged is None:
+                merged = dataclasses.replace(shard, tensors={k: v.double().clone() for k, v in shard.tensors.items()})
+                continue
+            for key, value in shard.tensors.items():
+                merged.tensors[key] += value
+            merged.tokens += shard.tokens
+            if merged.rotation_kind == "none":
+                merged.rotation_kind = shard.rotation_kind
+        merged.origin = {k: v for k, v in merged.origin.items() if k != "shard"} | {"merged_shards": count}
+        return merged
+
+
+def _read_header(path: str | Path) -> tuple[CalibrationStatistics, dict[str, str]]:
+    if not Path(path).is_file():
+        raise MissingFileError(f"Statistics file {path} does not exist.")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta, keys = handle.metadata() or {}, list(handle.keys())
+    except (SafetensorError, OSError) as error:
+        raise GhostedError(f"{path} is not a readable safetensors file ({error}): pass a file written by "
+                           "`ghosted stats collect` or CalibrationStatistics.save.") from None
+    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise GhostedError(f"{path} is not a ghosted_hf statistics file of version {FORMAT_VERSION} (format "
+                           f"{meta.get('format')!r}, version {meta.get('version')!r}): collect the statistics again.")
+    try:
+        for key in keys:
+            parse_key(key)
+        header = CalibrationStatistics(tensors=dict.fromkeys(keys), depth=int(meta["depth"]),
+                                       hidden_size=int(meta["hidden_size"]), tokens=int(meta["tokens"]),
+                                       rotation_kind=meta["rotation_kind"], origin=json.loads(meta["origin"]))
+        hashes = json.loads(meta["sha256"])
+    except (KeyError, ValueError) as error:
+        raise GhostedError(f"{path}: damaged statistics metadata ({error}): collect the statistics again.") from None
+    missing = sorted(set(keys) - set(hashes))
+    if missing:
+        raise GhostedError(f"{path}: no sha256 recorded for {missing}: the file was altered; collect it again.")
+    return header, hashes
+
+
+def check_shards(shards: list[CalibrationStatistics], names: list[str]) -> int:
+    """Refuse shards that are not all N shards of one run (model, data, plan, options); returns N."""
+    if not shards:
+        raise GhostedError("No statistics shards to merge: pass the files written by `ghosted stats collect --shard`.")
+    for name, shard in zip(names, shards):
+        if "shard" not in shard.origin:
+            raise GhostedError(f"{name} is not a statistics shard (no shard index recorded): merge only files "
+                               "written by `ghosted stats collect --shard I/N`.")
+    specs = [ShardSpec.parse(s.origin["shard"]) for s in shards]
+    first, first_name = shards[0], names[0]
+    agree: list[tuple[str, Callable[[CalibrationStatistics], Any]]] = [
+        ("model", lambda x: x.origin.get("model")), ("calibration data", lambda x: x.origin.get("data")),
+        ("statistics plan", lambda x: x.origin.get("plan")), ("depth and hidden size", lambda x: (x.depth, x.hidden_size)),
+        ("number of shards", lambda x: ShardSpec.parse(x.origin["shard"]).count)]
+    for name, shard, spec in zip(names, shards, specs):
+        for what, get in agree:
+            if get(shard) != get(first):
+                raise GhostedError(f"{name} (shard {spec}) and {first_name} were collected with a different {what}: "
+                                   "merge only shards of one `ghosted stats collect` run (same model, calibration "
+                                   "file, options and N).")
+        if set(shard.tensors) != set(first.tensors):
+            raise GhostedError(f"{name} and {first_name} hold different statistics; recollect them with one plan.")
+    seen: dict[int, str] = {}
+    for name, spec in zip(names, specs):
+        if spec.index in seen:
+            raise GhostedError(f"Shard {spec} is given twice ({seen[spec.index]} and {name}): pass each shard once.")
+        seen[spec.index] = name
+    count = specs[0].count
+    missing = [f"{i}/{count}" for i in range(count) if i not in seen]
+    if missing:
+        raise GhostedError(f"Shard(s) {', '.join(missing)} missing: merge needs all {count} shards of the run.")
+    return count

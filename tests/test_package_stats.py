@@ -1,0 +1,29 @@
+"""The package stays documented and readable: every public name has a docstring, and no function grows
+past the limit without a reason recorded here (see package_stats.py, which prints the numbers)."""
+
+from __future__ import annotations
+
+from package_stats import MAX_FUNCTION_LINES, report
+
+# Functions allowed over the limit, each with why it is one function.
+LONG = {
+    "surgery:prune_layers": "validates every input before the meta-device build, then adopts the tensors in one place",
+    "statistics.capture:capture_hidden_states": "the hooks share one capture dict and one stop point",
+    "healing:heal": "the training loop; rebuilt on transformers' Trainer under issue 23",
+}
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    assert report()["undocumented"] == []
+
+
+def test_no_function_over_the_limit_without_a_reason() -> None:
+    over = {f.name: f.lines for f in report()["over_limit"]}
+    assert set(over) <= set(LONG), {name: lines for name, lines in over.items() if name not in LONG}
+    assert all(lines <= 2 * MAX_FUNCTION_LINES for lines in over.values()), over
+
+
+def test_the_report_sees_the_whole_package() -> None:
+    r = report()
+    assert {"recipe", "statistics.passes", "remote.modeling_ghosted"} <= set(r["lines"])
+    assert r["total_lines"] == sum(r["lines"].values()) > 1000
