@@ -3,6 +3,7 @@ this process, and the summation of float64 statistics across processes."""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from collections.abc import Mapping
@@ -12,6 +13,10 @@ import torch
 from .errors import GhostedError
 
 logger = logging.getLogger(__name__)
+
+# How long a process waits for its peers (rendezvous and every collective) before it fails with a message;
+# GHOSTED_DISTRIBUTED_TIMEOUT (seconds) overrides it for very long passes.
+DEFAULT_TIMEOUT_S = 1800
 
 
 # (rank, world size, local rank) as torchrun (and accelerate's GPU launcher) or an MPI launcher (accelerate's
@@ -49,8 +54,14 @@ def init_distributed() -> bool:
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise GhostedError(f"Process {rank} of {world}: MASTER_ADDR and MASTER_PORT are not set, so the processes cannot "
                            "find each other; start them with torchrun or accelerate launch (which set them).")
-    logger.info("Joining process group: rank %d of %d (%s).", rank, world, backend)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    timeout = float(os.environ.get("GHOSTED_DISTRIBUTED_TIMEOUT", DEFAULT_TIMEOUT_S))
+    logger.info("Joining process group: rank %d of %d (%s, timeout %.0f s).", rank, world, backend, timeout)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, TimeoutError) as error:  # torch raises DistStoreError (a RuntimeError) on a timeout
+        raise GhostedError(f"Process {rank} of {world} found no peers at {os.environ['MASTER_ADDR']}:"
+                           f"{os.environ['MASTER_PORT']} within {timeout:.0f} s ({error}): start every process "
+                           "(torchrun --nproc-per-node N), or raise GHOSTED_DISTRIBUTED_TIMEOUT.") from None
     return True
 
 
@@ -66,6 +77,24 @@ def process_rank() -> tuple[int, int]:
 def is_main_process() -> bool:
     """Only the main process (rank 0) writes files."""
     return process_rank()[0] == 0
+
+
+def check_agreement(claims: Mapping[str, str]) -> None:
+    """Before any work: every process must run the same model, data and options (their hashes in `claims`).
+    A process that differs fails every process with one line naming it and what differs."""
+    import torch.distributed as dist
+
+    rank, world = process_rank()
+    if world == 1:
+        return
+    gathered: list[dict[str, str] | None] = [None] * world
+    dist.all_gather_object(gathered, dict(claims))
+    for other, theirs in enumerate(gathered):
+        differing = sorted(k for k in set(gathered[0]) | set(theirs) if gathered[0].get(k) != theirs.get(k))
+        if differing:
+            raise GhostedError(f"Process {other} of {world} has another {', '.join(differing)} than process 0 "
+                               f"(this is process {rank}): start every process with the same model, calibration "
+                               "text and options.")
 
 
 def all_reduce_sums(tensors: Mapping[str, torch.Tensor], tokens: int) -> tuple[dict[str, torch.Tensor], int]:

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 from .data import TextSource, TokenBatches, tokenize_texts
 from .operators import operator_kind
 from .options import ExportOptions
-from .recipe import check_token_ids
+from .recipe import check_token_budget, check_token_ids
 from .remote.configuration_ghosted import LAYER_TARGET
 from .remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
 from .statistics import CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, CalibrationStatistics, StatisticsPlan
@@ -32,6 +32,7 @@ def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSou
     kind = operator_kind(options.operator)
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
     check_token_ids(data, model.get_input_embeddings().weight.shape[0])
+    check_token_budget(data.num_tokens, model.config.hidden_size)  # the rule `ghost_prune` applies
     depth = model.config.num_hidden_layers
     for record in model.config.ghost_boundaries:
         operator = model.get_parameter(ghost_tensor_key(record))

@@ -41,10 +41,20 @@ def _fetch(ref: str, filename: str, revision: str | None) -> Path | None:
 
 
 def is_own_ghosted_model(ref: str, revision: str | None = None) -> bool:
-    """True for a ghosted model whose remote code is byte for byte ghosted_hf's own (safe to trust)."""
+    """True when the only code loading `ref`'s model would run is ghosted_hf's own remote code, byte for byte:
+    a ghosted config whose every `auto_map` entry names one of those two files, both identical to ours. Trust
+    is per code file: this says nothing about other code in the folder (a tokenizer's, say)."""
     config = _fetch(ref, "config.json", revision)
-    if config is None or json.loads(config.read_text()).get("model_type") != "ghosted":
+    if config is None:
         return False
+    values = json.loads(config.read_text())
+    if values.get("model_type") != "ghosted":
+        return False
+    own = {name.removesuffix(".py") for name in REMOTE_FILES}
+    entries = list((values.get("auto_map") or {}).values())
+    references = [e for entry in entries for e in (entry if isinstance(entry, list) else [entry]) if e]
+    if not references or any("--" in r or r.rsplit(".", 1)[0] not in own for r in references):
+        return False  # code from another repository ("repo--module.Class") or another file of the folder
     for name, content in own_remote_code().items():
         path = _fetch(ref, name, revision)
         if path is None or path.read_bytes() != content:
@@ -73,10 +83,13 @@ def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ref = resolve(ref)
+    # Our own remote code is trusted for the model, byte for byte; nothing else runs without --trust-remote-code,
+    # the tokenizer's code included.
     trust = trust_remote_code or is_own_ghosted_model(ref, revision)
-    common: dict[str, Any] = {"revision": revision, "trust_remote_code": trust}
     try:
-        model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPES[dtype], device_map=device_map, **common)
+        model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPES[dtype], device_map=device_map,
+                                                     revision=revision, trust_remote_code=trust)
+        tokenizer = AutoTokenizer.from_pretrained(ref, revision=revision, trust_remote_code=trust_remote_code)
     except (ValueError, ImportError) as error:  # transformers' and the remote code's refusals of a checkpoint
         raise GhostedError(f"{ref} cannot be loaded: {error}") from error
-    return model.eval(), AutoTokenizer.from_pretrained(ref, **common)
+    return model.eval(), tokenizer

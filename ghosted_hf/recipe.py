@@ -58,6 +58,7 @@ def ghost_prune(
     check_request(calibration_pass.config, options)
     data, statistics = prepare_calibration(calibration_pass, tokenizer, calibration, statistics, options)
     calibrator = Calibrator(calibration_pass, data, statistics, device=options.stats_device)
+    calibrator.check_agreement(options)
     selection = select(calibrator, options)
     fits = fit_operators(calibrator, selection.removed, options)
     dense = calibration_pass.model_for_build(selection.removed)
@@ -96,9 +97,7 @@ def select(calibrator: Calibrator, options: PruneOptions) -> Selection:
     """The layers to remove, with the scores of every candidate."""
     chosen = criterion(options.criterion)
     request = selection_request(calibrator.depth, options)
-    plan = chosen.statistics(request)
-    stats = calibrator.ensure(plan, f"selection by {chosen.name!r}") if plan else None
-    return chosen.select(stats, request)
+    return chosen.select(calibrator.ensure(chosen.statistics(request), f"selection by {chosen.name!r}"), request)
 
 
 def boundary_spans(depth: int, removed: list[int]) -> list[tuple[int, int]]:
@@ -115,7 +114,7 @@ def fit_operators(calibrator: Calibrator, removed: list[int], options: PruneOpti
     # Sequentially fitted boundaries read their sources from the patched stream, so the dense pass skips them.
     dense_plan = StatisticsPlan.union(plan.split_at(s)[1] if sequential and k else plan
                                       for k, (plan, (s, _)) in enumerate(zip(plans, spans)))
-    stats = calibrator.ensure(dense_plan, f"fitting the {kind.name} operators") if dense_plan else calibrator.statistics
+    stats = calibrator.ensure(dense_plan, f"fitting the {kind.name} operators")
     fits: list[BoundaryFit] = []
     for k, (plan, (s, e)) in enumerate(zip(plans, spans)):
         if sequential and k > 0:
@@ -196,7 +195,12 @@ def prepare_calibration(calibration_pass: CalibrationPass, tokenizer: Any, calib
     """(token batches of the calibration text or None, precomputed statistics or None)."""
     if isinstance(statistics, (str, Path)):
         statistics = CalibrationStatistics.load(statistics, device=options.stats_device or "cpu")
-    if statistics is not None and statistics.origin.get("model"):
+    if statistics is not None:
+        config = calibration_pass.config
+        if (statistics.depth, statistics.hidden_size) != (config.num_hidden_layers, config.hidden_size):
+            raise GhostedError(f"The given statistics were collected on a model of {statistics.depth} layers of "
+                               f"width {statistics.hidden_size}, not this one ({config.num_hidden_layers} x "
+                               f"{config.hidden_size}): collect statistics on this model.")
         check_same_model(statistics, calibration_pass.fingerprint(), "The given statistics")
     if statistics is not None and "shard" in statistics.origin and statistics.origin["shard"] != "0/1":
         raise GhostedError(f"The given statistics are shard {statistics.origin['shard']} only: merge all shards first "
@@ -224,6 +228,7 @@ def calibrate(model: PreTrainedModel | CalibrationPass, tokenizer: Any, calibrat
     check_request(calibration_pass.config, options)
     data, _ = prepare_calibration(calibration_pass, tokenizer, calibration, None, options)
     calibrator = Calibrator(calibration_pass, data, device=options.stats_device, shard=shard)
+    calibrator.check_agreement(options)
     stats = calibrator.collect(statistics_plan(calibrator.depth, options), f"statistics shard {calibrator.shard}")
     stats.origin["model"] = calibration_pass.fingerprint()
     return stats

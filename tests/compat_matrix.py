@@ -44,10 +44,14 @@ def tiny_dense(arch: str, seed: int = 0):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
     torch.manual_seed(seed)
+    # Rotary settings other than the defaults (SmolLM2's theta; a scaled rope): transformers 5 saves them as
+    # `rope_parameters`, which 4.x does not read.
     if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 100000.0}))
     elif arch == "qwen2":
-        config = Qwen2Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=2)
+        config = Qwen2Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=2,
+                             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0})
         assert len(set(config.layer_types)) == 2, config.layer_types
         model = Qwen2ForCausalLM(config)
     else:

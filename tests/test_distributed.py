@@ -205,3 +205,29 @@ def test_prune_under_torchrun_and_accelerate_launch_writes_once_and_matches_one_
         assert config["removed_layers"] == json.loads((tmp_path / "one" / "config.json").read_text())["removed_layers"]
         assert config["ghost_provenance"]["calibration"]["processes"] == 2, launcher
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["cal.txt", "dense", "one", *LAUNCHERS])
+
+
+def run_disagreeing_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 is given other calibration text than rank 0."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from ghosted_hf.errors import GhostedError
+    from ghosted_hf.recipe import ghost_prune
+
+    try:
+        ghost_prune(build("llama"), char_tokenizer(), texts(seed=rank), **OPTIONS)
+        message = "no error"
+    except GhostedError as error:
+        message = str(error)
+    Path(out, f"rank{rank}.txt").write_text(message)
+
+
+def test_a_rank_with_other_calibration_text_fails_every_rank_before_any_pass(tmp_path: Path) -> None:
+    context = mp.start_processes(run_disagreeing_rank, args=(2, free_port(), str(tmp_path)), nprocs=2,
+                                 start_method="spawn", join=False)
+    for process in context.processes:
+        process.join(timeout=300)
+    for rank in range(2):
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        assert message.startswith("Process 1 of 2 has another calibration data than process 0"), (rank, message)

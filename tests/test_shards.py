@@ -128,3 +128,33 @@ def test_stats_collect_merge_and_prune_on_the_command_line(tmp_path: Path) -> No
                   cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip() == ("ghosted stats collect: error: Shard 5/3 does not exist: use "
                                                           "I/N with 0 <= I < N (e.g. 0/3, 1/3, 2/3).")
+
+
+def test_a_shard_with_altered_values_is_refused(tmp_path: Path) -> None:
+    """A few elements of one shard's tensor multiplied by 1.5 (the file rewritten with its old metadata):
+    merge and prune refuse it instead of summing it."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    paths = shards(tmp_path)
+    with safe_open(str(paths[1]), framework="pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(paths[1])
+    key = sorted(k for k in tensors if k.startswith("cross."))[0]
+    tensors[key][0, :3] *= 1.5
+    save_file(tensors, str(paths[1]), metadata=metadata)
+    with pytest.raises(GhostedError, match=rf"tensor {key} does not match the sha256 recorded for it"):
+        CalibrationStatistics.merge(paths)
+    with pytest.raises(GhostedError, match=rf"{paths[1].name}: tensor {key} does not match"):
+        CalibrationStatistics.load(paths[1])
+
+
+def test_statistics_must_name_their_model_and_fit_its_depth(tmp_path: Path) -> None:
+    stats = calibrate(build("llama", num_hidden_layers=8), char_tokenizer(), texts(), **OPTIONS)
+    with pytest.raises(GhostedError, match="collected on a model of 8 layers of width 32, not this one \\(6 x 32\\)"):
+        ghost_prune(build("llama"), statistics=stats, **OPTIONS)
+    anonymous = calibrate(build("llama"), char_tokenizer(), texts(), **OPTIONS)
+    anonymous.origin.pop("model")
+    anonymous.save(tmp_path / "anonymous.safetensors")
+    with pytest.raises(GhostedError, match="do not record the model they were collected on"):
+        ghost_prune(build("llama"), statistics=tmp_path / "anonymous.safetensors", **OPTIONS)

@@ -136,3 +136,13 @@ def test_export_stock_command_turns_a_ghosted_folder_into_a_stock_checkpoint(tmp
     assert all(0.0 <= b["fit"]["relative_residual"] < 1.0 for b in boundaries)  # keeps part of each correction
     assert f"relative_residual={boundaries[0]['fit']['relative_residual']:.4g}" in out
     assert main(argv) == 2  # the output exists now: refused, nothing overwritten
+
+
+def test_export_stock_refuses_as_little_text_as_prune_does() -> None:
+    from ghosted_hf import export_stock
+
+    ghosted = ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], **FAST)
+    for call in (lambda: export_stock(ghosted, char_tokenizer(), ["nine char"]),
+                 lambda: ghost_prune(build("llama"), char_tokenizer(), ["nine char"], criterion="manual", layers=[2, 3])):
+        with pytest.raises(GhostedError, match=r"gave \d+ usable tokens, but fitting a 32x32 operator needs at least 32"):
+            call()

@@ -152,7 +152,16 @@ def _text_config_object(text_config: dict | PretrainedConfig | None) -> Pretrain
         return text_config
     values = dict(text_config or {})
     model_type = values.pop("model_type", "llama")
-    return AutoConfig.for_model(model_type, **values)
+    config = AutoConfig.for_model(model_type, **values)
+    # transformers 5 writes the rotary settings as `rope_parameters`; 4.x reads `rope_theta` / `rope_scaling` and
+    # would silently use its defaults: carry them over where this version's config has its own `rope_theta`.
+    rope = values.get("rope_parameters")
+    if isinstance(rope, dict) and hasattr(config, "rope_theta") and "rope_theta" in rope \
+            and config.rope_theta != rope["rope_theta"]:
+        config.rope_theta = rope["rope_theta"]
+        if rope.get("rope_type", "default") != "default" and getattr(config, "rope_scaling", None) is None:
+            config.rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return config
 
 
 def check_format_version(version: Any) -> None:

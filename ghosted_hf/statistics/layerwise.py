@@ -26,7 +26,7 @@ from ..errors import GhostedError, MissingFileError, NonFiniteError
 from .accumulate import StatisticsAccumulator
 from .capture import Patch, release_freed_memory
 from .declarations import Read, mlp, source, target
-from .origin import model_fingerprint
+from .origin import config_sha256, model_fingerprint
 from .passes import Batch, CalibrationPass
 from .plan import StatisticsPlan
 from .store import CalibrationStatistics
@@ -178,8 +178,7 @@ class LayerwisePass(CalibrationPass):
         run = min(plan.deepest(), depth)  # decoder layers to run: 0..run-1
         stream = _Streams(self, batches, patch, run, depth)
         try:
-            for b, batch in enumerate(batches):
-                accumulator.tokens += int(batch["attention_mask"].bool().sum())
+            accumulator.tokens = sum(int(batch["attention_mask"].bool().sum()) for batch in batches)
             kept_rows: list[dict[Read, torch.Tensor]] = [{} for _ in batches]
 
             def rows(b: int, read: Read | None, value: torch.Tensor, where: str) -> None:
@@ -217,7 +216,9 @@ class LayerwisePass(CalibrationPass):
                     settle(b, i + 1)
         finally:
             stream.close()
-        return accumulator.result(depth)
+        stats = accumulator.result(depth)
+        stats.origin["model"] = {"config_sha256": config_sha256(self.config)}
+        return stats
 
 
 class _Streams:

@@ -51,15 +51,17 @@ def model_fingerprint(model: nn.Module | None = None, folder: str | Path | None 
 
 
 def check_same_model(stats: CalibrationStatistics, fingerprint: dict[str, Any], what: str = "the statistics") -> None:
-    """Refuse statistics recorded from another model (config or weight files differ)."""
-    recorded = stats.origin.get("model")
-    if not recorded:
-        return
+    """Refuse statistics that do not say which model they come from, or that come from another one (another
+    config, depth or weights; the weights are compared where both sides record them)."""
+    recorded = stats.origin.get("model") or {}
+    if not recorded.get("config_sha256"):
+        raise GhostedError(f"{what} do not record the model they were collected on: collect them with "
+                           "ghosted_hf.calibrate or `ghosted stats collect` (or collect_statistics), which record it.")
     if recorded.get("config_sha256") != fingerprint["config_sha256"]:
         raise GhostedError(f"{what} were collected on a model with another config (config hash "
                            f"{recorded.get('config_sha256', '?')[:12]} vs {fingerprint['config_sha256'][:12]}): collect "
                            "statistics on this model, or pass the model they were collected on.")
-    if recorded.get("weights_sha256") != fingerprint["weights_sha256"]:
+    if "weights_sha256" in recorded and recorded["weights_sha256"] != fingerprint["weights_sha256"]:
         raise GhostedError(f"{what} were collected on the same architecture but other weights "
                            f"({recorded.get('weights_sha256')} vs {fingerprint['weights_sha256']}): collect statistics "
                            "on this model's weights.")

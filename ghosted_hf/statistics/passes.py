@@ -8,6 +8,7 @@ pass stops right after the deepest hidden state its plan reads.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sized
 from typing import Any
@@ -18,11 +19,11 @@ from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..data import TokenBatches
-from ..distributed import all_reduce_sums, process_rank
+from ..distributed import all_reduce_sums, check_agreement, process_rank
 from ..errors import GhostedError
 from .capture import Patch, capture_hidden_states, decoder_parts, input_device, patched_stream, release_freed_memory
 from .declarations import Read
-from .origin import model_fingerprint
+from .origin import config_sha256, model_fingerprint
 from .plan import StatisticsPlan
 from .store import CalibrationStatistics, ShardSpec
 from .accumulate import StatisticsAccumulator
@@ -105,7 +106,9 @@ class FullModelPass(CalibrationPass):
                 release_freed_memory()
         finally:
             model.train(mode)
-        return accumulator.result(len(layers))
+        stats = accumulator.result(len(layers))
+        stats.origin["model"] = {"config_sha256": config_sha256(model.config)}
+        return stats
 
 
 def _batch_rows(model: nn.Module, batch: Batch, reads: set[Read], patch: Patch | None, keep: torch.Tensor,
@@ -172,12 +175,33 @@ class Calibrator:
     def data_description(self) -> dict[str, Any]:
         return self.data.describe() if self.data is not None else {}
 
+    def data_sha256(self) -> str:
+        """The calibration tokens' hash (computed once)."""
+        if self._data_sha256 is None:
+            self._data_sha256 = self.data.token_sha256()
+        return self._data_sha256
+
+    def check_agreement(self, options: Any) -> None:
+        """Under torch.distributed, refuse to start unless every process has this model (config and weight
+        hashes), this calibration data and these options; a no-op in one process."""
+        if self.world == 1:
+            return
+        import hashlib
+        import json
+
+        claims = {"model": json.dumps(self.calibration_pass.fingerprint(), sort_keys=True),
+                  "calibration data": self.data_sha256() if self.data is not None else "",
+                  "shard": str(self.shard),
+                  "options": json.dumps(dataclasses.asdict(options), sort_keys=True, default=str)}
+        check_agreement({k: hashlib.sha256(v.encode()).hexdigest() for k, v in claims.items()})
+
     def my_batches(self) -> list[dict[str, torch.Tensor]]:
         """This process's share of this shard's batches."""
         return ShardSpec(self.rank, self.world).take(self.shard.take(self.data.batches))
 
-    def ensure(self, plan: StatisticsPlan, purpose: str) -> CalibrationStatistics:
-        """Statistics holding at least `plan`, running one pass for whatever is missing."""
+    def ensure(self, plan: StatisticsPlan, purpose: str) -> CalibrationStatistics | None:
+        """Statistics holding at least `plan`, running one pass for whatever is missing (None: nothing was
+        needed and nothing was given)."""
         missing = plan.missing_from(self.statistics.tensors if self.statistics is not None else ())
         if missing:
             if self.data is None:
@@ -200,9 +224,7 @@ class Calibrator:
         stats.tensors, stats.tokens = all_reduce_sums(stats.tensors, stats.tokens)
         if stats.tokens == 0:
             raise GhostedError("The calibration batches contain no real token (every position is padding).")
-        if self._data_sha256 is None:
-            self._data_sha256 = self.data.token_sha256()
-        stats.origin.update(data=self._data_sha256, plan=plan.to_json(), shard=str(self.shard))
+        stats.origin.update(data=self.data_sha256(), plan=plan.to_json(), shard=str(self.shard))
         self.passes.append({"purpose": purpose, "batches": len(batches),
                             "forwards": self.calibration_pass.forwards(len(batches), patch, plan),
                             "processes": self.world, "deepest_layer_input": plan.deepest(),

@@ -125,7 +125,7 @@ class CalibrationStatistics:
                 "calibration data (pass the same text, sequence length and number of sequences)."
             )
         rotation_kind = other.rotation_kind if other.rotation_kind != "none" else self.rotation_kind
-        origin = {**self.origin, **other.origin}
+        origin = {**other.origin, **self.origin}  # the model's full fingerprint, where these hold it, stays
         if "plan" in self.origin and "plan" in other.origin:
             origin["plan"] = (StatisticsPlan.from_json(self.origin["plan"])
                               | StatisticsPlan.from_json(other.origin["plan"])).to_json()
