@@ -111,6 +111,7 @@ class PushArgs:
     repo_id: str = option(help="Hub repository, e.g. you/my-ghosted-model.")
     private: bool = option(False, "Create the repository as private.")
     revision: str | None = option(None, "Branch to push to (created if needed).")
+    timeout: float = option(60.0, "Seconds to wait for an answer from the Hub before giving up with an error.")
 
 
 @dataclass(kw_only=True)
@@ -327,7 +328,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     from .hub import push_to_hub
 
     run = from_namespace(PushArgs, args)
-    pushed = push_to_hub(run.folder, run.repo_id, private=run.private, revision=run.revision)
+    pushed = push_to_hub(run.folder, run.repo_id, private=run.private, revision=run.revision, timeout=run.timeout)
     print(f"Pushed {run.folder} to {run.repo_id} in commit {pushed.commit} ({pushed.commit_url})")
     print(f'Load it with AutoModelForCausalLM.from_pretrained("{run.repo_id}", revision="{pushed.commit}", '
           "trust_remote_code=True)")
@@ -341,11 +342,12 @@ def cmd_heal(args: argparse.Namespace) -> int:
 
     run, options = from_namespace(HealArgs, args), from_namespace(HealOptions, args)
     check_new_output(run.output, run.folder)
-    model, tokenizer = load_model(run.folder, trust_remote_code=run.trust_remote_code, revision=run.revision)
+    model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
+                                  revision=run.revision)
     teacher = None
     if run.teacher != "none":
         reference = base_model_reference(model) if run.teacher == "base" else run.teacher
-        teacher, _ = load_model(reference, trust_remote_code=run.trust_remote_code)
+        teacher, _ = load_model(reference, dtype=run.dtype, trust_remote_code=run.trust_remote_code)
     healed = heal(model, tokenizer, calibration_text(run.data), options, teacher=teacher)
     losses = healed.losses
     print(f"loss: first 5 steps {sum(losses[:5]) / len(losses[:5]):.4f}, last 5 steps "
@@ -369,7 +371,8 @@ def cmd_export_stock(args: argparse.Namespace) -> int:
 
     run, options = from_namespace(ExportArgs, args), from_namespace(ExportOptions, args)
     check_new_output(run.output, run.folder)
-    model, tokenizer = load_model(run.folder, trust_remote_code=run.trust_remote_code, revision=run.revision)
+    model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
+                                  revision=run.revision)
     if getattr(model.config, "model_type", None) != "ghosted":
         raise GhostedError(f"{run.folder} holds a {model.config.model_type!r} model, not a ghosted one: it is a stock "
                            "checkpoint already.")

@@ -1,19 +1,25 @@
 """Push a saved ghosted model (weights, remote code, card) to the Hugging Face Hub with huggingface_hub.
 
-The folder is verified first (every weight file read completely, index and operator hashes checked), then
-uploaded in one commit; a second commit pins that commit in the card's code sample. Pulling needs no code
-of ours: ``AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True, revision=<commit>)``.
+The folder is copied into a private staging folder, the copy verified (every weight file read completely,
+index and operator hashes checked), and exactly that copy uploaded in one commit: what changes in the
+folder meanwhile is not sent. A second commit pins the first in the card's code sample. Every network call
+waits at most `timeout` seconds for an answer. Pulling needs no code of ours:
+``AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True, revision=<commit>)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 from huggingface_hub import HfApi, ModelCard, get_token
 from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
@@ -70,6 +76,22 @@ def _pinned_card(folder: Path, repo_id: str, commit: str) -> str:
     return str(build_card(config, repo_id=repo_id, license=license, plot=plot, revision=commit))
 
 
+@contextlib.contextmanager
+def bounded_network(timeout: float) -> Iterator[None]:
+    """huggingface_hub's HTTP client, within the context, gives up on a connection that does not answer for
+    `timeout` seconds (its default waits for ever)."""
+    def factory():
+        client = huggingface_hub.utils._http.default_client_factory()
+        client.timeout = timeout
+        return client
+
+    huggingface_hub.set_client_factory(factory)
+    try:
+        yield
+    finally:
+        huggingface_hub.set_client_factory(huggingface_hub.utils._http.default_client_factory)
+
+
 def push_to_hub(
     model_or_folder: Any,
     repo_id: str,
@@ -81,37 +103,48 @@ def push_to_hub(
     commit_message: str = "Upload ghosted model (ghosted_hf)",
     overwrite_other_model: bool = False,
     endpoint: str | None = None,
+    timeout: float = 60.0,
 ) -> PushResult:
     """Upload a ghosted model (a `GhostedForCausalLM` or a folder saved with `save_with_card`) to `repo_id`
-    at branch `revision` (created if needed). `endpoint` selects another Hub deployment (default:
-    $HF_ENDPOINT or huggingface.co)."""
+    at branch `revision` (created if needed), exactly as verified. `endpoint` selects another Hub deployment
+    (default: $HF_ENDPOINT or huggingface.co); `timeout` bounds every wait for an answer from it (seconds)."""
     token = token or get_token()
     if not token:
         raise GhostedError("No Hugging Face token: run `hf auth login`, set HF_TOKEN, or pass token=...")
+    if not timeout > 0:
+        raise GhostedError(f"timeout must be a positive number of seconds, got {timeout}.")
     api = HfApi(endpoint=endpoint, token=token)
     with tempfile.TemporaryDirectory() as staging:
+        folder = Path(staging) / "model"
         if isinstance(model_or_folder, (str, Path)):
-            folder = Path(model_or_folder)
+            if not Path(model_or_folder).is_dir():
+                raise GhostedError(f"{model_or_folder} is not a folder; save the model with save_with_card first.")
+            shutil.copytree(model_or_folder, folder)  # the bytes verified below are the bytes sent
         else:
-            folder = save_with_card(model_or_folder, Path(staging) / "model", tokenizer=tokenizer, repo_id=repo_id)
+            save_with_card(model_or_folder, folder, tokenizer=tokenizer, repo_id=repo_id)
         check_ghosted_folder(folder)
         try:
-            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+            with bounded_network(timeout):
+                return _upload(api, folder, repo_id, private, revision, commit_message, overwrite_other_model)
         except Exception as error:
             if not _is_connection_error(error):
                 raise
-            raise GhostedError(f"Cannot reach the Hub at {api.endpoint} to push {repo_id} ({type(error).__name__}: "
-                               f"{error}); check the network, HF_ENDPOINT and HF_HUB_OFFLINE, then push again.") from None
-        existing = _remote_model_type(api, repo_id, revision)
-        if existing not in (None, "ghosted") and not overwrite_other_model:
-            raise GhostedError(f"{repo_id} already holds a {existing!r} model; choose another repo id or pass "
-                               "overwrite_other_model=True.")
-        if revision is not None:
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
-                                 commit_message=commit_message)
-        card = api.upload_file(path_or_fileobj=_pinned_card(folder, repo_id, info.oid).encode(),
-                               path_in_repo="README.md", repo_id=repo_id, revision=revision,
-                               commit_message=f"Model card: pin revision {info.oid}")
+            raise GhostedError(f"Cannot reach the Hub at {api.endpoint} to push {repo_id}, or it did not answer "
+                               f"within {timeout:g} s ({type(error).__name__}: {error}); check the network, "
+                               "HF_ENDPOINT and HF_HUB_OFFLINE, then push again.") from None
+
+
+def _upload(api: HfApi, folder: Path, repo_id: str, private: bool, revision: str | None, commit_message: str,
+            overwrite_other_model: bool) -> PushResult:
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    existing = _remote_model_type(api, repo_id, revision)
+    if existing not in (None, "ghosted") and not overwrite_other_model:
+        raise GhostedError(f"{repo_id} already holds a {existing!r} model; choose another repo id or pass "
+                           "overwrite_other_model=True.")
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision, commit_message=commit_message)
+    card = api.upload_file(path_or_fileobj=_pinned_card(folder, repo_id, info.oid).encode(), path_in_repo="README.md",
+                           repo_id=repo_id, revision=revision, commit_message=f"Model card: pin revision {info.oid}")
     logger.info("Pushed %s to %s", folder, info.commit_url)
     return PushResult(commit=info.oid, commit_url=info.commit_url, card_commit=getattr(card, "oid", None))

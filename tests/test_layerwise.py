@@ -79,6 +79,9 @@ def test_max_memory_sizes() -> None:
     assert parse_memory("8GiB") == 8 * 2**30 and parse_memory("500MB") == 500 * 10**6 and parse_memory("1024") == 1024
     with pytest.raises(GhostedError, match="not a size"):
         parse_memory("lots")
+    for text in ("inf", "nan", "-1GB", "0"):
+        with pytest.raises(GhostedError, match=f"max_memory must be a positive, finite size, got '{text}'"):
+            parse_memory(text)
 
 
 @pytest.mark.slow

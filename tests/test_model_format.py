@@ -275,6 +275,13 @@ def test_device_map_with_disk_offload(tmp_path: Path) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map, offload_folder=tmp_path / "off")
     inputs = batch()
     assert torch.equal(logits(loaded, inputs), logits(ghosted, inputs))
+    assert loaded.model.layers[2].ghost.operator.device.type == "meta"  # offloaded: verified all the same
+    tensors = load_file(tmp_path / "model" / "model.safetensors")
+    tensors["model.layers.2.ghost.operator"][0, 0] += 0.125  # finite, plausible, not the recorded bytes
+    save_file(tensors, tmp_path / "model" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="operator model.layers.2.ghost.operator does not match the sha256"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                             offload_folder=tmp_path / "off2")
 
 
 # ---------------------------------------------------------------- bad input
@@ -423,3 +430,12 @@ def test_a_config_without_a_version_reads_as_1_0(saved: Path) -> None:
     del config["ghost_format_version"]
     (saved / "config.json").write_text(json.dumps(config))
     assert AutoModelForCausalLM.from_pretrained(saved).config.ghost_format_version == "1.0"
+
+
+def test_a_config_claiming_more_layers_than_the_weights_is_refused_before_building(saved: Path) -> None:
+    config = json.loads((saved / "config.json").read_text())
+    config["text_config"]["num_hidden_layers"] = 10**9
+    config["original_num_hidden_layers"] = 10**9 + 2
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"claims 1000000000 decoder layers .* but the weight files hold 4"):
+        AutoModelForCausalLM.from_pretrained(saved)

@@ -150,3 +150,39 @@ def test_push_errors(ghosted, tmp_path: Path, monkeypatch) -> None:
                                      "branches": {"main": {"config.json": json.dumps({"model_type": "bert"}).encode()}}}
         with pytest.raises(ValueError, match="already holds a 'bert' model"):
             push_to_hub(ghosted, "tester/taken", token=hub.token, endpoint=hub.url)
+
+
+def test_push_to_an_endpoint_that_never_answers_ends_in_one_error(ghosted, tmp_path: Path) -> None:
+    """A server that accepts connections and never answers: the push gives up after `timeout`, it does not hang."""
+    import socket
+    import time
+
+    folder = save_with_card(ghosted, tmp_path / "model", char_tokenizer())
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)  # connections are accepted by the kernel and never read
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(GhostedError, match=rf"Cannot reach the Hub at {url} .* did not answer within 2 s"):
+            push_to_hub(folder, "tester/x", token="t", endpoint=url, timeout=2)
+    assert time.monotonic() - started < 60
+
+
+def test_push_sends_the_bytes_it_verified(ghosted, tmp_path: Path, monkeypatch) -> None:
+    """The folder changes after verification (weights truncated): what is uploaded is the verified copy."""
+    from ghosted_hf import hub
+
+    folder = save_with_card(ghosted, tmp_path / "model", char_tokenizer())
+    original = (folder / "model.safetensors").read_bytes()
+    verify = hub.check_ghosted_folder
+
+    def verify_then_damage(staged: Path):
+        config = verify(staged)
+        (folder / "model.safetensors").write_bytes(original[:100])  # the user's folder, right after the check
+        return config
+
+    monkeypatch.setattr(hub, "check_ghosted_folder", verify_then_damage)
+    with FakeHub() as fake:
+        push_to_hub(folder, "tester/staged", token=fake.token, endpoint=fake.url)
+    arrived = fake.repos["tester/staged"]["branches"]["main"]
+    assert arrived["model.safetensors"] == original

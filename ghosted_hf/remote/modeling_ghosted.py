@@ -17,8 +17,10 @@ from __future__ import annotations
 import fnmatch
 import functools
 import hashlib
+import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -159,6 +161,60 @@ class GhostOperator(nn.Module):
         return f"{self.operator.shape[0]}, dtype={self.operator.dtype}"
 
 
+def _weight_names(path: str, kwargs: dict[str, Any]) -> list[str] | None:
+    """The tensor names of a checkpoint's safetensors files (index or single file; only the headers are
+    read), or None where they cannot be located here."""
+    from transformers.utils import cached_file
+
+    options = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "subfolder") if k in kwargs}
+    try:
+        index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False,
+                            **options)
+        if index is not None:
+            return list(json.loads(Path(index).read_text())["weight_map"])
+        single = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False, **options)
+    except (OSError, ValueError, KeyError):
+        return None
+    if single is None:
+        return None
+    with open(single, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > 100_000_000:  # a header of more than 100 MB is no safetensors header
+            raise ValueError(f"{single} is not a safetensors file (header length {length}).")
+        return [k for k in json.loads(handle.read(length)) if k != "__metadata__"]
+
+
+def _check_depth_against_weights(path: str, kwargs: dict[str, Any]) -> None:
+    """Refuse a config.json that claims another number of decoder layers than its weight files hold, before
+    anything of that size is allocated."""
+    from transformers.utils import cached_file
+
+    try:
+        config_file = cached_file(path, "config.json", _raise_exceptions_for_missing_entries=False,
+                                  **{k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only",
+                                                            "subfolder") if k in kwargs})
+        claimed = json.loads(Path(config_file).read_text()).get("text_config", {}).get("num_hidden_layers")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return  # no readable config here: from_pretrained itself reports that
+    names = _weight_names(path, kwargs)
+    if names is None or not isinstance(claimed, int):
+        return
+    held = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    if len(held) != claimed or (held and max(held) != claimed - 1):
+        raise ValueError(f"config.json claims {claimed} decoder layers (text_config.num_hidden_layers), but the "
+                         f"weight files hold {len(held)}: the config does not belong to these weights.")
+
+
+def _offloaded_value(module: nn.Module) -> torch.Tensor | None:
+    """The value of an offloaded operator, through the weights map accelerate's hook on its module reads
+    from (None when there is no such map)."""
+    weights = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+    try:
+        return weights[GHOST_PARAM] if weights is not None else None
+    except KeyError:
+        return None
+
+
 def apply_ghost_operator(parent: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook of a layer (or the final norm): map its input hidden state with its `ghost` child.
 
@@ -217,8 +273,11 @@ class GhostedPreTrainedModel(PreTrainedModel):
         storage = self.config.operator_dtype
         recorded = {ghost_tensor_key(b): b.get("sha256") for b in self.config.ghost_boundaries}
         for name, operator in self.ghost_operators().items():
-            if operator.device.type == "meta":
-                continue
+            if operator.device.type == "meta":  # offloaded (device_map with disk or CPU offload): read it back
+                operator = _offloaded_value(self.get_submodule(name.rsplit(".", 1)[0]))
+                if operator is None:
+                    problems.append(f"operator {name} is offloaded where it cannot be read back to verify it")
+                    continue
             # In the storage dtype: a value finite in a wider checkpoint dtype (1e300) may not be once stored.
             stored = operator.detach().to(getattr(torch, storage))
             if not (torch.isfinite(operator).all() and torch.isfinite(stored).all()):
@@ -280,6 +339,8 @@ class GhostedPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any):
+        if args and isinstance(args[0], (str, os.PathLike)):
+            _check_depth_against_weights(str(args[0]), kwargs)  # before a model of the claimed depth is built
         want_info = kwargs.pop("output_loading_info", False)
         ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
         # Let mismatches through so that the error below can name them; operators are never re-initialised.

@@ -327,6 +327,6 @@ def parse_memory(text: str) -> int:
         value = float(number)
     except ValueError:
         raise GhostedError(f"max_memory {text!r} is not a size: write e.g. 8GiB, 500MB or 12GB.") from None
-    if value <= 0:
-        raise GhostedError(f"max_memory must be positive, got {text!r}.")
+    if not 0 < value < float("inf"):  # NaN fails too
+        raise GhostedError(f"max_memory must be a positive, finite size, got {text!r}.")
     return int(value * scale)
