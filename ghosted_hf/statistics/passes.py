@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
+import json
 import time
 from collections.abc import Iterable, Mapping, Sized
 from typing import Any
@@ -21,12 +23,12 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..data import TokenBatches
 from ..distributed import all_reduce_sums, check_agreement, process_rank
 from ..errors import GhostedError
+from .accumulate import StatisticsAccumulator
 from .capture import Patch, capture_hidden_states, decoder_parts, input_device, patched_stream, release_freed_memory
 from .declarations import Read
 from .origin import config_sha256, model_fingerprint
 from .plan import StatisticsPlan
 from .store import CalibrationStatistics, ShardSpec
-from .accumulate import StatisticsAccumulator
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -186,9 +188,6 @@ class Calibrator:
         hashes), this calibration data and these options; a no-op in one process."""
         if self.world == 1:
             return
-        import hashlib
-        import json
-
         claims = {"model": json.dumps(self.calibration_pass.fingerprint(), sort_keys=True),
                   "calibration data": self.data_sha256() if self.data is not None else "",
                   "shard": str(self.shard),
