@@ -86,8 +86,36 @@ def verify_folder(folder: str | os.PathLike) -> dict[str, Any]:
         missing = sorted(set(weight_map) - set(found))[:3]
         raise GhostedError(f"The safetensors index of {folder} does not match its files (e.g. {missing}); save again.")
     if config.get("model_type") == "ghosted":
+        check_ghosted_layout(config, found, tensors)
         check_operator_hashes(config, tensors)
     return config
+
+
+def check_ghosted_layout(config: dict[str, Any], names: dict[str, str], operators: dict[str, Any]) -> None:
+    """What `from_pretrained` refuses about a ghosted folder's layout, said before any load: a config that
+    contradicts itself (boundaries, depth, format version), another depth than the weights hold, operators of
+    the wrong shape or the wrong number of them."""
+    from .remote.configuration_ghosted import GhostedConfig
+
+    try:
+        ghosted = GhostedConfig.from_dict(config)
+        ghosted.validate_ghost_layout()
+    except (ValueError, TypeError, KeyError) as error:
+        raise GhostedError(f"The folder's config.json is inconsistent: {error}") from None
+    depth = ghosted.text_config.num_hidden_layers
+    held = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    if held != set(range(depth)):
+        raise GhostedError(f"config.json claims {depth} decoder layers, but the weight files hold {len(held)}: the "
+                           "config does not belong to these weights; save the model again.")
+    expected = {ghost_tensor_key(b) for b in ghosted.ghost_boundaries}
+    if set(operators) != expected:
+        raise GhostedError(f"The weight files hold the operators {sorted(operators)}, but config.json has boundaries "
+                           f"for {sorted(expected)}; save the model again.")
+    c = ghosted.text_config.hidden_size
+    for key, tensor in operators.items():
+        if tuple(tensor.shape) != (c, c):
+            raise GhostedError(f"Operator tensor {key} has shape {tuple(tensor.shape)}, not ({c}, {c}); save the "
+                               "model again.")
 
 
 def check_operator_hashes(config: dict[str, Any], tensors: dict[str, Any]) -> None:
@@ -97,6 +125,9 @@ def check_operator_hashes(config: dict[str, Any], tensors: dict[str, Any]) -> No
         if key not in tensors:
             raise GhostedError(f"Operator tensor {key} is missing from the weight files; save the model again.")
         expected = boundary.get("sha256")
-        if expected is not None and operator_sha256(tensors[key], config.get("operator_dtype", "float32")) != expected:
+        if not expected:
+            raise GhostedError(f"Operator tensor {key} has no sha256 in config.json, so it cannot be verified; save "
+                               "the model again with save_pretrained.")
+        if operator_sha256(tensors[key], config.get("operator_dtype", "float32")) != expected:
             raise GhostedError(f"Operator tensor {key} does not match the sha256 in config.json: the file was "
                                "changed or damaged after saving; save the model again.")

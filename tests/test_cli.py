@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,27 @@ def test_a_bug_is_a_traceback_with_a_hint_not_an_input_error(monkeypatch: pytest
     err = capsys.readouterr().err
     assert "Traceback" in err and "an internal invariant failed" in err
     assert "internal error (a bug in ghosted_hf, not a problem with your input)" in err and "report" in err
+
+
+def test_inspect_refuses_what_from_pretrained_refuses(tmp_path: Path, capsys) -> None:
+    """`inspect` exits 2 with one line on a folder whose config contradicts itself or its weights."""
+    from ghosted_hf import prune_layers, save_with_card
+    from ghosted_hf.cli import main
+    from tiny import random_operator
+
+    save_with_card(prune_layers(build("llama"), [2, 3], {2: random_operator(1)}), tmp_path / "ok", char_tokenizer())
+    assert main(["inspect", str(tmp_path / "ok")]) == 0
+    capsys.readouterr()
+    for name, edit, message in [
+        ("version", lambda c: c.update(ghost_format_version="2.0"), "Ghosted format 2.0, newer than this code reads"),
+        ("depth", lambda c: (c["text_config"].update(num_hidden_layers=3), c.update(original_num_hidden_layers=5)),
+         "claims 3 decoder layers, but the weight files hold 4"),
+        ("boundaries", lambda c: c.update(removed_layers=[1, 2], ghost_boundaries=[]), "do not match removed_layers")]:
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "ok", folder)
+        config = json.loads((folder / "config.json").read_text())
+        edit(config)
+        (folder / "config.json").write_text(json.dumps(config))
+        assert main(["inspect", str(folder)]) == 2, name
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (name, err)

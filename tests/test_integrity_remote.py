@@ -132,3 +132,19 @@ def test_operators_in_an_unsupported_dtype_are_not_saved(tmp_path: Path) -> None
     with pytest.raises(ValueError, match=r"model.layers.1.ghost.operator: float16.*float32, bfloat16"):
         model.save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
+
+
+@pytest.mark.parametrize("recorded", [None, ""])
+def test_a_checkpoint_without_operator_hashes_is_refused_unless_asked(tmp_path: Path, recorded: str | None) -> None:
+    ghosted().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for boundary in config["ghost_boundaries"]:
+        if recorded is None:
+            boundary.pop("sha256")
+        else:
+            boundary["sha256"] = recorded
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"operator {LAYER_KEY} has no sha256 in config.json, so it cannot be verified"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, verify_operator_hashes=False)  # the user's explicit choice
+    assert torch.equal(loaded.get_parameter(LAYER_KEY), ghosted().get_parameter(LAYER_KEY))

@@ -276,6 +276,9 @@ def test_device_map_with_disk_offload(tmp_path: Path) -> None:
     inputs = batch()
     assert torch.equal(logits(loaded, inputs), logits(ghosted, inputs))
     assert loaded.model.layers[2].ghost.operator.device.type == "meta"  # offloaded: verified all the same
+    loaded.save_pretrained(tmp_path / "resaved")  # an offloaded operator's hash is recorded from its value
+    assert all(b["sha256"] for b in json.loads((tmp_path / "resaved" / "config.json").read_text())["ghost_boundaries"])
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "resaved"), inputs), logits(ghosted, inputs))
     tensors = load_file(tmp_path / "model" / "model.safetensors")
     tensors["model.layers.2.ghost.operator"][0, 0] += 0.125  # finite, plausible, not the recorded bytes
     save_file(tensors, tmp_path / "model" / "model.safetensors", metadata={"format": "pt"})

@@ -266,9 +266,10 @@ class GhostedPreTrainedModel(PreTrainedModel):
         """The operator of every boundary, keyed by its state-dict name."""
         return {ghost_tensor_key(b): self.get_parameter(ghost_tensor_key(b)) for b in self.config.ghost_boundaries}
 
-    def operator_value_problems(self) -> list[str]:
-        """What is wrong with the operators' values: non-finite in the storage dtype, or not the bytes whose
-        sha256 config.json records. Empty when they are sound."""
+    def operator_value_problems(self, require_hashes: bool = False) -> list[str]:
+        """What is wrong with the operators' values: non-finite in the storage dtype, not the bytes whose
+        sha256 config.json records, or (with `require_hashes`, as for a loaded checkpoint) no sha256 recorded
+        at all. Empty when they are sound."""
         problems = []
         storage = self.config.operator_dtype
         recorded = {ghost_tensor_key(b): b.get("sha256") for b in self.config.ghost_boundaries}
@@ -282,7 +283,12 @@ class GhostedPreTrainedModel(PreTrainedModel):
             stored = operator.detach().to(getattr(torch, storage))
             if not (torch.isfinite(operator).all() and torch.isfinite(stored).all()):
                 problems.append(f"operator {name} holds NaN or Inf values (as {storage})")
-            elif recorded.get(name) and operator_sha256(stored, storage) != recorded[name]:
+            elif not recorded.get(name):
+                if require_hashes:
+                    problems.append(f"operator {name} has no sha256 in config.json, so it cannot be verified "
+                                    "(re-save the model with save_pretrained, or pass verify_operator_hashes=False "
+                                    "to load it unverified)")
+            elif operator_sha256(stored, storage) != recorded[name]:
                 problems.append(
                     f"operator {name} does not match the sha256 recorded for it in config.json "
                     "(the tensor was altered, or config.json comes from another save)"
@@ -306,11 +312,14 @@ class GhostedPreTrainedModel(PreTrainedModel):
         boundaries = []
         for boundary in self.config.ghost_boundaries:
             boundary = dict(boundary)
-            operator = operators[ghost_tensor_key(boundary)]
-            if operator.device.type == "meta":  # offloaded and not materialised: never keep a stale hash
-                boundary.pop("sha256", None)
-            else:
-                boundary["sha256"] = operator_sha256(operator, self.config.operator_dtype)
+            name = ghost_tensor_key(boundary)
+            operator = operators[name]
+            if operator.device.type == "meta":  # offloaded: hash the value its hook reads back
+                operator = _offloaded_value(self.get_submodule(name.rsplit(".", 1)[0]))
+                if operator is None:
+                    raise ValueError(f"Cannot save {name}: it is offloaded where it cannot be read back. Load the "
+                                     "model without offloading the operators to save it.")
+            boundary["sha256"] = operator_sha256(operator, self.config.operator_dtype)
             boundaries.append(boundary)
         self.config.ghost_boundaries = boundaries
 
@@ -342,6 +351,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
         if args and isinstance(args[0], (str, os.PathLike)):
             _check_depth_against_weights(str(args[0]), kwargs)  # before a model of the claimed depth is built
         want_info = kwargs.pop("output_loading_info", False)
+        verify = kwargs.pop("verify_operator_hashes", True)
         ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
         # Let mismatches through so that the error below can name them; operators are never re-initialised.
         model, info = super().from_pretrained(
@@ -361,7 +371,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
         ]
         if mismatched:
             problems.append(f"tensors of the wrong shape: {mismatched}")
-        problems += model.operator_value_problems()
+        problems += model.operator_value_problems(require_hashes=verify)
         if problems:
             raise ValueError(
                 "This ghosted checkpoint does not match its config.json: "
