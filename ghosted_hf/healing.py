@@ -68,6 +68,14 @@ def check_ghosted(model: Any) -> None:
                            "with ghosted_hf.ghost_prune first.")
 
 
+def check_same_vocabulary(student: nn.Module, teacher: nn.Module) -> None:
+    """Distillation compares logits token by token: the teacher must have the student's vocabulary."""
+    sizes = [m.get_input_embeddings().weight.shape[0] for m in (student, teacher)]
+    if sizes[0] != sizes[1]:
+        raise GhostedError(f"The teacher has a vocabulary of {sizes[1]} tokens and the model {sizes[0]}: distillation "
+                           "needs the dense model the student was pruned from (or one with the same tokenizer).")
+
+
 def base_model_reference(model: GhostedForCausalLM) -> str:
     """Where the dense model that `model` was pruned from lives (the natural distillation teacher): the folder
     recorded at pruning time if it still exists here, else its Hub id."""
@@ -164,6 +172,8 @@ def heal(
     after every step (e.g. to evaluate at time budgets); returning True stops training there."""
     options = HealOptions.build(options, **overrides)
     check_ghosted(model)
+    if teacher is not None:
+        check_same_vocabulary(model, teacher)
     torch.manual_seed(options.seed)
     batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.batch_size,
                              shuffle_seed=options.seed).batches

@@ -8,6 +8,7 @@ outside its own class compares its name.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -49,6 +50,8 @@ class OperatorKind:
         """The closed-form fit of boundary (s, e) from `stats`."""
         raise NotImplementedError
 
+
+logger = logging.getLogger(__name__)
 
 OPERATOR_KINDS: Registry[OperatorKind] = Registry("operator")
 register = OPERATOR_KINDS.register
@@ -121,6 +124,11 @@ class Ghost(OperatorKind):
     def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
         w, m, eps = ghost_operator(stats, s, e, ridge)
         eigenvalues = torch.linalg.eigvalsh(stats.gram(s))
+        decided = int((eigenvalues < eps).sum())
+        if decided:
+            logger.warning("Boundary %d -> %d: %d of %d directions of the calibration hidden states carry less energy "
+                           "than the ridge (eps %.3g): the ridge, not the data, sets the operator there. Add "
+                           "calibration text (more, or more varied).", s, e, decided, len(eigenvalues), eps)
         figures = fit_figures(stats, s, e, w)
         figures.update(
             condition_number=float(eigenvalues[-1] / eigenvalues[0].clamp_min(torch.finfo(torch.float64).tiny)),

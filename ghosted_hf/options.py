@@ -153,6 +153,22 @@ class PruneOptions(Options):
             raise GhostedError(f"seq_len must be at least 2, got {self.seq_len}.")
         if self.ridge < 0:
             raise GhostedError(f"ridge must be >= 0, got {self.ridge}.")
+        check_device(self.stats_device)
+
+
+def check_device(name: str | None) -> None:
+    """Refuse a device torch does not know, or one this machine does not have, before any work."""
+    if name is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as error:
+        raise GhostedError(f"stats_device {name!r} is not a device torch knows ({error}); use e.g. cpu, cuda, "
+                           "cuda:1.") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise GhostedError(f"stats_device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s).")
 
 
 def folded_kinds() -> tuple[str, ...]:
@@ -175,6 +191,7 @@ class ExportOptions(Options):
         positive(self, "seq_len", "num_sequences", "batch_size")
         if self.ridge < 0:
             raise GhostedError(f"ridge must be >= 0, got {self.ridge}.")
+        check_device(self.stats_device)
 
 
 # ---------------------------------------------------------------- command line

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ghosted_hf import GhostedError, ghost_prune, prune_layers
 from ghosted_hf.cli import main
 from ghosted_hf.errors import NonFiniteError
+from ghosted_hf.options import PruneOptions
 from tiny import COMMON, HIDDEN, build, char_tokenizer, random_operator, texts
 
 FAST = dict(seq_len=48, num_sequences=24, num_layers=2)
@@ -166,3 +167,29 @@ def test_surgery_needs_the_kept_weights_not_the_removed_ones() -> None:
     assert pruned.config.removed_layers == [2]
     with pytest.raises(GhostedError, match=r"kept weight model.layers.3.self_attn.q_proj.weight is on the meta device"):
         prune_layers(with_meta(3), [2], {2: random_operator(0)})
+
+
+@pytest.mark.parametrize("device, message", [("gpu7", "stats_device 'gpu7' is not a device torch knows"),
+                                             ("cuda:3", "stats_device 'cuda:3': this machine has")])
+def test_a_stats_device_torch_or_the_machine_refuses_is_named(device: str, message: str) -> None:
+    if device.startswith("cuda") and torch.cuda.device_count() > 3:
+        pytest.skip("this machine has that device")
+    with pytest.raises(GhostedError, match=message):
+        PruneOptions(stats_device=device)
+
+
+def test_a_teacher_with_another_vocabulary_is_refused() -> None:
+    from ghosted_hf.healing import heal
+
+    student = ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], seq_len=48,
+                          num_sequences=24)
+    with pytest.raises(GhostedError, match="The teacher has a vocabulary of 200 tokens and the model 128"):
+        heal(student, char_tokenizer(), texts(), teacher=build("llama", vocab_size=200), steps=1, progress=False)
+
+
+def test_too_little_text_for_a_stable_fit_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    # 24 x 8 = 192 tokens for C = 32: between C and 10 C
+    with caplog.at_level("WARNING", logger="ghosted_hf.recipe"):
+        ghost_prune(build("llama"), char_tokenizer(), texts(), seq_len=8, num_sequences=24, criterion="manual",
+                    layers=[2, 3])
+    assert "gave 192 tokens for a 32x32 operator: fewer than 10x the hidden size (320)" in caplog.text

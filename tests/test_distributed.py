@@ -231,3 +231,14 @@ def test_a_rank_with_other_calibration_text_fails_every_rank_before_any_pass(tmp
     for rank in range(2):
         message = (tmp_path / f"rank{rank}.txt").read_text()
         assert message.startswith("Process 1 of 2 has another calibration data than process 0"), (rank, message)
+
+
+def test_a_process_whose_peers_never_start_stops_with_one_line(dense_folder: Path) -> None:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "2",
+           "LOCAL_RANK": "0", "GHOSTED_DISTRIBUTED_TIMEOUT": "3"}
+    done = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", "prune", str(dense_folder), "--calibration",
+                           str(dense_folder.parent / "cal.txt"), "--num-layers", "2", "--seq-len", "32",
+                           "--num-sequences", "8", "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "Process 0 of 2 found no peers at 127.0.0.1" in last and "within 3 s" in last, last

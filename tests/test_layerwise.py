@@ -144,3 +144,26 @@ def test_layerwise_build_never_reads_the_removed_layers(tmp_path: Path) -> None:
     for name, value in got.state_dict().items():
         assert float((value - want[name]).abs().max()) <= 1e-6, name
     assert got.generation_config.to_dict() == expected.generation_config.to_dict()
+
+
+@pytest.mark.parametrize("damage", ["shape", "missing", "truncated"])
+def test_damaged_weights_are_one_clear_error_layer_by_layer(damage: str, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    build("llama").save_pretrained(tmp_path / "model")
+    path = tmp_path / "model" / "model.safetensors"
+    tensors = load_file(path)
+    if damage == "shape":
+        tensors["model.layers.2.mlp.up_proj.weight"] = torch.zeros(63, 32)
+        save_file(tensors, path, metadata={"format": "pt"})
+        message = r"The weights of model.layers.2 in .* do not fit its config: .*size mismatch for mlp.up_proj.weight"
+    elif damage == "missing":
+        del tensors["model.layers.2.mlp.up_proj.weight"]
+        save_file(tensors, path, metadata={"format": "pt"})
+        message = r"The weights of model.layers.2 in .* do not fit its config: .*Missing key"
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        message = r"model.safetensors cannot be read .*: the checkpoint is damaged or incomplete"
+    with pytest.raises(GhostedError, match=message):
+        lazy = LayerwisePass(tmp_path / "model")
+        collect_statistics(lazy, batch_sequences(sequences(), 4, PAD), least_squares(1, 4), progress=False)

@@ -160,3 +160,17 @@ def test_developer_guide_worked_example_adds_an_operator_kind() -> None:
         assert PruneOptions(operator="diagonal-ls").operator == "diagonal-ls"
     finally:
         OPERATOR_KINDS.pop("diagonal-ls", None)
+
+
+def test_a_fit_the_ridge_decides_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    """Directions of X_s with less energy than the ridge: the fit warns how many (one rule, documented)."""
+    x, y = synthetic()
+    x[:, -3:] = 0.0  # three channels never excited by the calibration text
+    with caplog.at_level("WARNING", logger="ghosted_hf.operators"):
+        fit_boundary(stats_of(x, y), "ghost", 0, 1, 1e-6)
+    assert "3 of 24 directions of the calibration hidden states carry less energy than the ridge" in caplog.text
+    caplog.clear()
+    x, y = synthetic()
+    with caplog.at_level("WARNING", logger="ghosted_hf.operators"):
+        fit_boundary(stats_of(x, y), "ghost", 0, 1, 1e-6)
+    assert "directions" not in caplog.text

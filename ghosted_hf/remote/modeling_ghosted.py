@@ -358,9 +358,11 @@ class GhostedPreTrainedModel(PreTrainedModel):
             *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
         )
         problems = []
-        missing = sorted(k for k in info.get("missing_keys", ()) if f".{GHOST_MODULE}." in k)
-        if missing:
-            problems.append(f"operator tensors missing from the checkpoint: {missing}")
+        missing = sorted(info.get("missing_keys", ()))  # a base weight too: it would be left randomly initialised
+        if [k for k in missing if f".{GHOST_MODULE}." in k]:
+            problems.append(f"operator tensors missing from the checkpoint: {[k for k in missing if f'.{GHOST_MODULE}.' in k]}")
+        if [k for k in missing if f".{GHOST_MODULE}." not in k]:
+            problems.append(f"weights missing from the checkpoint: {[k for k in missing if f'.{GHOST_MODULE}.' not in k]}")
         unexpected = sorted(k for k in info.get("unexpected_keys", ()) if f".{GHOST_MODULE}." in k)
         if unexpected:
             problems.append(f"operator tensors in the checkpoint that the config has no boundary for: {unexpected}")

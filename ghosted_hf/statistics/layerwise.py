@@ -87,8 +87,12 @@ def weight_map(folder: Path) -> dict[str, str]:
     if not single.is_file():
         raise MissingFileError(f"{folder} has no model.safetensors(.index.json): layer-by-layer calibration reads "
                                "safetensors weights only.")
-    with safe_open(str(single), framework="pt") as handle:
-        return {k: "model.safetensors" for k in handle.keys()}
+    try:
+        with safe_open(str(single), framework="pt") as handle:
+            return {k: "model.safetensors" for k in handle.keys()}
+    except Exception as error:  # safetensors' own error types
+        raise GhostedError(f"{single} cannot be read ({type(error).__name__}: {error}): the checkpoint is damaged "
+                           "or incomplete; re-download or re-save it.") from None
 
 
 class LayerwisePass(CalibrationPass):
@@ -143,12 +147,21 @@ class LayerwisePass(CalibrationPass):
         if name not in self.weights:
             raise GhostedError(f"{self.folder} has no tensor {name}; layer-by-layer calibration expects standard "
                                "Llama/Qwen weight names.")
-        with safe_open(str(self.folder / self.weights[name]), framework="pt") as handle:
-            return handle.get_tensor(name).to(self.dtype)
+        file = self.folder / self.weights[name]
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                return handle.get_tensor(name).to(self.dtype)
+        except Exception as error:  # safetensors' own error types: a missing, truncated or damaged file
+            raise GhostedError(f"{file} cannot be read for tensor {name} ({type(error).__name__}: {error}): the "
+                               "checkpoint is damaged or incomplete; re-download or re-save it.") from None
 
     def _load(self, module: nn.Module, prefix: str) -> None:
         names = [k for k in self.weights if k.startswith(prefix)]
-        module.load_state_dict({k[len(prefix):]: self._tensor(k) for k in names}, strict=True, assign=True)
+        try:
+            module.load_state_dict({k[len(prefix):]: self._tensor(k) for k in names}, strict=True, assign=True)
+        except RuntimeError as error:  # missing, unexpected or misshapen tensors of this module
+            raise GhostedError(f"The weights of {prefix.rstrip('.')} in {self.folder} do not fit its config: "
+                               f"{' '.join(str(error).split())}") from None
 
     def _skeleton(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
