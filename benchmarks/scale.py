@@ -278,7 +278,7 @@ def run_layerwise(args) -> None:
     print("|---|---|---|---|---|")
     from safetensors import safe_open
 
-    from ghosted_hf.statistics.layerwise import weight_map
+    from ghosted_hf.checkpoint import weight_map
 
     size = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     groups: dict[str, int] = {}

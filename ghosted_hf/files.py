@@ -17,12 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import index_weight_map
 from .errors import GhostedError, MissingFileError
 from .remote.modeling_ghosted import ghost_tensor_key, operator_sha256, replace_folder
 
 logger = logging.getLogger(__name__)
 
-INDEX_SUFFIX = ".safetensors.index.json"
 REMOTE_FILES = ("configuration_ghosted.py", "modeling_ghosted.py")  # copied next to the weights
 
 
@@ -44,9 +44,8 @@ def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
 
 def weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     """(the safetensors files the folder's model loads, the index's weight map or None when unsharded)."""
-    indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"))
-    if indexes:
-        weight_map = json.loads(indexes[0].read_text()).get("weight_map") or {}
+    weight_map = index_weight_map(folder)
+    if weight_map is not None:
         return [folder / name for name in sorted(set(weight_map.values()))], weight_map
     single = folder / "model.safetensors"
     if not single.is_file():

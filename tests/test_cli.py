@@ -184,3 +184,22 @@ def test_inspect_refuses_what_from_pretrained_refuses(tmp_path: Path, capsys) ->
         assert main(["inspect", str(folder)]) == 2, name
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, (name, err)
+
+
+@pytest.mark.parametrize("command", [["heal", "some-folder", "--output", "out"],
+                                     ["export-stock", "some-folder", "--output", "out"],
+                                     ["eval", "some-folder"]])
+def test_dtype_is_honoured_by_every_command_that_loads(command: list[str], monkeypatch, tmp_path: Path) -> None:
+    from ghosted_hf import cli
+    from ghosted_hf.errors import GhostedError
+
+    seen = []
+
+    def load_model(ref, **kwargs):
+        seen.append(kwargs.get("dtype"))
+        raise GhostedError("stop here")
+
+    monkeypatch.setattr(cli, "load_model", load_model)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([*command, "--dtype", "bfloat16"]) == 2
+    assert seen == ["bfloat16"]

@@ -207,30 +207,32 @@ def test_prune_under_torchrun_and_accelerate_launch_writes_once_and_matches_one_
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["cal.txt", "dense", "one", *LAUNCHERS])
 
 
-def run_disagreeing_rank(rank: int, world: int, port: int, out: str) -> None:
-    """Rank 1 is given other calibration text than rank 0."""
+def run_disagreeing_rank(rank: int, world: int, port: int, out: str, differs: str) -> None:
+    """Rank 1 is given other calibration text, or a model of the same shape with other weights, than rank 0."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from ghosted_hf.errors import GhostedError
     from ghosted_hf.recipe import ghost_prune
 
+    text_seed, model_seed = (rank, 0) if differs == "calibration data" else (0, rank)
     try:
-        ghost_prune(build("llama"), char_tokenizer(), texts(seed=rank), **OPTIONS)
+        ghost_prune(build("llama", seed=model_seed), char_tokenizer(), texts(seed=text_seed), **OPTIONS)
         message = "no error"
     except GhostedError as error:
         message = str(error)
     Path(out, f"rank{rank}.txt").write_text(message)
 
 
-def test_a_rank_with_other_calibration_text_fails_every_rank_before_any_pass(tmp_path: Path) -> None:
-    context = mp.start_processes(run_disagreeing_rank, args=(2, free_port(), str(tmp_path)), nprocs=2,
+@pytest.mark.parametrize("differs", ["calibration data", "model"])
+def test_a_rank_that_differs_fails_every_rank_before_any_pass(differs: str, tmp_path: Path) -> None:
+    context = mp.start_processes(run_disagreeing_rank, args=(2, free_port(), str(tmp_path), differs), nprocs=2,
                                  start_method="spawn", join=False)
     for process in context.processes:
         process.join(timeout=300)
     for rank in range(2):
         message = (tmp_path / f"rank{rank}.txt").read_text()
-        assert message.startswith("Process 1 of 2 has another calibration data than process 0"), (rank, message)
+        assert message.startswith(f"Process 1 of 2 has another {differs} than process 0"), (rank, message)
 
 
 def test_a_process_whose_peers_never_start_stops_with_one_line(dense_folder: Path) -> None:

@@ -86,3 +86,19 @@ def test_train_mode_calibration_gives_the_eval_mode_operators() -> None:
     for name, operator in expected.ghost_operators().items():
         assert torch.equal(got.get_parameter(name), operator), name
     assert training.training  # the caller's model gets its mode back
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors", "config.json"])
+def test_an_index_cannot_point_outside_its_folder(name: str, tmp_path: Path) -> None:
+    import json
+
+    from ghosted_hf.errors import GhostedError
+    from ghosted_hf.files import verify_folder
+    from ghosted_hf.statistics import LayerwisePass
+
+    ghosted(seed=1).save_pretrained(tmp_path / "model")
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": name}}
+    (tmp_path / "model" / "model.safetensors.index.json").write_text(json.dumps(index))
+    for read in (verify_folder, LayerwisePass):
+        with pytest.raises(GhostedError, match="names files that are not plain safetensors files of"):
+            read(tmp_path / "model")

@@ -10,7 +10,6 @@ model pruned and patched so far, through the same layer reads.
 
 from __future__ import annotations
 
-import json
 import tempfile
 import traceback
 from collections.abc import Callable, Iterable
@@ -22,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..checkpoint import weight_map
 from ..errors import GhostedError, MissingFileError, NonFiniteError
 from .accumulate import StatisticsAccumulator
 from .capture import Patch, release_freed_memory
@@ -76,23 +76,6 @@ def _layer_of(name: str) -> int | None:
     """The decoder layer a weight name belongs to (``model.layers.<i>.``), else None."""
     parts = name.split(".")
     return int(parts[2]) if parts[:2] == ["model", "layers"] and len(parts) > 2 else None
-
-
-def weight_map(folder: Path) -> dict[str, str]:
-    """Tensor name -> safetensors file name, from the index or the single weights file."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise MissingFileError(f"{folder} has no model.safetensors(.index.json): layer-by-layer calibration reads "
-                               "safetensors weights only.")
-    try:
-        with safe_open(str(single), framework="pt") as handle:
-            return {k: "model.safetensors" for k in handle.keys()}
-    except Exception as error:  # safetensors' own error types
-        raise GhostedError(f"{single} cannot be read ({type(error).__name__}: {error}): the checkpoint is damaged "
-                           "or incomplete; re-download or re-save it.") from None
 
 
 class LayerwisePass(CalibrationPass):
