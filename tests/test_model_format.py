@@ -442,3 +442,12 @@ def test_a_config_claiming_more_layers_than_the_weights_is_refused_before_buildi
     (saved / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"claims 1000000000 decoder layers .* but the weight files hold 4"):
         AutoModelForCausalLM.from_pretrained(saved)
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", 10**7), ("vocab_size", 10**9)])
+def test_a_config_claiming_other_sizes_than_the_embedding_is_refused(saved: Path, field: str, value: int) -> None:
+    config = json.loads((saved / "config.json").read_text())
+    config["text_config"][field] = value
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"config.json claims a vocabulary of .* but the weight files' embedding is \[128, 32\]"):
+        AutoModelForCausalLM.from_pretrained(saved)

@@ -161,48 +161,66 @@ class GhostOperator(nn.Module):
         return f"{self.operator.shape[0]}, dtype={self.operator.dtype}"
 
 
-def _weight_names(path: str, kwargs: dict[str, Any]) -> list[str] | None:
-    """The tensor names of a checkpoint's safetensors files (index or single file; only the headers are
-    read), or None where they cannot be located here."""
+_EMBEDDING = "model.embed_tokens.weight"
+
+
+def _safetensors_header(file: str) -> dict[str, Any]:
+    with open(file, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > 100_000_000:  # a header of more than 100 MB is no safetensors header
+            raise ValueError(f"{file} is not a safetensors file (header length {length}).")
+        return json.loads(handle.read(length))
+
+
+def _checkpoint_layout(path: str, kwargs: dict[str, Any]) -> tuple[list[str], list[int] | None] | None:
+    """(the tensor names of a checkpoint's safetensors files, the embedding's shape), reading only the index and
+    headers; None where they cannot be located here."""
     from transformers.utils import cached_file
 
     options = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "subfolder") if k in kwargs}
+    locate = lambda name: cached_file(path, name, _raise_exceptions_for_missing_entries=False, **options)  # noqa: E731
     try:
-        index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False,
-                            **options)
+        index = locate("model.safetensors.index.json")
         if index is not None:
-            return list(json.loads(Path(index).read_text())["weight_map"])
-        single = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False, **options)
-    except (OSError, ValueError, KeyError):
+            weight_map = json.loads(Path(index).read_text())["weight_map"]
+            names, holder = list(weight_map), weight_map.get(_EMBEDDING)
+            header = _safetensors_header(locate(holder)) if holder and Path(holder).name == holder else {}
+        else:
+            single = locate("model.safetensors")
+            if single is None:
+                return None
+            header = _safetensors_header(single)
+            names = [k for k in header if k != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    if single is None:
-        return None
-    with open(single, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        if length > 100_000_000:  # a header of more than 100 MB is no safetensors header
-            raise ValueError(f"{single} is not a safetensors file (header length {length}).")
-        return [k for k in json.loads(handle.read(length)) if k != "__metadata__"]
+    return names, (header.get(_EMBEDDING) or {}).get("shape")
 
 
-def _check_depth_against_weights(path: str, kwargs: dict[str, Any]) -> None:
-    """Refuse a config.json that claims another number of decoder layers than its weight files hold, before
-    anything of that size is allocated."""
+def _check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
+    """Refuse a config.json whose sizes (decoder layers, vocabulary, hidden size) are not those of its weight
+    files, before anything of the claimed size is allocated."""
     from transformers.utils import cached_file
 
     try:
         config_file = cached_file(path, "config.json", _raise_exceptions_for_missing_entries=False,
                                   **{k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only",
                                                             "subfolder") if k in kwargs})
-        claimed = json.loads(Path(config_file).read_text()).get("text_config", {}).get("num_hidden_layers")
+        text = json.loads(Path(config_file).read_text()).get("text_config", {})
     except (OSError, ValueError, TypeError, AttributeError):
         return  # no readable config here: from_pretrained itself reports that
-    names = _weight_names(path, kwargs)
-    if names is None or not isinstance(claimed, int):
+    layout = _checkpoint_layout(path, kwargs)
+    if layout is None or not isinstance(text, dict):
         return
+    names, embedding = layout
+    claimed = text.get("num_hidden_layers")
     held = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
-    if len(held) != claimed or (held and max(held) != claimed - 1):
+    if isinstance(claimed, int) and (len(held) != claimed or (held and max(held) != claimed - 1)):
         raise ValueError(f"config.json claims {claimed} decoder layers (text_config.num_hidden_layers), but the "
                          f"weight files hold {len(held)}: the config does not belong to these weights.")
+    sizes = [text.get("vocab_size"), text.get("hidden_size")]
+    if embedding is not None and sizes != list(embedding):
+        raise ValueError(f"config.json claims a vocabulary of {sizes[0]} and a hidden size of {sizes[1]}, but the "
+                         f"weight files' embedding is {list(embedding)}: the config does not belong to these weights.")
 
 
 def _offloaded_value(module: nn.Module) -> torch.Tensor | None:
@@ -349,7 +367,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any):
         if args and isinstance(args[0], (str, os.PathLike)):
-            _check_depth_against_weights(str(args[0]), kwargs)  # before a model of the claimed depth is built
+            _check_sizes_against_weights(str(args[0]), kwargs)  # before a model of the claimed depth is built
         want_info = kwargs.pop("output_loading_info", False)
         verify = kwargs.pop("verify_operator_hashes", True)
         ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
