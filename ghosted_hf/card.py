@@ -4,6 +4,7 @@ that `ghosted inspect` prints."""
 from __future__ import annotations
 
 import importlib.resources
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,18 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
     )
 
 
+def name_tokenizer_class_for_every_reader(folder: Path) -> None:
+    """transformers 5 saves a fast tokenizer as the class `TokenizersBackend`, which transformers 4.x (and
+    llama.cpp's converter running on it) cannot load; its older name, `PreTrainedTokenizerFast`, loads on both."""
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    values = json.loads(path.read_text())
+    if values.get("tokenizer_class") == "TokenizersBackend":
+        values["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
+
+
 def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_id: str | None = None,
                    license: str | None = None) -> Path:
     """`save_pretrained` plus the tokenizer, the generated README.md and the score plot; the way to save a
@@ -104,6 +117,7 @@ def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_i
         model.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+            name_tokenizer_class_for_every_reader(staging)
         plot = write_score_plot(config, staging)
         build_card(config, repo_id=repo_id or folder.name, license=license, plot=plot).save(staging / "README.md")
     return folder

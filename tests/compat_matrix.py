@@ -82,6 +82,7 @@ def save_fixtures(out: Path) -> dict:
 
     import ghosted_hf
     from ghosted_hf import prune_layers
+    from ghosted_hf.card import name_tokenizer_class_for_every_reader
 
     if not Path(ghosted_hf.__file__).resolve().is_relative_to(ROOT):
         raise RuntimeError(f"imported ghosted_hf from {ghosted_hf.__file__}, not from this checkout {ROOT}")
@@ -98,11 +99,9 @@ def save_fixtures(out: Path) -> dict:
         folder = out / name
         model.save_pretrained(folder)
         char_tokenizer().save_pretrained(folder)
-        # 5.x writes the generic fast tokenizer as "TokenizersBackend", a class 4.x lacks; name its old alias.
-        tokenizer_config = folder / "tokenizer_config.json"
-        values = json.loads(tokenizer_config.read_text())
-        values["tokenizer_class"] = "PreTrainedTokenizerFast"
-        tokenizer_config.write_text(json.dumps(values, indent=2))
+        # 5.x writes the generic fast tokenizer as "TokenizersBackend", a class 4.x lacks: save_with_card names
+        # its old alias, which loads on every version (the pipeline check proves it).
+        name_tokenizer_class_for_every_reader(folder)
         missing = [f for f in ("configuration_ghosted.py", "modeling_ghosted.py") if not (folder / f).exists()]
         if missing:
             raise RuntimeError(f"save_pretrained did not copy the remote code {missing} into {folder}")

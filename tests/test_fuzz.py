@@ -12,7 +12,6 @@ import shutil
 import struct
 from pathlib import Path
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 

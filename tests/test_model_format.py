@@ -449,5 +449,5 @@ def test_a_config_claiming_other_sizes_than_the_embedding_is_refused(saved: Path
     config = json.loads((saved / "config.json").read_text())
     config["text_config"][field] = value
     (saved / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=rf"config.json claims a vocabulary of .* but the weight files' embedding is \[128, 32\]"):
+    with pytest.raises(ValueError, match=r"config.json claims a vocabulary of .* but the weight files' embedding is \[128, 32\]"):
         AutoModelForCausalLM.from_pretrained(saved)

@@ -186,3 +186,11 @@ def test_push_sends_the_bytes_it_verified(ghosted, tmp_path: Path, monkeypatch) 
         push_to_hub(folder, "tester/staged", token=fake.token, endpoint=fake.url)
     arrived = fake.repos["tester/staged"]["branches"]["main"]
     assert arrived["model.safetensors"] == original
+
+
+def test_the_saved_tokenizer_class_loads_on_transformers_4_and_5(ghosted, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    folder = save_with_card(ghosted, tmp_path / "model", char_tokenizer())
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert AutoTokenizer.from_pretrained(folder)("hello")["input_ids"] == char_tokenizer()("hello")["input_ids"]
