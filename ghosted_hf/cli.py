@@ -185,10 +185,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_new_file(output: str | None) -> Path:
-    """An output file that does not exist yet, in a folder that does."""
-    if output is None:
-        raise GhostedError("--output FILE is required (e.g. --output stats.safetensors).")
+def check_new_file(output: str) -> Path:
+    """An output file that does not exist yet, in a folder that does (argparse makes --output required)."""
     path = Path(output)
     if path.exists():
         raise GhostedError(f"--output {path} already exists; name a new file.")

@@ -19,7 +19,7 @@ from typing import Any
 
 from .checkpoint import index_weight_map
 from .errors import GhostedError, MissingFileError
-from .remote.modeling_ghosted import ghost_tensor_key, operator_sha256, replace_folder
+from .remote.modeling_ghosted import check_sizes_against_weights, ghost_tensor_key, operator_sha256, replace_folder
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +85,12 @@ def verify_folder(folder: str | os.PathLike) -> dict[str, Any]:
         missing = sorted(set(weight_map) - set(found))[:3]
         raise GhostedError(f"The safetensors index of {folder} does not match its files (e.g. {missing}); save again.")
     if config.get("model_type") == "ghosted":
-        check_ghosted_layout(config, found, tensors)
+        check_ghosted_layout(folder, config, tensors)
         check_operator_hashes(config, tensors)
     return config
 
 
-def check_ghosted_layout(config: dict[str, Any], names: dict[str, str], operators: dict[str, Any]) -> None:
+def check_ghosted_layout(folder: Path, config: dict[str, Any], operators: dict[str, Any]) -> None:
     """What `from_pretrained` refuses about a ghosted folder's layout, said before any load: a config that
     contradicts itself (boundaries, depth, format version), another depth than the weights hold, operators of
     the wrong shape or the wrong number of them."""
@@ -101,11 +101,10 @@ def check_ghosted_layout(config: dict[str, Any], names: dict[str, str], operator
         ghosted.validate_ghost_layout()
     except (ValueError, TypeError, KeyError) as error:
         raise GhostedError(f"The folder's config.json is inconsistent: {error}") from None
-    depth = ghosted.text_config.num_hidden_layers
-    held = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
-    if held != set(range(depth)):
-        raise GhostedError(f"config.json claims {depth} decoder layers, but the weight files hold {len(held)}: the "
-                           "config does not belong to these weights; save the model again.")
+    try:
+        check_sizes_against_weights(str(folder), {})  # the check from_pretrained makes: layers, vocabulary, width
+    except ValueError as error:
+        raise GhostedError(f"{error} Save the model again.") from None
     expected = {ghost_tensor_key(b) for b in ghosted.ghost_boundaries}
     if set(operators) != expected:
         raise GhostedError(f"The weight files hold the operators {sorted(operators)}, but config.json has boundaries "

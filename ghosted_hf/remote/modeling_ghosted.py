@@ -196,7 +196,7 @@ def _checkpoint_layout(path: str, kwargs: dict[str, Any]) -> tuple[list[str], li
     return names, (header.get(_EMBEDDING) or {}).get("shape")
 
 
-def _check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
+def check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
     """Refuse a config.json whose sizes (decoder layers, vocabulary, hidden size) are not those of its weight
     files, before anything of the claimed size is allocated."""
     from transformers.utils import cached_file
@@ -367,7 +367,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any):
         if args and isinstance(args[0], (str, os.PathLike)):
-            _check_sizes_against_weights(str(args[0]), kwargs)  # before a model of the claimed depth is built
+            check_sizes_against_weights(str(args[0]), kwargs)  # before a model of the claimed depth is built
         want_info = kwargs.pop("output_loading_info", False)
         verify = kwargs.pop("verify_operator_hashes", True)
         ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
