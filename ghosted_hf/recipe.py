@@ -245,7 +245,7 @@ def check_token_ids(data: TokenBatches, vocab_size: int) -> None:
 def check_token_budget(tokens: int, hidden_size: int) -> None:
     """The one rule for how much text a fit needs: fewer tokens than channels (C) leave the C x C least-squares
     fit underdetermined and are refused; fewer than 10 C fit, with a warning that the fit may not be stable."""
-    if tokens < 10 * hidden_size:
+    if hidden_size <= tokens < 10 * hidden_size:  # (fewer than C is refused below, without a warning first)
         logger.warning("The calibration data gave %d tokens for a %dx%d operator: fewer than 10x the hidden size "
                        "(%d), so the fit may not carry over to other text. Add calibration text or raise seq_len / "
                        "num_sequences.", tokens, hidden_size, hidden_size, 10 * hidden_size)

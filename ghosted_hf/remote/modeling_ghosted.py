@@ -172,13 +172,18 @@ def _safetensors_header(file: str) -> dict[str, Any]:
         return json.loads(handle.read(length))
 
 
-def _checkpoint_layout(path: str, kwargs: dict[str, Any]) -> tuple[list[str], list[int] | None] | None:
-    """(the tensor names of a checkpoint's safetensors files, the embedding's shape), reading only the index and
-    headers; None where they cannot be located here."""
+def _locator(path: str, kwargs: dict[str, Any]):
+    """A function from a file name of the checkpoint to its local path (None where it has no such file),
+    with the location arguments `from_pretrained` was given."""
     from transformers.utils import cached_file
 
     options = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "subfolder") if k in kwargs}
-    locate = lambda name: cached_file(path, name, _raise_exceptions_for_missing_entries=False, **options)  # noqa: E731
+    return lambda name: cached_file(path, name, _raise_exceptions_for_missing_entries=False, **options)
+
+
+def _checkpoint_layout(locate) -> tuple[list[str], list[int] | None] | None:
+    """(the tensor names of a checkpoint's safetensors files, the embedding's shape), reading only the index and
+    headers; None where they cannot be located here."""
     try:
         index = locate("model.safetensors.index.json")
         if index is not None:
@@ -199,16 +204,12 @@ def _checkpoint_layout(path: str, kwargs: dict[str, Any]) -> tuple[list[str], li
 def check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
     """Refuse a config.json whose sizes (decoder layers, vocabulary, hidden size) are not those of its weight
     files, before anything of the claimed size is allocated."""
-    from transformers.utils import cached_file
-
+    locate = _locator(path, kwargs)
     try:
-        config_file = cached_file(path, "config.json", _raise_exceptions_for_missing_entries=False,
-                                  **{k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only",
-                                                            "subfolder") if k in kwargs})
-        text = json.loads(Path(config_file).read_text()).get("text_config", {})
+        text = json.loads(Path(locate("config.json")).read_text()).get("text_config", {})
     except (OSError, ValueError, TypeError, AttributeError):
         return  # no readable config here: from_pretrained itself reports that
-    layout = _checkpoint_layout(path, kwargs)
+    layout = _checkpoint_layout(locate)
     if layout is None or not isinstance(text, dict):
         return
     names, embedding = layout
