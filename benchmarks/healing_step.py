@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from ghosted_hf import assets, ghost_prune, healing
 from ghosted_hf.options import PruneOptions
@@ -45,17 +46,17 @@ def main() -> None:
         for attention in times:
             # sdpa: keep the model's own kernel by skipping the switch `heal` makes on a CPU
             healing.training_attention = eager_on_cpu if attention == "eager" else (lambda *a: contextlib.nullcontext())
-            clock = time.process_time()
             seconds: list[float] = []
 
-            def after_step(_: torch.nn.Module, losses: list[float]) -> bool:
-                nonlocal clock
-                seconds.append(time.process_time() - clock)
-                clock = time.process_time()
-                return False
+            class StepTimes(TrainerCallback):
+                def on_step_begin(self, args, state, control, **kwargs):
+                    self.clock = time.process_time()
+
+                def on_step_end(self, args, state, control, **kwargs):
+                    seconds.append(time.process_time() - self.clock)
 
             healed = healing.heal(model, tokenizer, calibration, steps=args.steps + 1, progress=False,
-                                  after_step=after_step)
+                                  eval_sequences=0, callbacks=[StepTimes()])
             model = healed.model.unload()  # the adapters removed: the same ghosted model for the next configuration
             times[attention] += seconds[1:]  # the first step warms up
     healing.training_attention = eager_on_cpu

@@ -118,12 +118,18 @@ class PushArgs:
 class HealArgs(LoadArgs):
     """Arguments of `ghosted heal` besides the `HealOptions`."""
 
-    folder: str = option(help="Saved ghosted model folder or Hub id.")
+    folder: str = option(help="A model ghosted_hf pruned (a ghosted model or a stock export): folder or Hub id.")
     output: str | None = option(None, "New folder to save the healed model (or adapter) to.", required=True)
-    data: str | None = option(None, "Training text file (None: the packaged calibration articles).")
+    data: str | None = option(None, "Training text: a text file, a .jsonl/.json/.parquet/.arrow/.csv file, a datasets "
+                                    "folder or a Hub dataset id (None: the packaged calibration articles).")
+    eval_data: str | None = option(None, "Held-out text, read like --data (None: carved off --data).")
     teacher: str = option("none", "'none': language-modelling loss on the text; or a dense model to distill from (KL to "
                                   "its logits): a folder or Hub id, or 'base': the model it was pruned from (recorded "
                                   "in its config).")
+    checkpoints: str | None = option(None, "Folder of the run's checkpoints (--save-every) and logs (--report-to) "
+                                           "(None: OUTPUT.checkpoints).")
+    resume: str | None = option(None, "Resume from 'last' (the newest complete checkpoint in --checkpoints) or a "
+                                      "checkpoint folder; the other options must be those of the first run.")
     adapter_only: bool = option(False, "Save only the PEFT adapter.")
 
 
@@ -149,13 +155,14 @@ def check_new_output(output: str | Path | None, *inputs: str | None) -> Path:
     if output is None:
         raise GhostedError("--output DIR is required.")
     path = Path(output)
+    for source in inputs:
+        if source is not None and Path(source).exists() and Path(source).resolve() == path.resolve():
+            raise GhostedError(f"--output {path} is the input {'file' if path.is_file() else 'folder'}; name a new "
+                               "folder.")
     if path.is_file():
         raise GhostedError(f"--output {path} is an existing file; name a new folder.")
     if path.is_dir() and any(path.iterdir()):
         raise GhostedError(f"--output {path} exists and is not empty; name a new folder.")
-    for source in inputs:
-        if source is not None and Path(source).exists() and Path(source).resolve() == path.resolve():
-            raise GhostedError(f"--output {path} is the input folder; name a new folder.")
     return path
 
 
@@ -334,22 +341,33 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_heal(args: argparse.Namespace) -> int:
-    """`ghosted heal`: LoRA-heal a ghosted model and save it merged (or the adapter alone)."""
+    """`ghosted heal`: LoRA-heal a pruned model and save it merged (or the adapter alone); rank 0 writes."""
+    import torch
+
     from .card import save_with_card
+    from .distributed import is_main_process
     from .healing import HealOptions, base_model_reference, heal, merge
 
     run, options = from_namespace(HealArgs, args), from_namespace(HealOptions, args)
-    check_new_output(run.output, run.folder)
+    check_new_output(run.output, run.folder, run.data)
+    needs_folder = options.save_every or run.resume or options.report_to != "none"
+    checkpoints = run.checkpoints or (f"{run.output.rstrip('/')}.checkpoints" if needs_folder else None)
     model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
                                   revision=run.revision)
     teacher = None
     if run.teacher != "none":
         reference = base_model_reference(model) if run.teacher == "base" else run.teacher
         teacher, _ = load_model(reference, dtype=run.dtype, trust_remote_code=run.trust_remote_code)
-    healed = heal(model, tokenizer, calibration_text(run.data), options, teacher=teacher)
+        if torch.cuda.is_available():
+            teacher.to(f"cuda:{torch.cuda.current_device()}")
+    healed = heal(model, tokenizer, run.data or assets.wikipedia_split("calibration"), options, teacher=teacher,
+                  eval_data=run.eval_data, checkpoints=checkpoints, resume=run.resume)
+    if not is_main_process():
+        return 0
     losses = healed.losses
     print(f"loss: first 5 steps {sum(losses[:5]) / len(losses[:5]):.4f}, last 5 steps "
-          f"{sum(losses[-5:]) / len(losses[-5:]):.4f}")
+          f"{sum(losses[-5:]) / len(losses[-5:]):.4f}" + (f"; held-out perplexity {healed.record['held_out_perplexity']:.3f}"
+                                                         if "held_out_perplexity" in healed.record else ""))
     if run.adapter_only:
         with staged_folder(run.output) as staging:
             healed.model.save_pretrained(staging)

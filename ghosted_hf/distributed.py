@@ -27,6 +27,11 @@ LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
                       ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"))
 
 
+def timeout_s() -> float:
+    """How long to wait for peers: GHOSTED_DISTRIBUTED_TIMEOUT seconds, else `DEFAULT_TIMEOUT_S`."""
+    return float(os.environ.get("GHOSTED_DISTRIBUTED_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
 def launcher_process(environ: Mapping[str, str] | None = None) -> tuple[int, int, int]:
     """(rank, world size, local rank) that the launcher gave this process; (0, 1, 0) when none did."""
     environ = os.environ if environ is None else environ
@@ -54,7 +59,7 @@ def init_distributed() -> bool:
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise GhostedError(f"Process {rank} of {world}: MASTER_ADDR and MASTER_PORT are not set, so the processes cannot "
                            "find each other; start them with torchrun or accelerate launch (which set them).")
-    timeout = float(os.environ.get("GHOSTED_DISTRIBUTED_TIMEOUT", DEFAULT_TIMEOUT_S))
+    timeout = timeout_s()
     logger.info("Joining process group: rank %d of %d (%s, timeout %.0f s).", rank, world, backend, timeout)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))

@@ -1,16 +1,26 @@
-"""Optional LoRA healing of a ghosted model with PEFT: language-modeling loss or distillation from the
-dense teacher's logits, then `merge_and_unload` back into a `GhostedForCausalLM`.
+"""LoRA healing of any model ghosted_hf pruned, on transformers' `Trainer` with PEFT (accelerate underneath): one
+CPU, one GPU, or data-parallel under `torchrun` / `accelerate launch` (FSDP and DeepSpeed through accelerate's
+config files), with gradient accumulation and checkpointing, resumable checkpoints, held-out evaluation and
+tensorboard / wandb reports. A ghosted model heals into a ghosted model; a stock export (`folded`,
+`replaceme-ls`, `none`) into a stock checkpoint of its architecture.
 
-LoRA goes on every linear layer of every decoder layer: adapters only near the boundaries, or only
+`Trainer` rather than TRL's trainers: the data is packed fixed-length token sequences and the loss next-token or
+KL to a teacher; SFTTrainer's additions (chat templates, prompt/completion packing) do not apply, and TRL's
+distillation trainers hold the full batch x sequence x vocabulary logits, which `distillation.chunked_kd_loss`
+avoids. LoRA goes on every linear layer of every decoder layer: adapters only near the boundaries, or only
 downstream of them, healed less at every budget measured (docs/removed-levers.md)."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import hashlib
+import json
 import logging
+import math
+import os
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,53 +29,96 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .data import TextSource, tokenize_texts
-from .errors import GhostedError
-from .options import Options, positive, option
-from .remote.modeling_ghosted import GHOST_MODULE, GhostedForCausalLM
+from .corpus import TrainingSequences, read_corpus, training_sequences
+from .distillation import chunked_kd_loss, final_hidden_states, shifted_labels
+from .distributed import timeout_s
+from .errors import GhostedError, MissingFileError
+from .options import Options, option, positive
+from .remote.modeling_ghosted import GHOST_MODULE
 
 logger = logging.getLogger(__name__)
 
 SCHEDULES = ("constant", "linear")
 PRECISIONS = ("auto", "fp32", "bf16")
+REPORTERS = ("none", "tensorboard", "wandb")
 LINEAR = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+TARGET_MODULES = rf"model\.layers\.\d+\.{LINEAR}"  # every linear layer of every decoder layer
+CHECKPOINT_RECORD = "ghosted_checkpoint.json"  # written last: a checkpoint without it is incomplete
 
 
 @dataclass
 class HealOptions(Options):
     """How `heal` trains: LoRA on every linear layer, next-token loss (or KL to a teacher), a linear decay."""
 
-    train_operators: bool = option(False, "Also train the ghost operators (saved merged into the model).")
+    train_operators: bool = option(False, "Also train the ghost operators (saved merged into the model; ghosted "
+                                          "models only).")
     rank: int = option(8, "LoRA rank.")
     alpha: int = option(16, "LoRA alpha.")
     steps: int = option(150, "Optimizer steps (150 x 4 x 256 tokens: 10-13 CPU-minutes for a 135M model on one core "
                              "with AVX512-BF16, 4-5 s a step, all-linear, without a teacher).")
-    lr: float = option(2e-3, "AdamW learning rate (peak).")
+    tokens: int | None = option(None, "Train on this many tokens instead of `steps` steps (rounded up to whole steps "
+                                      "of batch_size x gradient_accumulation x processes x seq_len tokens).")
     minutes: float | None = option(None, "Train for this many minutes (wall-clock) instead of `steps` steps, the "
                                    "schedule decaying over the time (at least one step is taken).")
+    lr: float = option(2e-3, "AdamW learning rate (peak).")
     schedule: str = option("linear", "Learning rate over the run: constant, or decayed linearly to zero by the end "
                            "(the last step, or the end of `minutes`).", SCHEDULES)
     precision: str = option("auto", "Matrix products under bf16 autocast (adapters and optimizer state stay fp32), "
                             "or in fp32; auto: bf16 where the device computes it natively (CUDA with bf16, a CPU with "
                             "AVX512-BF16 or AMX), else fp32.", PRECISIONS)
-    seq_len: int = option(256, "Training sequence length in tokens.")
-    batch_size: int = option(4, "Sequences per step.")
+    seq_len: int = option(256, "Training sequence length in tokens (documents are packed, joined by EOS).")
+    batch_size: int = option(4, "Sequences per step and process (per micro-batch with gradient_accumulation).")
+    gradient_accumulation: int = option(1, "Micro-batches per optimizer step.")
+    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass: less memory, about a "
+                                                 "third more compute.")
+    kd_weight: float = option(1.0, "With a teacher: the weight of KL(teacher || student); the rest, 1 - kd_weight, "
+                                   "goes to the next-token loss.")
+    kl_chunk: int = option(1024, "With a teacher: token positions per chunk of the KL (memory: chunk x vocabulary).")
+    eval_every: int | None = option(None, "Also evaluate held-out perplexity every N steps (it is always evaluated at "
+                                          "the end when there is held-out text).")
+    eval_sequences: int = option(16, "Held-out sequences: carved off the start of the data as whole documents when no "
+                                     "evaluation data is given (0: no held-out evaluation).")
+    save_every: int | None = option(None, "Save a resumable checkpoint every N steps (the last two are kept).")
+    report_to: str = option("none", "Where to log losses and evaluations.", REPORTERS)
+    text_column: str = option("text", "Column of the dataset that holds the text.")
+    split: str | None = option(None, "Dataset split (None: 'train', or a folder's only split).")
+    streaming: bool = option(False, "Stream a Hub or file dataset: read only the documents the step budget needs.")
     seed: int = option(0, "Random seed of the adapters' initialisation and of the order of the training sequences.")
 
     def check(self) -> None:
-        positive(self, "rank", "alpha", "steps", "seq_len", "batch_size")
+        positive(self, "rank", "alpha", "steps", "seq_len", "batch_size", "gradient_accumulation", "kl_chunk")
+        for name in ("tokens", "eval_every", "save_every"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise GhostedError(f"{name} must be positive (or left out), got {getattr(self, name)}.")
         if self.minutes is not None and not self.minutes > 0:
             raise GhostedError(f"minutes must be positive (or left out to train for `steps` steps), got {self.minutes}.")
         if not self.lr > 0:
             raise GhostedError(f"lr must be positive, got {self.lr}.")
+        if not 0 <= self.kd_weight <= 1:
+            raise GhostedError(f"kd_weight must be between 0 and 1, got {self.kd_weight}.")
+        if self.eval_sequences < 0:
+            raise GhostedError(f"eval_sequences must be 0 or more, got {self.eval_sequences}.")
+        if self.eval_every and not self.eval_sequences:
+            raise GhostedError("eval_every needs held-out text: eval_sequences must be positive.")
+        if self.tokens is not None and self.minutes is not None:
+            raise GhostedError("Give one budget: tokens or minutes (or steps), not both.")
 
 
-def check_ghosted(model: Any) -> None:
-    """Refuse a model that is not a ghosted one (healing a dense model is fine-tuning)."""
-    if getattr(getattr(model, "config", None), "model_type", None) != "ghosted":
-        raise GhostedError(f"heal expects a ghosted model (GhostedForCausalLM), got {type(model).__name__}; prune it "
-                           "with ghosted_hf.ghost_prune first.")
+def healed_kind(model: Any) -> str:
+    """"ghosted" or "stock" (a stock checkpoint ghosted_hf exported); a model that was never pruned is refused:
+    healing it would be fine-tuning."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) == "ghosted":
+        return "ghosted"
+    provenance = getattr(config, "ghost_provenance", None)
+    if isinstance(provenance, dict) and "stock_export" in provenance:
+        return "stock"
+    raise GhostedError(f"heal expects a model pruned by ghosted_hf, and this {type(model).__name__} records no pruning "
+                       "(no ghost_provenance in its config): healing a dense model is fine-tuning. Prune it first "
+                       "(ghosted prune / ghost_prune).")
 
 
 def check_same_vocabulary(student: nn.Module, teacher: nn.Module) -> None:
@@ -76,10 +129,10 @@ def check_same_vocabulary(student: nn.Module, teacher: nn.Module) -> None:
                            "needs the dense model the student was pruned from (or one with the same tokenizer).")
 
 
-def base_model_reference(model: GhostedForCausalLM) -> str:
+def base_model_reference(model: PreTrainedModel) -> str:
     """Where the dense model that `model` was pruned from lives (the natural distillation teacher): the folder
     recorded at pruning time if it still exists here, else its Hub id."""
-    check_ghosted(model)
+    healed_kind(model)
     provenance = getattr(model.config, "ghost_provenance", None) or {}
     path, hub_id = provenance.get("base_model_path"), provenance.get("base_model")
     if path and Path(path).is_dir():
@@ -89,9 +142,6 @@ def base_model_reference(model: GhostedForCausalLM) -> str:
     raise GhostedError(f"The model records no reachable base model (path {path!r}, Hub id {hub_id!r}) to distill "
                        "from; pass the dense model's folder or Hub id as the teacher, or train with the "
                        "language-modelling loss (teacher 'none').")
-
-
-TARGET_MODULES = rf"model\.layers\.\d+\.{LINEAR}"  # every linear layer of every decoder layer
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -135,98 +185,330 @@ def training_attention(model: nn.Module, device: torch.device, seq_len: int) -> 
             model.set_attn_implementation(original)
 
 
-def training_loss(student: nn.Module, teacher: nn.Module | None, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy, or with a teacher KL(teacher || student) over the real tokens."""
-    if teacher is None:
-        return student(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-    with torch.no_grad():
-        target = teacher(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
-    predicted = student(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
-    return (target.exp() * (target - predicted)).sum(-1)[mask.bool()].mean()
+class Budget:
+    """The fraction of the run done, by steps or by `clock` seconds. Under several processes rank 0's clock decides
+    (broadcast every step), so that every process uses the same learning rate and stops at the same step."""
+
+    def __init__(self, steps: int | None, seconds: float | None, clock: Callable[[], float], spent: float = 0.0):
+        self.steps, self.seconds, self.clock, self.spent = steps, seconds, clock, spent
+        self.fraction, self._started = 0.0, clock()
+
+    def restart(self) -> None:
+        self._started = self.clock() - self.spent
+
+    def measure(self, step: int, device: torch.device) -> float:
+        if self.seconds is None:
+            self.fraction = step / self.steps
+            return self.fraction
+        self.spent = self.clock() - self._started
+        fraction = torch.tensor([self.spent / self.seconds], dtype=torch.float64, device=device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.broadcast(fraction, src=0)
+        self.fraction = float(fraction)
+        return self.fraction
+
+
+class _Schedule(TrainerCallback):
+    """Measures the budget after every optimizer step (before the scheduler reads it) and stops a timed run."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.budget.restart()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.budget.measure(state.global_step + 1, args.device)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.budget.seconds is not None and self.budget.fraction >= 1:
+            control.should_training_stop = True
+
+
+class _Progress(TrainerCallback):
+    """One bar (steps, or seconds of a timed run) with the loss and tokens/s, on the main process only."""
+
+    def __init__(self, budget: Budget, tokens_per_step: int, enabled: bool) -> None:
+        self.budget, self.tokens_per_step, self.enabled, self.bar = budget, tokens_per_step, enabled, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.enabled and state.is_world_process_zero:
+            timed = self.budget.seconds is not None
+            self.bar = tqdm(total=round(self.budget.seconds) if timed else self.budget.steps,
+                            unit="s" if timed else "step", desc="Healing", initial=0 if timed else state.global_step)
+            self._clock, self._first_step = time.perf_counter(), state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is not None and logs and "loss" in logs:
+            speed = (state.global_step - self._first_step) * self.tokens_per_step / (time.perf_counter() - self._clock)
+            self.bar.set_postfix(loss=f"{logs['loss']:.4f}", tokens_per_s=f"{speed:.0f}")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            done = round(self.budget.spent) if self.budget.seconds is not None else state.global_step
+            self.bar.update(min(done, self.bar.total) - self.bar.n)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class _Record(TrainerCallback):
+    """Completes every checkpoint with a record of its files' sha256 (and the time spent, for timed runs), written
+    last and atomically: a checkpoint without a valid record is one a kill interrupted, and is never resumed."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+
+    def on_save(self, args, state, control, **kwargs):
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every process has written its RNG state
+        if not state.is_world_process_zero:
+            return
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        files = {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+        staged = folder / f".{CHECKPOINT_RECORD}.tmp"
+        staged.write_text(json.dumps({"step": state.global_step, "seconds_spent": self.budget.spent, "files": files}))
+        os.replace(staged, folder / CHECKPOINT_RECORD)
+
+
+def verified_checkpoint(folder: Path) -> dict[str, Any]:
+    """The record of a complete checkpoint whose every file still has the recorded sha256."""
+    path = folder / CHECKPOINT_RECORD
+    if not path.is_file():
+        raise GhostedError(f"Checkpoint {folder} is incomplete (no {CHECKPOINT_RECORD}: the run was stopped while it "
+                           "was written); resume from an earlier one.")
+    record = json.loads(path.read_text())
+    for name, digest in record["files"].items():
+        if not (folder / name).is_file() or _sha256(folder / name) != digest:
+            raise GhostedError(f"Checkpoint file {folder / name} is missing or not what the checkpoint recorded; "
+                               "resume from another checkpoint.")
+    return record
+
+
+def resume_point(checkpoints: Path, resume: str | os.PathLike) -> Path:
+    """`resume` as a checkpoint folder: "last" is the newest complete one under `checkpoints`."""
+    if str(resume) != "last":
+        return Path(resume)
+    found = sorted((p for p in checkpoints.glob("checkpoint-*") if (p / CHECKPOINT_RECORD).is_file()),
+                   key=lambda p: int(p.name.split("-")[-1]))
+    if not found:
+        raise MissingFileError(f"No complete checkpoint under {checkpoints} to resume from; start without resume.")
+    return found[-1]
+
+
+class _SequenceDataset(torch.utils.data.Dataset):
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences = sequences
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return {"input_ids": self.sequences[index]}
+
+
+def _collate(items: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    ids = torch.tensor([item["input_ids"] for item in items], dtype=torch.long)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+class HealingTrainer(Trainer):
+    """`Trainer` with the KL to a teacher as the training loss (held-out evaluation stays next-token perplexity),
+    our learning-rate schedule (by steps or by time), and the perplexity logged beside every evaluation loss."""
+
+    def __init__(self, *args: Any, teacher: nn.Module | None, kd_weight: float, kl_chunk: int, budget: Budget,
+                 schedule: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.teacher, self.kd_weight, self.kl_chunk, self.budget, self.schedule = teacher, kd_weight, kl_chunk, budget, schedule
+        # Every batch holds the same number of tokens: the mean loss per micro-batch, divided by the number of
+        # micro-batches (and averaged over processes by DDP) is the mean over the whole step.
+        self.model_accepts_loss_kwargs, self.loss_is_scaled_for_ga = False, False
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        if self.lr_scheduler is None:
+            budget, schedule = self.budget, self.schedule
+
+            def factor(step: int) -> float:
+                return lr_factor(schedule, step / budget.steps if budget.seconds is None else budget.fraction)
+
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, factor)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.teacher is None or not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        ids = inputs["input_ids"]
+        teacher_device = next(self.teacher.parameters()).device
+        with torch.no_grad():
+            teacher_hidden = self.teacher.get_decoder()(input_ids=ids.to(teacher_device)).last_hidden_state
+        with final_hidden_states(model) as captured:
+            outputs = model(input_ids=ids, logits_to_keep=1)  # the logits come chunk by chunk below
+        student = self.accelerator.unwrap_model(model)
+        with self.accelerator.autocast():
+            loss = chunked_kd_loss(captured[-1], teacher_hidden, shifted_labels(inputs["labels"]),
+                                   student.get_output_embeddings(), self.teacher.get_output_embeddings(),
+                                   kd_weight=self.kd_weight, chunk=self.kl_chunk)
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if "eval_loss" in logs:
+            logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 80.0))
+        super().log(logs, *args, **kwargs)
 
 
 class HealResult(NamedTuple):
-    """What `heal` returns: the PEFT model, the loss of every step, and the record `merge` saves in the
-    provenance (what was trained, on what, for how long)."""
+    """What `heal` returns: the PEFT model, the loss of every step, the held-out evaluations (step, loss,
+    perplexity) and the record `merge` saves in the provenance (what was trained, on what, for how long)."""
 
     model: PeftModel
     losses: list[float]
     record: dict[str, Any]
+    evaluations: list[dict[str, float]] = []
+
+
+def _lora(model: PreTrainedModel, options: HealOptions) -> PeftModel:
+    torch.manual_seed(options.seed)
+    config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0, target_modules=TARGET_MODULES,
+                        modules_to_save=[GHOST_MODULE] if options.train_operators else None, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def _arguments(options: HealOptions, output_dir: str, precision: str) -> TrainingArguments:
+    report = [] if options.report_to == "none" else [options.report_to]
+    return TrainingArguments(
+        output_dir=output_dir, max_steps=options.steps, per_device_train_batch_size=options.batch_size,
+        per_device_eval_batch_size=options.batch_size, gradient_accumulation_steps=options.gradient_accumulation,
+        learning_rate=options.lr, weight_decay=0.01, max_grad_norm=0.0,  # as measured: AdamW, no clipping
+        gradient_checkpointing=options.gradient_checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
+        bf16=precision == "bf16", logging_steps=1, report_to=report,
+        eval_strategy="steps" if options.eval_every else "no", eval_steps=options.eval_every,
+        prediction_loss_only=True, label_names=["labels"], save_strategy="steps" if options.save_every else "no", save_steps=options.save_every or 1,
+        save_total_limit=2, seed=options.seed, data_seed=options.seed, remove_unused_columns=False,
+        disable_tqdm=True, ddp_timeout=int(timeout_s()), use_cpu=not torch.cuda.is_available(),
+    )
 
 
 def heal(
-    model: GhostedForCausalLM,
+    model: PreTrainedModel,
     tokenizer: Any,
-    data: TextSource,
+    data: Any,
     options: HealOptions | None = None,
     *,
     teacher: nn.Module | None = None,
+    eval_data: Any = None,
+    checkpoints: str | os.PathLike | None = None,
+    resume: str | os.PathLike | None = None,
+    callbacks: Sequence[TrainerCallback] = (),
     progress: bool = True,
-    after_step: Callable[[PeftModel, list[float]], bool] | None = None,
     clock: Callable[[], float] = time.perf_counter,
     **overrides: Any,
 ) -> HealResult:
-    """Train LoRA adapters (and, with `train_operators`, the ghost operators, saved with the adapter) for `steps`
-    steps, or for `minutes` by `clock` (seconds). With a `teacher` the loss is KL(teacher || student) on real
-    tokens, otherwise next-token cross-entropy. Options are `HealOptions` fields. `after_step(model, losses)` runs
-    after every step (e.g. to evaluate at time budgets); returning True stops training there."""
+    """Train LoRA adapters (and, with `train_operators`, the ghost operators) on `data` (anything `corpus.read_corpus`
+    reads) for `steps` steps, `tokens` tokens or `minutes` by `clock` (seconds). With a `teacher` the loss is
+    KL(teacher || student) (mixed with the next-token loss by `kd_weight`), otherwise next-token cross-entropy.
+    `eval_data`: held-out text (else carved off `data`). `checkpoints`: the folder of resumable checkpoints (with
+    `save_every`); `resume`: "last" or a checkpoint folder. `callbacks`: more `transformers.TrainerCallback`s."""
     options = HealOptions.build(options, **overrides)
-    check_ghosted(model)
+    kind = healed_kind(model)
+    if options.train_operators and kind == "stock":
+        raise GhostedError("train_operators needs a ghosted model: a stock checkpoint has its operators folded into "
+                           "its weights, and LoRA already trains those.")
     if teacher is not None:
         check_same_vocabulary(model, teacher)
-    torch.manual_seed(options.seed)
-    batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.batch_size,
-                             shuffle_seed=options.seed).batches
-    config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0, target_modules=TARGET_MODULES,
-                        modules_to_save=[GHOST_MODULE] if options.train_operators else None, task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, config)
-    # No weight decay on vectors (the usual convention); 0.01 is AdamW's default.
-    trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in trainable if p.ndim > 1], "weight_decay": 0.01},
-              {"params": [p for p in trainable if p.ndim <= 1], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=options.lr)
-    device = next(peft_model.parameters()).device
-    precision = resolve_precision(options.precision, device)
-    budget = options.minutes * 60 if options.minutes is not None else None
-    losses, tokens, started = [], 0, clock()
-    bar = tqdm(total=round(budget) if budget else options.steps, unit="s" if budget else "step", desc="Healing",
-               disable=not progress)
-    with training_attention(model, device, options.seq_len), bar:
-        for batch in itertools.cycle(batches):
-            done = (clock() - started) / budget if budget else len(losses) / options.steps
-            if done >= 1 and losses:  # at least one step, however short the budget
-                break
-            for group in optimizer.param_groups:
-                group["lr"] = options.lr * lr_factor(options.schedule, done)
-            peft_model.train()  # again every step: after_step may have evaluated
-            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            tokens += int(mask.sum())
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                loss = training_loss(peft_model, teacher, ids, mask)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-            bar.update(min(round(clock() - started), bar.total) - bar.n if budget else 1)
-            if after_step is not None and after_step(peft_model, losses):
-                break
-    peft_model.eval()
+    if (options.save_every or resume is not None or options.report_to != "none") and checkpoints is None:
+        raise GhostedError("save_every, resume and report_to need the checkpoints folder (the run's checkpoints, and "
+                           "its logs under runs/).")
+    scratch = tempfile.TemporaryDirectory(prefix="ghosted-heal-") if checkpoints is None else contextlib.nullcontext(checkpoints)
+    with scratch as output_dir:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        precision = resolve_precision(options.precision, device)
+        # Building the arguments joins the launcher's process group: the world size is known from here on.
+        args = _arguments(options, str(output_dir), precision)
+        per_step = options.batch_size * options.gradient_accumulation * args.world_size
+        steps = math.ceil(options.tokens / (per_step * options.seq_len)) if options.tokens else options.steps
+        args.max_steps = 10**9 if options.minutes else steps  # a timed run is stopped by `_Schedule`
+        sequences = _training_data(tokenizer, data, eval_data, options, per_step, steps * per_step)
+        budget = Budget(None if options.minutes else steps, options.minutes * 60 if options.minutes else None, clock)
+        start = None if resume is None else resume_point(Path(output_dir), resume)
+        if start is not None:
+            budget.spent = verified_checkpoint(start)["seconds_spent"]
+        peft_model = _lora(model, options)
+        trainer = HealingTrainer(
+            model=peft_model, args=args, train_dataset=_SequenceDataset(sequences.train), data_collator=_collate,
+            eval_dataset=_SequenceDataset(sequences.held_out) if sequences.held_out else None,
+            callbacks=[_Schedule(budget), _Record(budget), _Progress(budget, per_step * options.seq_len, progress),
+                       *callbacks],
+            teacher=teacher, kd_weight=options.kd_weight, kl_chunk=options.kl_chunk, budget=budget,
+            schedule=options.schedule)
+        for replaced in (ProgressCallback, PrinterCallback):  # `_Progress` replaces them (and knows timed runs)
+            trainer.remove_callback(replaced)
+        with training_attention(model, device, options.seq_len):
+            trainer.train(resume_from_checkpoint=None if start is None else str(start))
+            evaluated_last = trainer.state.log_history[-2:-1] and "eval_loss" in trainer.state.log_history[-2]
+            if sequences.held_out and not evaluated_last:  # the last step may have evaluated already
+                trainer.evaluate()
+    # accelerate wrapped the forward in bf16 autocast for training: the model returned computes as given again
+    trainer.accelerator.unwrap_model(peft_model, keep_fp32_wrapper=False).eval()
+    history = trainer.state.log_history
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    evaluations = [{"step": e["step"], "loss": e["eval_loss"], "perplexity": e["eval_perplexity"]}
+                   for e in history if "eval_loss" in e]
     logger.info("Healing loss %.4f -> %.4f over %d steps.", losses[0], losses[-1], len(losses))
-    record = {"loss": "KL to the teacher's logits" if teacher is not None else "next-token cross-entropy",
+    record = {**options.to_dict(), "precision": precision,
+              "loss": ("KL to the teacher's logits" if teacher is not None else "next-token cross-entropy")
+              + (f", {1 - options.kd_weight:g} x next-token" if teacher is not None and options.kd_weight < 1 else ""),
               "teacher": getattr(getattr(teacher, "config", None), "_name_or_path", None) if teacher is not None else None,
-              "steps": len(losses), "tokens": tokens,
-              **{k: v for k, v in options.to_dict().items() if k != "steps"}, "precision": precision}
-    return HealResult(peft_model, losses, record)
+              "steps": trainer.state.global_step, "tokens": trainer.state.global_step * per_step * options.seq_len,
+              "processes": args.world_size, "data": sequences.describe()}
+    if evaluations:
+        record["held_out_perplexity"] = evaluations[-1]["perplexity"]
+    return HealResult(peft_model, losses, record, evaluations)
 
 
-def merge(healed: HealResult) -> GhostedForCausalLM:
-    """Fold the adapters (and trained operators) into the weights: a `GhostedForCausalLM` again, its provenance
-    extended by the healing record."""
+def _training_data(tokenizer: Any, data: Any, eval_data: Any, options: HealOptions, per_step: int,
+                   needed: int) -> TrainingSequences:
+    """The packed training and held-out sequences, refused when there is less than one step of training text or
+    no held-out text was left to evaluate on. The training set is cut to whole steps of `per_step` sequences:
+    every step then has as many tokens, however the sequences are split over processes."""
+    corpus = read_corpus(data, split=options.split, text_column=options.text_column, streaming=options.streaming)
+    held_out = None if eval_data is None else read_corpus(eval_data, text_column=options.text_column)
+    # A streamed corpus is read only as far as the step budget needs (a timed run cycles over that).
+    sequences = training_sequences(tokenizer, corpus, options.seq_len, held_out=options.eval_sequences,
+                                   held_out_corpus=held_out, max_sequences=needed if options.streaming else None,
+                                   seed=options.seed)
+    if not sequences.documents:
+        raise GhostedError(f"The training data ({sequences.name}) holds no text.")
+    if len(sequences.train) < per_step:
+        raise GhostedError(f"The training data ({sequences.name}) gives {len(sequences.train)} sequences of "
+                           f"{options.seq_len} tokens (after {len(sequences.held_out)} held out), fewer than one step "
+                           f"needs ({per_step}): give more text, or lower seq_len / batch_size.")
+    if options.eval_sequences and not sequences.held_out:
+        raise GhostedError(f"No held-out sequence of {options.seq_len} tokens could be made from "
+                           f"{'the evaluation data' if eval_data is not None else sequences.name}: give more text, or "
+                           "eval_sequences=0 to train without held-out evaluation.")
+    del sequences.train[len(sequences.train) // per_step * per_step:]
+    return sequences
+
+
+def merge(healed: HealResult) -> PreTrainedModel:
+    """Fold the adapters (and trained operators) into the weights: a model of the class healed (a ghosted model
+    stays ghosted, a stock checkpoint stock), its provenance extended by the healing record."""
     peft_model = healed.model
     lora = peft_model.peft_config[peft_model.active_adapter]
+    original = type(peft_model.get_base_model())
     merged = peft_model.merge_and_unload()
-    if not isinstance(merged, GhostedForCausalLM):
-        raise GhostedError(f"Expected the merged model to be a GhostedForCausalLM, got {type(merged).__name__}.")
+    if type(merged) is not original:
+        raise GhostedError(f"Expected the merged model to be a {original.__name__}, got {type(merged).__name__}.")
     merged.config.ghost_provenance = {**merged.config.ghost_provenance, "healing": {
         "method": "LoRA (merged)", "r": lora.r, "lora_alpha": lora.lora_alpha, "target_modules": str(lora.target_modules),
         "trained_operators": GHOST_MODULE in (lora.modules_to_save or ()), **healed.record}}

@@ -182,3 +182,23 @@ def build_hub_cache(cache: Path, repo_id: str, folder: Path, commit: str = "0123
     shutil.copytree(folder, snapshot)
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
+
+
+def cache_hub_dataset(cache: Path, repo_id: str, rows: list[dict]) -> None:
+    """What `datasets` leaves in HF_DATASETS_CACHE after downloading the Hub dataset `repo_id` (one "train" split
+    of `rows`): with HF_HUB_OFFLINE=1, `load_dataset(repo_id)` (streamed or not) reads it from there."""
+    import datasets
+
+    cache.mkdir(parents=True, exist_ok=True)
+    source = cache / "source.jsonl"
+    source.write_text("\n".join(json.dumps(row) for row in rows))
+    builder = datasets.load_dataset_builder("json", data_files={"train": str(source)}, cache_dir=str(cache / "build"))
+    builder.download_and_prepare()
+    namespace, name = repo_id.split("/")
+    prepared = next((cache / "build" / "json").glob("*/*/*"))  # config/version/hash
+    target = cache / f"{namespace}___{name}" / "default" / prepared.parent.name / prepared.name
+    shutil.copytree(prepared, target)
+    for arrow in target.glob("json-*.arrow"):
+        arrow.rename(target / arrow.name.replace("json-", f"{name}-", 1))
+    shutil.rmtree(cache / "build")
+    source.unlink()

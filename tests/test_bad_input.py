@@ -109,15 +109,15 @@ def test_cli_errors_are_one_line(dense_folder: Path, tmp_path: Path, capsys) -> 
     err = one_line_error(capsys, "prune", dense_folder, "--calibration", tmp_path, "--dry-run")
     assert f"Calibration path {tmp_path} is a folder" in err
     err = one_line_error(capsys, "prune", dense_folder, *cal, "--output", dense_folder)
-    assert f"--output {dense_folder} exists and is not empty" in err
+    assert f"--output {dense_folder} is the input folder; name a new folder" in err
     err = one_line_error(capsys, "eval", dense_folder, "--limit", "4")
     assert "--limit applies to zero-shot tasks: pass --tasks too" in err
     err = one_line_error(capsys, "heal", dense_folder, "--output", tmp_path / "healed", "--steps", "1")
-    assert "heal expects a ghosted model (GhostedForCausalLM), got LlamaForCausalLM" in err
+    assert "heal expects a model pruned by ghosted_hf, and this LlamaForCausalLM records no pruning" in err
     err = one_line_error(capsys, "inspect", dense_folder)
     assert "holds a 'llama' model, not a ghosted one" in err
     err = one_line_error(capsys, "heal", dense_folder, "--output", dense_folder)
-    assert f"--output {dense_folder} exists and is not empty" in err
+    assert f"--output {dense_folder} is the input folder; name a new folder" in err
     err = one_line_error(capsys, "demo", "--output", dense_folder)
     assert f"--output {dense_folder} exists and is not empty" in err
 

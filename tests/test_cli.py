@@ -203,3 +203,36 @@ def test_dtype_is_honoured_by_every_command_that_loads(command: list[str], monke
     monkeypatch.chdir(tmp_path)
     assert cli.main([*command, "--dtype", "bfloat16"]) == 2
     assert seen == ["bfloat16"]
+
+
+@pytest.mark.slow
+def test_heal_bad_input_is_one_line_naming_the_value(dense_folder: Path, tmp_path: Path, capsys) -> None:
+    from ghosted_hf.cli import main
+
+    cal = tmp_path / "cal.txt"
+    assert main(["prune", str(dense_folder), "--calibration", str(cal), "--num-layers", "2", "--seq-len", "48",
+                 "--num-sequences", "16", "--output", str(tmp_path / "pruned")]) == 0
+    (tmp_path / "rows.jsonl").write_text('{"body": "some text"}\n')
+    (tmp_path / "empty.txt").write_text("\n\n")
+    pruned = str(tmp_path / "pruned")
+    cases = {
+        "same folder": (["--output", pruned], "is the input folder"),
+        "missing column": (["--data", str(tmp_path / "rows.jsonl")], "no 'text' column (columns: ['body'])"),
+        "empty data": (["--data", str(tmp_path / "empty.txt")], "The training data (empty.txt) holds no text."),
+        "zero budget": (["--steps", "0"], "steps must be positive, got 0"),
+        "nan budget": (["--minutes", "nan"], "minutes must be a finite number, got nan"),
+        "other vocabulary": (["--teacher", str(tmp_path / "other")], "The teacher has a vocabulary of 200 tokens"),
+        "dense model": (["--output", str(tmp_path / "o2")], "records no pruning"),
+    }
+    from tiny import build, char_tokenizer
+
+    build("llama", vocab_size=200).save_pretrained(tmp_path / "other")
+    char_tokenizer().save_pretrained(tmp_path / "other")
+    capsys.readouterr()
+    for name, (flags, message) in cases.items():
+        folder = str(dense_folder) if name == "dense model" else pruned
+        output = [] if "--output" in flags else ["--output", str(tmp_path / "out")]
+        assert main(["heal", folder, "--seq-len", "32", *output, *flags]) == 2, name
+        err = capsys.readouterr().err  # the loading bars, then the one line
+        assert message in err.strip().splitlines()[-1] and "Traceback" not in err, (name, err)
+        assert not (tmp_path / "out").exists(), name

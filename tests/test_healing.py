@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from ghosted_hf import ghost_prune
 from ghosted_hf.data import tokenize_texts
@@ -48,7 +48,7 @@ def test_healing_lowers_the_training_loss(teacher: bool) -> None:
     dense = build("llama")
     measure = (lambda m: kl_to_dense(dense, m, batches)) if teacher else (lambda m: mean_lm_loss(m, batches))
     before = measure(model)
-    peft_model, losses, _ = heal(model, tokenizer, texts(), teacher=dense if teacher else None, steps=30,
+    peft_model, losses, _, _ = heal(model, tokenizer, texts(), teacher=dense if teacher else None, steps=30,
                                  lr=1e-3 if teacher else 5e-3, seq_len=48, train_operators=True, progress=False)
     assert len(losses) == 30
     assert measure(peft_model) < before  # the training objective, on all training batches
@@ -65,14 +65,14 @@ def test_linear_schedule_decays_to_zero_and_constant_stays() -> None:
 def test_timed_healing_stops_once_the_budget_is_spent() -> None:
     now = 0.0
 
-    def step_takes_50_seconds(model, losses: list[float]) -> bool:
-        nonlocal now
-        now += 50.0
-        return False
+    class StepTakes50Seconds(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            nonlocal now
+            now += 50.0
 
     # steps start at 0, 50 and 100 s of a 120 s budget; the one that would start at 150 s does not
-    _, losses, record = heal(pruned(), char_tokenizer(), texts(), minutes=2, steps=1, seq_len=48, progress=False,
-                             clock=lambda: now, after_step=step_takes_50_seconds)
+    _, losses, record, _ = heal(pruned(), char_tokenizer(), texts(), minutes=2, steps=1, seq_len=48, progress=False,
+                                clock=lambda: now, callbacks=[StepTakes50Seconds()], eval_sequences=0)
     assert len(losses) == 3 and record["steps"] == 3 and record["minutes"] == 2
     for minutes in (0, -1):  # no silent "train for steps instead"
         with pytest.raises(ValueError, match=f"minutes must be positive .*got {minutes}"):
@@ -84,8 +84,13 @@ def test_short_training_sequences_use_eager_attention_on_cpu_then_the_models_own
     model = pruned()
     model.set_attn_implementation("sdpa")
     seen: list[str] = []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(model.model.layers[0].self_attn.config._attn_implementation)
+
     heal(model, char_tokenizer(), texts() * 4, steps=2, seq_len=seq_len, batch_size=1, progress=False,
-         after_step=lambda m, l: seen.append(model.model.layers[0].self_attn.config._attn_implementation) or False)
+         callbacks=[Watch()], eval_sequences=1)
     assert seen == [during, during] and model.model.layers[0].self_attn.config._attn_implementation == "sdpa"
 
 
@@ -140,16 +145,16 @@ def test_adapter_round_trip_with_peft(tmp_path: Path) -> None:
         assert torch.equal(reloaded(**inputs).logits, expected)
 
 
-def test_after_step_sees_every_step_and_can_stop_training() -> None:
+def test_a_callback_sees_every_step_and_can_stop_training() -> None:
     calls: list[tuple[int, bool]] = []
 
-    def after_step(model, losses: list[float]) -> bool:
-        calls.append((len(losses), model.training))
-        model.eval()  # as an evaluation would; the next step must train again
-        return len(losses) == 3
+    class StopAt3(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            calls.append((state.global_step, model.training))
+            control.should_training_stop = state.global_step == 3
 
-    _, losses, record = heal(pruned(), char_tokenizer(), texts(), steps=10, lr=5e-3, seq_len=48, progress=False,
-                             after_step=after_step)
+    _, losses, record, _ = heal(pruned(), char_tokenizer(), texts(), steps=10, lr=5e-3, seq_len=48, progress=False,
+                                callbacks=[StopAt3()])
     assert calls == [(1, True), (2, True), (3, True)] and len(losses) == 3 and record["steps"] == 3
 
 
@@ -163,3 +168,100 @@ def test_teacher_base_is_the_recorded_base_model(tmp_path: Path) -> None:
     model.config.ghost_provenance["base_model"] = None
     with pytest.raises(ValueError, match=r"records no reachable base model .*\(teacher 'none'\)"):
         base_model_reference(model)
+
+
+def folded():
+    return ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], operator="folded",
+                       **FAST)
+
+
+@pytest.mark.slow
+def test_a_stock_export_heals_into_a_stock_checkpoint_that_loads_without_remote_code(tmp_path: Path) -> None:
+    from ghosted_hf.card import save_with_card
+
+    healed = merge(heal(folded(), char_tokenizer(), texts(), steps=5, lr=5e-3, seq_len=48, progress=False))
+    assert type(healed).__name__ == "LlamaForCausalLM" and healed.config.num_hidden_layers == 4
+    provenance = healed.config.ghost_provenance
+    assert provenance["stock_export"]["removed_layers"] == [2, 3] and provenance["healing"]["steps"] == 5
+    save_with_card(healed, tmp_path / "healed", char_tokenizer())
+    assert not list((tmp_path / "healed").glob("*.py"))  # no remote code added
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "healed")  # trust_remote_code not needed
+    inputs = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, healed(**inputs).logits)
+    assert reloaded.config.ghost_provenance["healing"]["loss"] == "next-token cross-entropy"
+    with pytest.raises(ValueError, match="train_operators needs a ghosted model"):
+        heal(folded(), char_tokenizer(), texts(), train_operators=True, progress=False)
+
+
+def test_a_dense_model_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"records no pruning .*healing a dense model is fine-tuning"):
+        heal(build("llama"), char_tokenizer(), texts(), steps=1, progress=False)
+
+
+@pytest.mark.parametrize("override, message", [
+    (dict(steps=0), "steps must be positive, got 0"),
+    (dict(tokens=0), "tokens must be positive"),
+    (dict(minutes=float("nan")), "minutes must be a finite number, got nan"),
+    (dict(kd_weight=1.5), "kd_weight must be between 0 and 1, got 1.5"),
+    (dict(tokens=100, minutes=1.0), "Give one budget"),
+    (dict(eval_every=2, eval_sequences=0), "eval_every needs held-out text"),
+])
+def test_bad_options_are_refused_with_the_value(override: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        heal(pruned(), char_tokenizer(), texts(), progress=False, **override)
+
+
+def test_too_little_or_no_text_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"gives 3 sequences of 48 tokens \(after 1 held out\), fewer than one step needs \(4\)"):
+        heal(pruned(), char_tokenizer(), [texts()[0][:60], texts()[1][:150]], seq_len=48, eval_sequences=1,
+             progress=False)
+    with pytest.raises(ValueError, match=r"The training data \(2 texts given as a list of strings\) holds no text"):
+        heal(pruned(), char_tokenizer(), ["  ", ""], seq_len=48, progress=False)
+    with pytest.raises(ValueError, match="No held-out sequence of 48 tokens could be made from the evaluation data"):
+        heal(pruned(), char_tokenizer(), texts(), seq_len=48, eval_data=["too short"], progress=False)
+
+
+def test_a_token_budget_is_whole_steps_and_recorded() -> None:
+    _, losses, record, _ = heal(pruned(), char_tokenizer(), texts(), tokens=1000, seq_len=48, progress=False)
+    assert len(losses) == 6 == record["steps"] and record["tokens"] == 6 * 4 * 48  # ceil(1000 / 192)
+
+
+def adapters(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_gradient_accumulation_trains_as_the_larger_batch() -> None:
+    """Every micro-batch holds as many tokens, so two of 2 sequences are one step of 4 (up to float rounding)."""
+    runs = [adapters(heal(pruned(), char_tokenizer(), texts(), steps=4, seq_len=48, progress=False, precision="fp32",
+                          batch_size=batch_size, gradient_accumulation=accumulation).model)
+            for batch_size, accumulation in ((4, 1), (2, 2))]
+    assert runs[0].keys() == runs[1].keys()
+    for name in runs[0]:
+        torch.testing.assert_close(runs[0][name], runs[1][name], rtol=1e-4, atol=1e-5)
+
+
+def test_held_out_perplexity_is_the_models_perplexity_on_text_it_never_trained_on() -> None:
+    from ghosted_hf.corpus import Corpus, training_sequences
+
+    healed = heal(pruned(), char_tokenizer(), texts(), steps=3, seq_len=48, eval_sequences=4, progress=False,
+                  precision="fp32")
+    held = training_sequences(char_tokenizer(), Corpus(texts(), "t"), 48, held_out=4).held_out
+    ids = torch.tensor(held)
+    with torch.no_grad():
+        loss = healed.model(input_ids=ids, labels=ids).loss
+    assert healed.evaluations[-1]["step"] == 3 and healed.record["data"]["held_out_sequences"] == 4
+    assert healed.record["held_out_perplexity"] == pytest.approx(float(loss.exp()), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_tensorboard_gets_every_step_and_the_evaluations(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    heal(pruned(), char_tokenizer(), texts(), steps=4, seq_len=48, eval_every=2, progress=False,
+         report_to="tensorboard", checkpoints=tmp_path)
+    events = EventAccumulator(str(next(tmp_path.glob("runs/*")))).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    assert [e.step for e in events.Scalars("eval/perplexity")] == [2, 4]
+    with pytest.raises(ValueError, match="need the checkpoints folder"):
+        heal(pruned(), char_tokenizer(), texts(), report_to="tensorboard", progress=False)

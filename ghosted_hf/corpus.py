@@ -1,0 +1,166 @@
+"""Training text the way people have it (a text file, .jsonl / .json / .parquet / .arrow / .csv, a `datasets`
+folder, a Hub dataset id, or texts given in Python) -> packed, shuffled training sequences and a held-out set
+that the training never sees."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .data import NamedTexts, load_texts, pack_tokens, text_hash
+from .errors import GhostedError, MissingDependencyError
+
+logger = logging.getLogger(__name__)
+
+# file suffix -> the `datasets` builder that reads it
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+
+
+def _datasets() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise MissingDependencyError("Reading .jsonl/.parquet/.arrow files, datasets folders and Hub datasets needs "
+                                     "the `datasets` package: pip install datasets.") from None
+    return datasets
+
+
+def _one_split(loaded: Any, split: str | None, where: str) -> Any:
+    """A `DatasetDict` narrowed to `split` (or to its only split); a single dataset as it is."""
+    if not hasattr(loaded, "keys"):
+        return loaded
+    names = list(loaded.keys())
+    if split is None and len(names) == 1:
+        return loaded[names[0]]
+    if split is None or split not in names:
+        wanted = "no split was named" if split is None else f"it has no split {split!r}"
+        raise GhostedError(f"{where} has the splits {names} and {wanted}: pass --split NAME (split=).")
+    return loaded[split]
+
+
+def open_dataset(source: str, split: str | None = None, streaming: bool = False) -> Any:
+    """A `datasets` dataset from a data file, a folder (saved with `save_to_disk`, or of data files) or a Hub id;
+    `split` defaults to "train" for data files and Hub ids."""
+    datasets = _datasets()
+    path = Path(source)
+    if path.is_file():
+        builder = BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise GhostedError(f"{path} is neither text nor one of {sorted(BUILDERS)}.")
+        return datasets.load_dataset(builder, data_files=str(path), split=split or "train", streaming=streaming)
+    if path.is_dir():
+        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+            return _one_split(datasets.load_from_disk(str(path)), split, str(path))
+        return datasets.load_dataset(str(path), split=split or "train", streaming=streaming)
+    if path.suffix.lower() in BUILDERS or source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise GhostedError(f"Training data {source} does not exist (a file, a datasets folder or a Hub dataset id).")
+    try:
+        return datasets.load_dataset(source, split=split or "train", streaming=streaming)
+    except (FileNotFoundError, ConnectionError, ValueError) as error:  # the Hub's and datasets' "not found"
+        raise GhostedError(f"Could not open the dataset {source!r} (split {split or 'train'!r}): {error}") from None
+
+
+def _column(dataset: Any, text_column: str) -> Iterator[str]:
+    names = dataset.column_names
+    if names is not None and text_column not in names:
+        raise GhostedError(f"The dataset has no {text_column!r} column (columns: {names}); pass --text-column NAME.")
+    for row in dataset:
+        text = row[text_column]
+        if not isinstance(text, str):
+            raise GhostedError(f"Column {text_column!r} holds {type(text).__name__} values, not text; name a text "
+                               "column with --text-column.")
+        if text.strip():
+            yield text
+
+
+@dataclass
+class Corpus:
+    """Documents as a (possibly lazy) iterator, with a name for reports."""
+
+    texts: Iterable[str]
+    name: str
+
+
+def read_corpus(source: Any, *, split: str | None = None, text_column: str = "text",
+                streaming: bool = False) -> Corpus:
+    """Documents from any source `heal` accepts. A plain text file (one document per blank-line-separated block),
+    a list of strings and an in-memory `datasets.Dataset` read as calibration text does; data files, folders and
+    Hub ids go through `datasets` (streamed with `streaming`: read only as far as needed)."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        is_text = path.is_file() and path.suffix.lower() not in BUILDERS
+        if not is_text:
+            dataset = open_dataset(str(source), split, streaming)
+            return Corpus(_column(dataset, text_column), str(source))
+    if hasattr(source, "column_names") and not hasattr(source, "__len__"):  # an IterableDataset
+        return Corpus(_column(source, text_column), type(source).__name__)
+    texts, name = load_texts(source, text_column)
+    return Corpus(NamedTexts(texts, name), name)
+
+
+@dataclass
+class TrainingSequences:
+    """Packed token sequences of one length: the training set (shuffled) and the held-out set (whole documents
+    the training never sees), with what identifies them in the provenance."""
+
+    train: list[list[int]]
+    held_out: list[list[int]]
+    name: str
+    text_sha256: str
+    documents: int
+
+    def describe(self) -> dict[str, Any]:
+        length = len(self.train[0]) if self.train else 0
+        return {"name": self.name, "sha256": self.text_sha256, "documents": self.documents, "sequence_length": length,
+                "train_sequences": len(self.train), "held_out_sequences": len(self.held_out)}
+
+
+def _full_sequences(sequences: list[list[int]], seq_len: int) -> list[list[int]]:
+    """Only full-length sequences: every batch then holds the same number of tokens, so the mean loss of a
+    step is the same whether its sequences are split over processes or micro-batches."""
+    return [s for s in sequences if len(s) == seq_len]
+
+
+def training_sequences(
+    tokenizer: Any,
+    corpus: Corpus,
+    seq_len: int,
+    *,
+    held_out: int,
+    held_out_corpus: Corpus | None = None,
+    max_sequences: int | None = None,
+    seed: int = 0,
+) -> TrainingSequences:
+    """Tokenize and pack `corpus` into sequences of `seq_len` tokens (documents joined by EOS). Without a
+    `held_out_corpus`, the first documents up to `held_out` sequences are carved off as whole documents, so no
+    document is in both sets. `max_sequences` bounds what is read (a streamed corpus is read only that far)."""
+    documents = iter(corpus.texts)
+    read: list[str] = []
+
+    def tokens(texts: Iterable[str]) -> Iterator[list[int]]:
+        for text in texts:
+            read.append(text)
+            yield tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    eos = tokenizer.eos_token_id
+    if held_out_corpus is not None:
+        held = pack_tokens(tokens(held_out_corpus.texts), seq_len, held_out, eos)
+    elif held_out:  # whole documents until `held_out` sequences are filled
+        carved: list[list[int]] = []
+        for ids in tokens(documents):
+            carved.append(ids)
+            if sum(len(c) + 1 for c in carved) >= held_out * seq_len:
+                break
+        held = pack_tokens(carved, seq_len, held_out, eos)
+    else:
+        held = []
+    held = _full_sequences(held, seq_len)
+    train = _full_sequences(pack_tokens(tokens(documents), seq_len, max_sequences, eos), seq_len)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+    return TrainingSequences([train[i] for i in order], held, corpus.name, text_hash(read), len(read))

@@ -1,0 +1,108 @@
+"""Training text from every place people keep it, packed into sequences, with a held-out set the training
+never sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ghosted_hf.corpus import Corpus, read_corpus, training_sequences
+from ghosted_hf.errors import GhostedError
+from tiny import char_tokenizer, texts
+
+TESTS = Path(__file__).parent
+
+
+def documents(count: int = 12) -> list[str]:
+    return [f"document {i}: " + text for i, text in enumerate(texts(count, words=40))]
+
+
+def write(tmp_path: Path, fmt: str, docs: list[str], column: str = "text") -> Path:
+    """`docs` saved as a `fmt` file or folder, as people have them."""
+    import datasets
+
+    dataset = datasets.Dataset.from_dict({column: docs, "id": list(range(len(docs)))})
+    path = tmp_path / f"data.{fmt}"
+    if fmt == "txt":
+        path.write_text("\n\n".join(docs))
+    elif fmt == "jsonl":
+        path.write_text("\n".join(json.dumps({column: d}) for d in docs))
+    elif fmt == "parquet":
+        dataset.to_parquet(str(path))
+    elif fmt == "csv":
+        dataset.to_csv(str(path), index=False)
+    elif fmt == "arrow":  # a datasets folder's data file
+        dataset.save_to_disk(str(tmp_path / "saved"))
+        path = next((tmp_path / "saved").glob("*.arrow"))
+    elif fmt == "saved":
+        path = tmp_path / "saved-dict"
+        datasets.DatasetDict({"train": dataset, "test": dataset.select(range(2))}).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "parquet", "csv", "arrow", "saved"])
+def test_every_format_reads_the_same_documents(tmp_path: Path, fmt: str) -> None:
+    docs = documents()
+    corpus = read_corpus(write(tmp_path, fmt, docs), split="train" if fmt == "saved" else None)
+    assert list(corpus.texts) == docs
+
+
+def test_a_folder_of_splits_needs_a_split_and_a_missing_column_is_named(tmp_path: Path) -> None:
+    folder = write(tmp_path, "saved", documents())
+    with pytest.raises(GhostedError, match=r"splits \['train', 'test'\] and no split was named: pass --split"):
+        read_corpus(folder)
+    assert len(list(read_corpus(folder, split="test").texts)) == 2
+    with pytest.raises(GhostedError, match=r"no 'body' column \(columns: \['text', 'id'\]\); pass --text-column"):
+        list(read_corpus(folder, split="train", text_column="body").texts)
+    with pytest.raises(GhostedError, match="holds int values, not text"):
+        list(read_corpus(folder, split="train", text_column="id").texts)
+    with pytest.raises(GhostedError, match=r"does not exist"):
+        read_corpus(tmp_path / "nowhere.jsonl")
+
+
+def test_held_out_documents_are_whole_and_never_trained_on() -> None:
+    tokenizer = char_tokenizer()
+    docs = documents(12)
+    sequences = training_sequences(tokenizer, Corpus(docs, "docs"), 64, held_out=4, seed=0)
+    assert len(sequences.held_out) == 4 and all(len(s) == 64 for s in sequences.train + sequences.held_out)
+    train_text = {tokenizer.decode(s) for s in sequences.train}
+    held_text = " ".join(tokenizer.decode(s) for s in sequences.held_out)
+    held_docs = [d for d in docs if d.split(":")[0] + ":" in held_text]
+    assert held_docs == docs[:len(held_docs)] and 0 < len(held_docs) < len(docs)  # the first documents, whole
+    assert not any(d.split(":")[0] + ":" in t for d in held_docs for t in train_text)  # none of them in training
+    again = training_sequences(tokenizer, Corpus(docs, "docs"), 64, held_out=4, seed=0)
+    other = training_sequences(tokenizer, Corpus(docs, "docs"), 64, held_out=4, seed=1)
+    assert again.train == sequences.train and other.train != sequences.train and sorted(other.train) == sorted(again.train)
+
+
+def test_a_streamed_corpus_is_read_only_as_far_as_needed() -> None:
+    read = []
+
+    def lazy():
+        for i, doc in enumerate(documents(1000)):
+            read.append(i)
+            yield doc
+
+    sequences = training_sequences(char_tokenizer(), Corpus(lazy(), "stream"), 64, held_out=2, max_sequences=5)
+    assert len(sequences.train) == 5 and len(read) < 20
+
+
+def test_a_hub_dataset_id_reads_offline_from_the_local_cache(tmp_path: Path) -> None:
+    """The real `datasets.load_dataset(id)` path, with HF_HUB_OFFLINE=1 and what a download leaves in the cache."""
+    from fake_hub import cache_hub_dataset
+
+    cache_hub_dataset(tmp_path / "cache", "someone/texts", [{"content": d} for d in documents(6)])
+    script = ("import sys; sys.path.insert(0, 'tests'); from ghosted_hf.corpus import read_corpus\n"
+              "for streaming in (False, True):\n"
+              "    print(len(list(read_corpus('someone/texts', text_column='content', streaming=streaming).texts)))\n"
+              "read_corpus('someone/other')\n")
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=TESTS.parent, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.stdout.split() == ["6", "6"], run.stderr[-2000:]
+    assert "GhostedError: Could not open the dataset 'someone/other'" in run.stderr

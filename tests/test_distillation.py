@@ -1,0 +1,50 @@
+"""The chunked distillation loss equals the loss computed on the full logits, in value and gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ghosted_hf.distillation import chunked_kd_loss, final_hidden_states, shifted_labels
+from tiny import build
+
+
+def full_logits_loss(student_hidden, teacher_hidden, labels, student_head, teacher_head, kd_weight):
+    predicted = student_head(student_hidden).float().log_softmax(-1)
+    target = teacher_head(teacher_hidden).float().log_softmax(-1)
+    kl = (target.exp() * (target - predicted)).sum(-1).mean()
+    shifted = shifted_labels(labels)
+    ce = nn.functional.cross_entropy(predicted.reshape(-1, predicted.shape[-1]), shifted.reshape(-1), ignore_index=-100)
+    return kd_weight * kl + (1 - kd_weight) * ce
+
+
+@pytest.mark.parametrize("kd_weight, chunk", [(1.0, 7), (0.3, 7), (0.3, 1000)])
+def test_chunked_kd_loss_equals_the_full_logits_loss(kd_weight: float, chunk: int) -> None:
+    torch.manual_seed(0)
+    student_head, teacher_head = nn.Linear(16, 50, bias=False), nn.Linear(16, 50, bias=False)
+    teacher_hidden = torch.randn(3, 11, 16)
+    labels = torch.randint(0, 50, (3, 11))
+    labels[1, 5:] = -100  # positions that must not count in the next-token term
+    grads = []
+    for chunked in (True, False):
+        student_hidden = torch.randn(3, 11, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        if chunked:
+            loss = chunked_kd_loss(student_hidden, teacher_hidden, shifted_labels(labels), student_head, teacher_head,
+                                   kd_weight=kd_weight, chunk=chunk)
+        else:
+            loss = full_logits_loss(student_hidden, teacher_hidden, labels, student_head, teacher_head, kd_weight)
+        loss.backward()
+        grads.append((loss.detach(), student_hidden.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-7)
+
+
+def test_the_kd_loss_of_a_model_against_itself_is_zero_and_hidden_states_are_the_heads_input() -> None:
+    model = build("llama").eval()
+    ids = torch.randint(2, 100, (2, 9))
+    with torch.no_grad(), final_hidden_states(model) as captured:
+        logits = model(input_ids=ids).logits
+    torch.testing.assert_close(model.lm_head(captured[0]), logits)
+    loss = chunked_kd_loss(captured[0], captured[0], shifted_labels(ids), model.lm_head, model.lm_head, chunk=5)
+    assert abs(float(loss)) < 1e-6

@@ -1,0 +1,130 @@
+"""Healing runs as people run them: killed and resumed, and data-parallel under torchrun and accelerate launch
+(gloo on CPU), each equal to one uninterrupted single-process run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ghosted_hf.errors import GhostedError
+from ghosted_hf.healing import CHECKPOINT_RECORD, resume_point, verified_checkpoint
+
+TESTS = Path(__file__).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+# One process: prune the tiny model, then heal it, killing itself (SIGKILL) after `kill_at` steps if asked.
+RUN = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from safetensors.torch import save_file
+from transformers import TrainerCallback
+from ghosted_hf import ghost_prune
+from ghosted_hf.healing import heal
+from tiny import build, char_tokenizer, texts
+
+class Kill(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == {kill_at}:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+model = ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], seq_len=48,
+                    num_sequences=24)
+healed = heal(model, char_tokenizer(), texts(), steps=7, save_every=2, seq_len=48, eval_sequences=2, eval_every=3,
+              checkpoints={checkpoints!r}, resume={resume!r}, callbacks=[Kill()], progress=False)
+save_file({{n: p.detach().contiguous() for n, p in healed.model.named_parameters() if "lora_" in n}}, {out!r})
+"""
+
+
+def run(tmp_path: Path, name: str, kill_at: int = -1, resume: str | None = None) -> subprocess.CompletedProcess:
+    script = RUN.format(tests=str(TESTS), kill_at=kill_at, checkpoints=str(tmp_path / f"{name}-checkpoints"),
+                        resume=resume, out=str(tmp_path / f"{name}.safetensors"))
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=ENV)
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_healing_ends_with_the_adapters_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    assert run(tmp_path, "whole").returncode == 0
+    killed = run(tmp_path, "resumed", kill_at=5)
+    assert killed.returncode == -9 and not (tmp_path / "resumed.safetensors").exists()
+    checkpoints = tmp_path / "resumed-checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    resumed = run(tmp_path, "resumed", resume="last")  # from checkpoint-4: steps 5-7 again
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    whole, again = load_file(tmp_path / "whole.safetensors"), load_file(tmp_path / "resumed.safetensors")
+    assert whole.keys() == again.keys() and len(whole) == 4 * 7 * 2
+    assert all(torch.equal(whole[k], again[k]) for k in whole)  # same seed, same data order: the same run
+
+
+def test_resume_takes_the_newest_complete_checkpoint_and_checks_its_files(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "adapter_model.safetensors").write_bytes(b"weights %d" % step)
+    import hashlib
+    import json
+
+    for step in (2, 4):  # checkpoint-6 was being written when the run was killed: it has no record
+        folder = tmp_path / f"checkpoint-{step}"
+        files = {"adapter_model.safetensors": hashlib.sha256(b"weights %d" % step).hexdigest()}
+        (folder / CHECKPOINT_RECORD).write_text(json.dumps({"step": step, "seconds_spent": 1.0, "files": files}))
+    assert resume_point(tmp_path, "last") == tmp_path / "checkpoint-4"
+    assert verified_checkpoint(tmp_path / "checkpoint-4")["step"] == 4
+    with pytest.raises(GhostedError, match="checkpoint-6 is incomplete"):
+        verified_checkpoint(tmp_path / "checkpoint-6")
+    (tmp_path / "checkpoint-4" / "adapter_model.safetensors").write_bytes(b"weights 5")
+    with pytest.raises(GhostedError, match="adapter_model.safetensors is missing or not what the checkpoint recorded"):
+        verified_checkpoint(tmp_path / "checkpoint-4")
+    with pytest.raises(GhostedError, match="No complete checkpoint under"):
+        resume_point(tmp_path / "checkpoint-2", "last")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+LAUNCHERS = {
+    "torchrun": lambda port: ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                              "--master-port", str(port)],
+    "accelerate": lambda port: ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                                "--main_process_port", str(port)],
+}
+
+
+@pytest.mark.distributed
+def test_heal_under_torchrun_and_accelerate_launch_gives_the_adapters_of_one_process(dense_folder: Path,
+                                                                                     tmp_path: Path) -> None:
+    """2 processes of 2 sequences a step train as 1 process of 4: DDP averages the two halves' gradients, which
+    equals the full batch's mean gradient because every sequence has as many tokens. Only the order of float
+    additions differs (the all-reduce), so the adapters agree to 1e-5 after 4 AdamW steps, not bit for bit."""
+    from ghosted_hf.cli import main
+
+    cal = tmp_path / "cal.txt"
+    assert main(["prune", str(dense_folder), "--calibration", str(cal), "--num-layers", "2", "--seq-len", "48",
+                 "--num-sequences", "16", "--output", str(tmp_path / "pruned")]) == 0
+    flags = ["heal", tmp_path / "pruned", "--data", cal, "--steps", "4", "--seq-len", "32", "--precision", "fp32",
+             "--eval-sequences", "2", "--adapter-only"]
+    one = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), "--batch-size", "4", "--output",
+                          tmp_path / "one"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert one.returncode == 0, one.stderr[-3000:]
+    reference = load_file(tmp_path / "one" / "adapter_model.safetensors")
+    for launcher, command in LAUNCHERS.items():
+        two = subprocess.run([sys.executable, *command(free_port()), "-m", "ghosted_hf.cli", *map(str, flags),
+                              "--batch-size", "2", "--output", tmp_path / launcher], capture_output=True, text=True,
+                             timeout=300, env=ENV)
+        assert two.returncode == 0, (launcher, two.stderr[-3000:])
+        assert two.stdout.count("Saved the adapter") == 1, launcher  # only rank 0 reports and writes
+        adapters = load_file(tmp_path / launcher / "adapter_model.safetensors")
+        assert adapters.keys() == reference.keys() and reference
+        worst = max(float((adapters[k] - reference[k]).abs().max()) for k in reference)
+        assert worst <= 1e-5, (launcher, worst)
