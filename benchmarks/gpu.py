@@ -1,9 +1,10 @@
 """One command for a CUDA machine: calibration throughput and peak GPU memory of the ghost-aware statistics
-pass, then ghosted / plainly pruned inference ratios (prefill and decode), at Llama-3-8B shape with random
-bf16 weights; writes the results as JSON and a Markdown table.
+pass, ghosted / plainly pruned inference ratios (prefill and decode), then LoRA healing throughput (tokens/s,
+peak memory) of the ghosted model with `ghosted_hf.heal`, at Llama-3-8B shape with random bf16 weights;
+writes the results as JSON and a Markdown table.
 
     python benchmarks/gpu.py                                   # cuda, Llama-3-8B shape, 64 x 512 tokens
-    python benchmarks/gpu.py --shape tiny --device cpu --sequences 4 --seq-len 32 --output /tmp/gpu   # smoke
+    python benchmarks/gpu.py --shape tiny --device cpu --sequences 4 --seq-len 32 --heal-steps 3 --output /tmp/gpu  # smoke
 
 Random weights and random token ids: the costs do not depend on the values (the operator fitted from them is
 as dense as a real one).
@@ -24,7 +25,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))
 from inference import interleaved_medians, synchronize  # noqa: E402
 
-from ghosted_hf import prune_layers  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from ghosted_hf import heal, prune_layers  # noqa: E402
 from ghosted_hf.statistics import CROSS, GRAM, collect_statistics  # noqa: E402
 from ghosted_hf.operators import operator_kind  # noqa: E402
 from ghosted_hf.selection import SelectionRequest, criterion  # noqa: E402
@@ -50,6 +53,51 @@ def random_model(shape: str, device: str, dtype: torch.dtype) -> LlamaForCausalL
     return model.eval()
 
 
+class RandomTokens:
+    """A stand-in tokenizer: each "document" is `length` random ids (the cost of training does not depend on them)."""
+
+    eos_token_id = 2
+
+    def __init__(self, vocab: int, length: int) -> None:
+        self.vocab, self.length = vocab, length
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        generator = torch.Generator().manual_seed(int(text.split()[-1]))
+        return {"input_ids": torch.randint(10, self.vocab - 10, (self.length,), generator=generator).tolist()}
+
+
+class StepClock(TrainerCallback):
+    """Seconds of every optimizer step (the device synchronised at both ends)."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.seconds = device, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        synchronize(self.device)
+        self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        synchronize(self.device)
+        self.seconds.append(time.perf_counter() - self.started)
+
+
+def healing_throughput(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, float | None]:
+    """tokens/s (median over the steps after the first) and peak memory of `heal`'s defaults on `model`."""
+    cuda = args.device.startswith("cuda")
+    clock = StepClock(args.device)
+    documents = [f"document {i}" for i in range(args.heal_steps * args.heal_batch_size + 1)]
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    heal(model, RandomTokens(model.config.vocab_size, args.seq_len - 1), documents, steps=args.heal_steps,
+         seq_len=args.seq_len, batch_size=args.heal_batch_size, eval_sequences=0, progress=False,
+         gradient_checkpointing=args.heal_gradient_checkpointing, callbacks=[clock])
+    step = sorted(clock.seconds[1:])[len(clock.seconds[1:]) // 2]
+    return {"tokens_per_second": args.heal_batch_size * args.seq_len / step, "seconds_per_step": step,
+            "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "batch_size": args.heal_batch_size, "gradient_checkpointing": args.heal_gradient_checkpointing}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -61,6 +109,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--heal-steps", type=int, default=8, help="LoRA healing steps timed (the first warms up).")
+    parser.add_argument("--heal-batch-size", type=int, default=4)
+    parser.add_argument("--heal-gradient-checkpointing", action="store_true")
     parser.add_argument("--output", default="benchmarks/results/gpu", help="writes OUTPUT.json and OUTPUT.md")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
@@ -99,6 +150,8 @@ def main() -> None:
     models = {"plainly pruned": plain.to(args.device), "ghosted": ghosted.to(args.device)}
     median = interleaved_medians(models, ids, args.new_tokens, args.repeats, args.device)
 
+    del models, plain
+    healing = healing_throughput(ghosted, args)
     results = {
         "shape": args.shape, "dtype": args.dtype, "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
         "calibration": {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
@@ -108,6 +161,7 @@ def main() -> None:
         "inference": {name: {"prefill_ms": 1000 * m["prefill"], "decode_ms_per_token": 1000 * m["decode"]}
                       for name, m in median.items()},
         "ratios": {k: median["ghosted"][k] / median["plainly pruned"][k] for k in ("prefill", "decode")},
+        "healing": healing,
         "versions": {"torch": torch.__version__},
     }
     out = Path(args.output)
@@ -118,10 +172,12 @@ def main() -> None:
         f"{args.shape} (random {args.dtype} weights) on {results['device']}; ghost-aware statistics of "
         f"{args.num_layers}-layer spans over {tokens} tokens; layers {s}-{e - 1} removed; medians of {args.repeats}.",
         "",
-        "| calibration tokens/s | peak GPU memory (GiB) | prefill ghosted/pruned | decode ghosted/pruned |",
-        "|---|---|---|---|",
+        "| calibration tokens/s | peak GPU memory (GiB) | prefill ghosted/pruned | decode ghosted/pruned | "
+        "healing tokens/s | healing peak GPU memory (GiB) |",
+        "|---|---|---|---|---|---|",
         f"| {c['tokens_per_second']:.0f} | {c['peak_gpu_memory_gib'] if peak is None else round(c['peak_gpu_memory_gib'], 2)} "
-        f"| {results['ratios']['prefill']:.3f} | {results['ratios']['decode']:.3f} |",
+        f"| {results['ratios']['prefill']:.3f} | {results['ratios']['decode']:.3f} | {healing['tokens_per_second']:.0f} "
+        f"| {healing['peak_gpu_memory_gib'] if healing['peak_gpu_memory_gib'] is None else round(healing['peak_gpu_memory_gib'], 2)} |",
     ])
     out.with_suffix(".md").write_text(table + "\n")
     print(table)

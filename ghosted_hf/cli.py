@@ -439,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "ghosted perplexity, speed and samples.", [DemoArgs, PruneOptions], cmd_demo),
         ("eval", "Perplexity on held-out text and, optionally, zero-shot tasks.", [EvalArgs], cmd_eval),
         ("push", "Upload a saved ghosted model folder (with its card) to the Hub.", [PushArgs], cmd_push),
-        ("heal", "LoRA-heal a ghosted model with PEFT and save it merged.", [HealArgs, HealOptions], cmd_heal),
+        ("heal", "LoRA-heal a pruned model (ghosted or stock export) on transformers' Trainer and save it merged.",
+         [HealArgs, HealOptions], cmd_heal),
         ("export-stock", "Turn a ghosted model into the best stock Llama/Qwen checkpoint: each operator refitted as a "
                          "scaled rotation (and a down_proj transform) folded into the weights.",
          [ExportArgs, ExportOptions], cmd_export_stock),

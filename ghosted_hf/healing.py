@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from .corpus import TrainingSequences, read_corpus, training_sequences
 from .distillation import chunked_kd_loss, final_hidden_states, shifted_labels
 from .distributed import timeout_s
-from .errors import GhostedError, MissingFileError
+from .errors import GhostedError, MissingDependencyError, MissingFileError
 from .options import Options, option, positive
 from .remote.modeling_ghosted import GHOST_MODULE
 
@@ -385,6 +386,9 @@ def _lora(model: PreTrainedModel, options: HealOptions) -> PeftModel:
 
 def _arguments(options: HealOptions, output_dir: str, precision: str) -> TrainingArguments:
     report = [] if options.report_to == "none" else [options.report_to]
+    if report and importlib.util.find_spec(options.report_to) is None:
+        raise MissingDependencyError(f"report_to {options.report_to} needs the {options.report_to} package: pip install "
+                                     f"{options.report_to}.")
     return TrainingArguments(
         output_dir=output_dir, max_steps=options.steps, per_device_train_batch_size=options.batch_size,
         per_device_eval_batch_size=options.batch_size, gradient_accumulation_steps=options.gradient_accumulation,
