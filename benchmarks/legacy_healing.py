@@ -15,9 +15,11 @@ from ghosted_hf.data import tokenize_texts
 from ghosted_hf.healing import TARGET_MODULES, HealOptions, lr_factor, resolve_precision, training_attention
 
 
-def legacy_heal(model, tokenizer, data, options: HealOptions, *, minutes: float,
-                clock: Callable[[], float] = time.process_time) -> tuple[torch.nn.Module, int]:
-    """(PEFT model, steps): next-token loss for `minutes` by `clock`, the schedule decaying over the time."""
+def legacy_heal(model, tokenizer, data, options: HealOptions, *, minutes: float | None = None,
+                clock: Callable[[], float] = time.process_time,
+                on_step: Callable[[float], None] | None = None) -> tuple[torch.nn.Module, int]:
+    """(PEFT model, steps): next-token loss for `minutes` by `clock` (the schedule decaying over the time), or for
+    `options.steps` steps; `on_step(time)` gets the `clock` at the start of every step and at the end."""
     torch.manual_seed(options.seed)
     batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.batch_size,
                              shuffle_seed=options.seed).batches
@@ -30,10 +32,12 @@ def legacy_heal(model, tokenizer, data, options: HealOptions, *, minutes: float,
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=options.lr)
     device = next(peft_model.parameters()).device
     precision = resolve_precision(options.precision, device)
-    budget, steps, started = minutes * 60, 0, clock()
+    budget, steps, started = minutes * 60 if minutes else None, 0, clock()
     with training_attention(model, device, options.seq_len):
         for batch in itertools.cycle(batches):
-            done = (clock() - started) / budget
+            done = (clock() - started) / budget if budget else steps / options.steps
+            if on_step is not None:
+                on_step(clock())
             if done >= 1 and steps:
                 break
             for group in optimizer.param_groups:

@@ -153,9 +153,11 @@ def training_sequences(
         held = pack_tokens(tokens(held_out_corpus.texts), seq_len, held_out, eos)
     elif held_out:  # whole documents until `held_out` sequences are filled
         carved: list[list[int]] = []
+        length = 0
         for ids in tokens(documents):
             carved.append(ids)
-            if sum(len(c) + 1 for c in carved) >= held_out * seq_len:
+            length += len(ids) + 1  # with the EOS that joins it to the next
+            if length >= held_out * seq_len:
                 break
         held = pack_tokens(carved, seq_len, held_out, eos)
     else:

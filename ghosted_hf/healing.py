@@ -266,8 +266,8 @@ class _Record(TrainerCallback):
     """Completes every checkpoint with a record of its files' sha256 (and the time spent, for timed runs), written
     last and atomically: a checkpoint without a valid record is one a kill interrupted, and is never resumed."""
 
-    def __init__(self, budget: Budget) -> None:
-        self.budget = budget
+    def __init__(self, budget: Budget, run: dict[str, Any]) -> None:
+        self.budget, self.run = budget, run
 
     def on_save(self, args, state, control, **kwargs):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -277,8 +277,32 @@ class _Record(TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         files = {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
         staged = folder / f".{CHECKPOINT_RECORD}.tmp"
-        staged.write_text(json.dumps({"step": state.global_step, "seconds_spent": self.budget.spent, "files": files}))
+        staged.write_text(json.dumps({"step": state.global_step, "seconds_spent": self.budget.spent, "run": self.run,
+                                      "files": files}))
         os.replace(staged, folder / CHECKPOINT_RECORD)
+
+
+# What may change when a run is resumed: how often it saves and evaluates, and where it reports.
+RESUMABLE_CHANGES = ("save_every", "eval_every", "report_to")
+
+
+def run_identity(options: HealOptions, sequences: TrainingSequences, processes: int) -> dict[str, Any]:
+    """What a resumed run must share with the run that wrote the checkpoint for the two to be one run."""
+    return {"options": {k: v for k, v in options.to_dict().items() if k not in RESUMABLE_CHANGES},
+            "data_sha256": sequences.text_sha256, "processes": processes}
+
+
+def check_same_run(record: dict[str, Any], run: dict[str, Any], folder: Path) -> None:
+    """Refuse to resume a checkpoint with other options, data or process count than the run that wrote it."""
+    def flat(identity: dict[str, Any]) -> dict[str, Any]:
+        return {**identity.get("options", {}), **{k: v for k, v in identity.items() if k != "options"}}
+
+    then, now = flat(record.get("run", {})), flat(run)
+    changed = sorted(k for k in then.keys() | now.keys() if then.get(k) != now.get(k))
+    if changed:
+        details = ", ".join(f"{k} {then.get(k)!r} then, {now.get(k)!r} now" for k in changed)
+        raise GhostedError(f"Checkpoint {folder} was written by another run ({details}): resume with the options and "
+                           "data of that run, or start a new one.")
 
 
 def verified_checkpoint(folder: Path) -> dict[str, Any]:
@@ -393,7 +417,7 @@ def _arguments(options: HealOptions, output_dir: str, precision: str) -> Trainin
         output_dir=output_dir, max_steps=options.steps, per_device_train_batch_size=options.batch_size,
         per_device_eval_batch_size=options.batch_size, gradient_accumulation_steps=options.gradient_accumulation,
         learning_rate=options.lr, weight_decay=0.01, max_grad_norm=0.0,  # as measured: AdamW, no clipping
-        gradient_checkpointing=options.gradient_checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
+        activation_checkpointing=options.gradient_checkpointing, activation_checkpointing_kwargs={"use_reentrant": False},
         bf16=precision == "bf16", logging_steps=1, report_to=report,
         eval_strategy="steps" if options.eval_every else "no", eval_steps=options.eval_every,
         prediction_loss_only=True, label_names=["labels"], save_strategy="steps" if options.save_every else "no", save_steps=options.save_every or 1,
@@ -443,14 +467,17 @@ def heal(
         args.max_steps = 10**9 if options.minutes else steps  # a timed run is stopped by `_Schedule`
         sequences = _training_data(tokenizer, data, eval_data, options, per_step, steps * per_step)
         budget = Budget(None if options.minutes else steps, options.minutes * 60 if options.minutes else None, clock)
+        run = run_identity(options, sequences, args.world_size)
         start = None if resume is None else resume_point(Path(output_dir), resume)
         if start is not None:
-            budget.spent = verified_checkpoint(start)["seconds_spent"]
+            record = verified_checkpoint(start)
+            check_same_run(record, run, start)
+            budget.spent = record["seconds_spent"]
         peft_model = _lora(model, options)
         trainer = HealingTrainer(
             model=peft_model, args=args, train_dataset=_SequenceDataset(sequences.train), data_collator=_collate,
             eval_dataset=_SequenceDataset(sequences.held_out) if sequences.held_out else None,
-            callbacks=[_Schedule(budget), _Record(budget), _Progress(budget, per_step * options.seq_len, progress),
+            callbacks=[_Schedule(budget), _Record(budget, run), _Progress(budget, per_step * options.seq_len, progress),
                        *callbacks],
             teacher=teacher, kd_weight=options.kd_weight, kl_chunk=options.kl_chunk, budget=budget,
             schedule=options.schedule)

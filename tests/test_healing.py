@@ -241,6 +241,13 @@ def test_gradient_accumulation_trains_as_the_larger_batch() -> None:
         torch.testing.assert_close(runs[0][name], runs[1][name], rtol=1e-4, atol=1e-5)
 
 
+def test_gradient_checkpointing_recomputes_the_same_training() -> None:
+    runs = [adapters(heal(pruned(), char_tokenizer(), texts(), steps=3, seq_len=48, progress=False, precision="fp32",
+                          gradient_checkpointing=checkpointing).model) for checkpointing in (False, True)]
+    for name in runs[0]:
+        torch.testing.assert_close(runs[0][name], runs[1][name], rtol=1e-5, atol=1e-6)
+
+
 def test_held_out_perplexity_is_the_models_perplexity_on_text_it_never_trained_on() -> None:
     from ghosted_hf.corpus import Corpus, training_sequences
 

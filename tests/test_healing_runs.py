@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.healing import CHECKPOINT_RECORD, resume_point, verified_checkpoint
+from ghosted_hf.healing import CHECKPOINT_RECORD, check_same_run, resume_point, verified_checkpoint
 
 TESTS = Path(__file__).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -82,6 +82,15 @@ def test_resume_takes_the_newest_complete_checkpoint_and_checks_its_files(tmp_pa
         verified_checkpoint(tmp_path / "checkpoint-4")
     with pytest.raises(GhostedError, match="No complete checkpoint under"):
         resume_point(tmp_path / "checkpoint-2", "last")
+
+
+def test_resume_refuses_a_checkpoint_of_another_run() -> None:
+    run = {"options": {"lr": 2e-3, "seq_len": 256}, "data_sha256": "aa", "processes": 1}
+    check_same_run({"run": run}, run, Path("checkpoint-4"))
+    other = {**run, "options": {"lr": 1e-3, "seq_len": 256}, "processes": 2}
+    with pytest.raises(GhostedError, match=r"checkpoint-4 was written by another run \(lr 0.002 then, 0.001 now, "
+                                           r"processes 1 then, 2 now\)"):
+        check_same_run({"run": run}, other, Path("checkpoint-4"))
 
 
 def free_port() -> int:
