@@ -126,6 +126,8 @@ class HealArgs(LoadArgs):
     teacher: str = option("none", "'none': language-modelling loss on the text; or a dense model to distill from (KL to "
                                   "its logits): a folder or Hub id, or 'base': the model it was pruned from (recorded "
                                   "in its config).")
+    teacher_dtype: str | None = option(None, "Dtype to load the teacher in (None: --dtype), e.g. bfloat16 for a teacher "
+                                             "twice the student's size.", tuple(DTYPES))
     checkpoints: str | None = option(None, "Folder of the run's checkpoints (--save-every) and logs (--report-to) "
                                            "(None: OUTPUT.checkpoints).")
     resume: str | None = option(None, "Resume from 'last' (the newest complete checkpoint in --checkpoints) or a "
@@ -357,7 +359,7 @@ def cmd_heal(args: argparse.Namespace) -> int:
     teacher = None
     if run.teacher != "none":
         reference = base_model_reference(model) if run.teacher == "base" else run.teacher
-        teacher, _ = load_model(reference, dtype=run.dtype, trust_remote_code=run.trust_remote_code)
+        teacher, _ = load_model(reference, dtype=run.teacher_dtype or run.dtype, trust_remote_code=run.trust_remote_code)
         if torch.cuda.is_available():
             teacher.to(f"cuda:{torch.cuda.current_device()}")
     healed = heal(model, tokenizer, run.data or assets.wikipedia_split("calibration"), options, teacher=teacher,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -170,16 +171,18 @@ def test_teacher_base_is_the_recorded_base_model(tmp_path: Path) -> None:
         base_model_reference(model)
 
 
-def folded():
-    return ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], operator="folded",
+def stock(operator: str = "folded"):
+    return ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], operator=operator,
                        **FAST)
 
 
 @pytest.mark.slow
-def test_a_stock_export_heals_into_a_stock_checkpoint_that_loads_without_remote_code(tmp_path: Path) -> None:
+@pytest.mark.parametrize("operator", ["folded", "replaceme-ls", "none"])
+def test_a_stock_export_heals_into_a_stock_checkpoint_that_loads_without_remote_code(tmp_path: Path,
+                                                                                     operator: str) -> None:
     from ghosted_hf.card import save_with_card
 
-    healed = merge(heal(folded(), char_tokenizer(), texts(), steps=5, lr=5e-3, seq_len=48, progress=False))
+    healed = merge(heal(stock(operator), char_tokenizer(), texts(), steps=5, lr=5e-3, seq_len=48, progress=False))
     assert type(healed).__name__ == "LlamaForCausalLM" and healed.config.num_hidden_layers == 4
     provenance = healed.config.ghost_provenance
     assert provenance["stock_export"]["removed_layers"] == [2, 3] and provenance["healing"]["steps"] == 5
@@ -191,7 +194,15 @@ def test_a_stock_export_heals_into_a_stock_checkpoint_that_loads_without_remote_
         torch.testing.assert_close(reloaded(**inputs).logits, healed(**inputs).logits)
     assert reloaded.config.ghost_provenance["healing"]["loss"] == "next-token cross-entropy"
     with pytest.raises(ValueError, match="train_operators needs a ghosted model"):
-        heal(folded(), char_tokenizer(), texts(), train_operators=True, progress=False)
+        heal(stock(operator), char_tokenizer(), texts(), train_operators=True, progress=False)
+
+
+def test_a_teacher_in_another_dtype_distills() -> None:
+    teacher = build("llama").to(torch.bfloat16)
+    healed = heal(pruned(), char_tokenizer(), texts(), teacher=teacher, steps=2, seq_len=48, progress=False,
+                  precision="fp32")
+    assert len(healed.losses) == 2 and all(math.isfinite(loss) and loss > 0 for loss in healed.losses)
+    assert next(teacher.parameters()).dtype == torch.bfloat16  # left as given
 
 
 def test_a_dense_model_is_refused() -> None:
