@@ -13,7 +13,6 @@ downstream of them, healed less at every budget measured (docs/removed-levers.md
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import json
 import logging
@@ -33,6 +32,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from .assets import file_sha256
 from .corpus import TrainingSequences, read_corpus, training_sequences
 from .distillation import chunked_kd_loss, final_hidden_states, shifted_labels
 from .distributed import timeout_s
@@ -254,14 +254,6 @@ class _Progress(TrainerCallback):
             self.bar.close()
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 class _Record(TrainerCallback):
     """Completes every checkpoint with a record of its files' sha256 (and the time spent, for timed runs), written
     last and atomically: a checkpoint without a valid record is one a kill interrupted, and is never resumed."""
@@ -275,7 +267,7 @@ class _Record(TrainerCallback):
         if not state.is_world_process_zero:
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        files = {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+        files = {p.relative_to(folder).as_posix(): file_sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
         staged = folder / f".{CHECKPOINT_RECORD}.tmp"
         staged.write_text(json.dumps({"step": state.global_step, "seconds_spent": self.budget.spent, "run": self.run,
                                       "files": files}))
@@ -313,7 +305,7 @@ def verified_checkpoint(folder: Path) -> dict[str, Any]:
                            "was written); resume from an earlier one.")
     record = json.loads(path.read_text())
     for name, digest in record["files"].items():
-        if not (folder / name).is_file() or _sha256(folder / name) != digest:
+        if not (folder / name).is_file() or file_sha256(folder / name) != digest:
             raise GhostedError(f"Checkpoint file {folder / name} is missing or not what the checkpoint recorded; "
                                "resume from another checkpoint.")
     return record
@@ -351,9 +343,10 @@ class HealingTrainer(Trainer):
     our learning-rate schedule (by steps or by time), and the perplexity logged beside every evaluation loss."""
 
     def __init__(self, *args: Any, teacher: nn.Module | None, kd_weight: float, kl_chunk: int, budget: Budget,
-                 schedule: str, **kwargs: Any) -> None:
+                 schedule: str, precision: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.teacher, self.kd_weight, self.kl_chunk, self.budget, self.schedule = teacher, kd_weight, kl_chunk, budget, schedule
+        self.teacher, self.kd_weight, self.kl_chunk, self.budget = teacher, kd_weight, kl_chunk, budget
+        self.schedule, self.precision = schedule, precision
         # Every batch holds the same number of tokens: the mean loss per micro-batch, divided by the number of
         # micro-batches (and averaged over processes by DDP) is the mean over the whole step.
         self.model_accepts_loss_kwargs, self.loss_is_scaled_for_ga = False, False
@@ -370,8 +363,14 @@ class HealingTrainer(Trainer):
         return self.lr_scheduler
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.teacher is None or not model.training:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # bf16 autocast here, not through accelerate's mixed precision: that also converts every output to fp32,
+        # a copy of the batch x sequence x vocabulary logits each step (5-15% of a CPU step).
+        with torch.autocast(self.args.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            if self.teacher is None or not model.training:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return self._distillation_loss(model, inputs, return_outputs)
+
+    def _distillation_loss(self, model, inputs, return_outputs):
         ids = inputs["input_ids"]
         teacher_device = next(self.teacher.parameters()).device
         with torch.no_grad():
@@ -379,10 +378,9 @@ class HealingTrainer(Trainer):
         with final_hidden_states(model) as captured:
             outputs = model(input_ids=ids, logits_to_keep=1)  # the logits come chunk by chunk below
         student = self.accelerator.unwrap_model(model)
-        with self.accelerator.autocast():
-            loss = chunked_kd_loss(captured[-1], teacher_hidden, shifted_labels(inputs["labels"]),
-                                   student.get_output_embeddings(), self.teacher.get_output_embeddings(),
-                                   kd_weight=self.kd_weight, chunk=self.kl_chunk)
+        loss = chunked_kd_loss(captured[-1], teacher_hidden, shifted_labels(inputs["labels"]),
+                               student.get_output_embeddings(), self.teacher.get_output_embeddings(),
+                               kd_weight=self.kd_weight, chunk=self.kl_chunk)
         return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -398,7 +396,7 @@ class HealResult(NamedTuple):
     model: PeftModel
     losses: list[float]
     record: dict[str, Any]
-    evaluations: list[dict[str, float]] = []
+    evaluations: list[dict[str, float]]
 
 
 def _lora(model: PreTrainedModel, options: HealOptions) -> PeftModel:
@@ -408,7 +406,7 @@ def _lora(model: PreTrainedModel, options: HealOptions) -> PeftModel:
     return get_peft_model(model, config)
 
 
-def _arguments(options: HealOptions, output_dir: str, precision: str) -> TrainingArguments:
+def _arguments(options: HealOptions, output_dir: str) -> TrainingArguments:
     report = [] if options.report_to == "none" else [options.report_to]
     if report and importlib.util.find_spec(options.report_to) is None:
         raise MissingDependencyError(f"report_to {options.report_to} needs the {options.report_to} package: pip install "
@@ -418,10 +416,10 @@ def _arguments(options: HealOptions, output_dir: str, precision: str) -> Trainin
         per_device_eval_batch_size=options.batch_size, gradient_accumulation_steps=options.gradient_accumulation,
         learning_rate=options.lr, weight_decay=0.01, max_grad_norm=0.0,  # as measured: AdamW, no clipping
         activation_checkpointing=options.gradient_checkpointing, activation_checkpointing_kwargs={"use_reentrant": False},
-        bf16=precision == "bf16", logging_steps=1, report_to=report,
+        logging_steps=1, report_to=report,
         eval_strategy="steps" if options.eval_every else "no", eval_steps=options.eval_every,
-        prediction_loss_only=True, label_names=["labels"], save_strategy="steps" if options.save_every else "no", save_steps=options.save_every or 1,
-        save_total_limit=2, seed=options.seed, data_seed=options.seed, remove_unused_columns=False,
+        prediction_loss_only=True, label_names=["labels"],
+        save_strategy="steps" if options.save_every else "no", save_steps=options.save_every or 1, save_total_limit=2, seed=options.seed, data_seed=options.seed, remove_unused_columns=False,
         disable_tqdm=True, ddp_timeout=int(timeout_s()), use_cpu=not torch.cuda.is_available(),
     )
 
@@ -461,7 +459,7 @@ def heal(
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         precision = resolve_precision(options.precision, device)
         # Building the arguments joins the launcher's process group: the world size is known from here on.
-        args = _arguments(options, str(output_dir), precision)
+        args = _arguments(options, str(output_dir))
         per_step = options.batch_size * options.gradient_accumulation * args.world_size
         steps = math.ceil(options.tokens / (per_step * options.seq_len)) if options.tokens else options.steps
         args.max_steps = 10**9 if options.minutes else steps  # a timed run is stopped by `_Schedule`
@@ -480,7 +478,7 @@ def heal(
             callbacks=[_Schedule(budget), _Record(budget, run), _Progress(budget, per_step * options.seq_len, progress),
                        *callbacks],
             teacher=teacher, kd_weight=options.kd_weight, kl_chunk=options.kl_chunk, budget=budget,
-            schedule=options.schedule)
+            schedule=options.schedule, precision=precision)
         for replaced in (ProgressCallback, PrinterCallback):  # `_Progress` replaces them (and knows timed runs)
             trainer.remove_callback(replaced)
         with training_attention(model, device, options.seq_len):

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.healing import CHECKPOINT_RECORD, check_same_run, resume_point, verified_checkpoint
+from test_distributed import LAUNCHERS, free_port
 
 TESTS = Path(__file__).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -91,23 +92,6 @@ def test_resume_refuses_a_checkpoint_of_another_run() -> None:
     with pytest.raises(GhostedError, match=r"checkpoint-4 was written by another run \(lr 0.002 then, 0.001 now, "
                                            r"processes 1 then, 2 now\)"):
         check_same_run({"run": run}, other, Path("checkpoint-4"))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-LAUNCHERS = {
-    "torchrun": lambda port: ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                              "--master-port", str(port)],
-    "accelerate": lambda port: ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                                "--main_process_port", str(port)],
-}
 
 
 @pytest.mark.distributed
