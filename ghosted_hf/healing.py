@@ -364,7 +364,7 @@ class HealingTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # bf16 autocast here, not through accelerate's mixed precision: that also converts every output to fp32,
-        # a copy of the batch x sequence x vocabulary logits each step (5-15% of a CPU step).
+        # a copy of the batch x sequence x vocabulary logits each step (benchmarks/results/healing_loop.md).
         with torch.autocast(self.args.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
             if self.teacher is None or not model.training:
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
