@@ -142,5 +142,22 @@ def cached_statistics(path: Path, load, tokenizer, calibration, prune: PruneOpti
     return stats
 
 
+def step_timing_setup(description: str, steps: int) -> tuple[argparse.Namespace, object, list[str], torch.nn.Module]:
+    """(arguments, tokenizer, calibration articles, the default ghosted model) of a per-step timing benchmark."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=steps, help="Timed steps per configuration and round.")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--statistics", default="benchmark-cache/healing-statistics.safetensors")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer, load = packaged_model()
+    calibration = assets.wikipedia_split("calibration")
+    prune = PruneOptions(num_layers=args.layers)
+    stats = cached_statistics(Path(args.statistics), load, tokenizer, calibration, prune)
+    return args, tokenizer, calibration, ghost_prune(load(), tokenizer, calibration, prune, statistics=stats)
+
+
 if __name__ == "__main__":
     main()

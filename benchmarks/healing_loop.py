@@ -8,20 +8,14 @@ counted.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
-import torch
 from transformers import TrainerCallback
 
-from ghosted_hf import assets, ghost_prune
 from ghosted_hf.healing import HealOptions, heal
-from ghosted_hf.options import PruneOptions
 
-from common import packaged_model
-from healing import cached_statistics
+from healing import step_timing_setup
 from legacy_healing import legacy_heal
 
 
@@ -40,19 +34,7 @@ class StepStarts(TrainerCallback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6, help="Timed steps per implementation and round.")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--statistics", default="benchmark-cache/healing-statistics.safetensors")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    tokenizer, load = packaged_model()
-    calibration = assets.wikipedia_split("calibration")
-    prune = PruneOptions(num_layers=args.layers)
-    stats = cached_statistics(Path(args.statistics), load, tokenizer, calibration, prune)
-    model = ghost_prune(load(), tokenizer, calibration, prune, statistics=stats)
+    args, tokenizer, calibration, model = step_timing_setup(__doc__.splitlines()[0], steps=6)
     options = HealOptions(steps=args.steps + 1, eval_sequences=0)
     times: dict[str, list[float]] = {"1.0 loop": [], "Trainer": []}
     for _ in range(args.rounds):

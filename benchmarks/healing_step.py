@@ -7,38 +7,21 @@ round so that what the host runs beside weighs on both alike.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import time
-from pathlib import Path
 
-import torch
 from transformers import TrainerCallback
 
-from ghosted_hf import assets, ghost_prune, healing
-from ghosted_hf.options import PruneOptions
+from ghosted_hf import healing
 
-from common import packaged_model
-from healing import cached_statistics
+from healing import step_timing_setup
 
 ATTENTION = ("sdpa", "eager")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3, help="Timed steps per configuration and round.")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--statistics", default="benchmark-cache/healing-statistics.safetensors")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    tokenizer, load = packaged_model()
-    calibration = assets.wikipedia_split("calibration")
-    prune = PruneOptions(num_layers=args.layers)
-    stats = cached_statistics(Path(args.statistics), load, tokenizer, calibration, prune)
-    model = ghost_prune(load(), tokenizer, calibration, prune, statistics=stats)
+    args, tokenizer, calibration, model = step_timing_setup(__doc__.splitlines()[0], steps=3)
     model.set_attn_implementation("sdpa")
     eager_on_cpu = healing.training_attention
     times: dict[str, list[float]] = {a: [] for a in ATTENTION}

@@ -187,26 +187,23 @@ def training_attention(model: nn.Module, device: torch.device, seq_len: int) -> 
 
 
 class Budget:
-    """The fraction of the run done, by steps or by `clock` seconds. Under several processes rank 0's clock decides
-    (broadcast every step), so that every process uses the same learning rate and stops at the same step."""
+    """What a run may spend: `steps`, or `seconds` by `clock` (then `fraction` is the share spent). Rank 0's clock
+    decides (broadcast every step), so that every process uses the same learning rate and stops at the same step."""
 
-    def __init__(self, steps: int | None, seconds: float | None, clock: Callable[[], float], spent: float = 0.0):
-        self.steps, self.seconds, self.clock, self.spent = steps, seconds, clock, spent
+    def __init__(self, steps: int | None, seconds: float | None, clock: Callable[[], float]) -> None:
+        self.steps, self.seconds, self.clock, self.spent = steps, seconds, clock, 0.0
         self.fraction, self._started = 0.0, clock()
 
     def restart(self) -> None:
         self._started = self.clock() - self.spent
 
-    def measure(self, step: int, device: torch.device) -> float:
-        if self.seconds is None:
-            self.fraction = step / self.steps
-            return self.fraction
+    def measure(self, device: torch.device) -> None:
+        """Update the fraction of a timed run done (a step run's fraction is its step count: see the scheduler)."""
         self.spent = self.clock() - self._started
         fraction = torch.tensor([self.spent / self.seconds], dtype=torch.float64, device=device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.broadcast(fraction, src=0)
         self.fraction = float(fraction)
-        return self.fraction
 
 
 class _Schedule(TrainerCallback):
@@ -219,7 +216,8 @@ class _Schedule(TrainerCallback):
         self.budget.restart()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.budget.measure(state.global_step + 1, args.device)
+        if self.budget.seconds is not None:
+            self.budget.measure(args.device)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.budget.seconds is not None and self.budget.fraction >= 1:
@@ -456,10 +454,10 @@ def heal(
                            "its logs under runs/).")
     scratch = tempfile.TemporaryDirectory(prefix="ghosted-heal-") if checkpoints is None else contextlib.nullcontext(checkpoints)
     with scratch as output_dir:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        precision = resolve_precision(options.precision, device)
         # Building the arguments joins the launcher's process group: the world size is known from here on.
         args = _arguments(options, str(output_dir))
+        device = args.device
+        precision = resolve_precision(options.precision, device)
         per_step = options.batch_size * options.gradient_accumulation * args.world_size
         steps = math.ceil(options.tokens / (per_step * options.seq_len)) if options.tokens else options.steps
         args.max_steps = 10**9 if options.minutes else steps  # a timed run is stopped by `_Schedule`
