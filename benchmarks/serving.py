@@ -1,8 +1,14 @@
-"""The stock exports served by llama.cpp: converted with llama.cpp's own converter, quantized with its
-llama-quantize, scored with its llama-perplexity on the same held-out text as transformers, and timed with
-llama-bench, for the dense packaged SmolLM2-135M-Instruct and its plainly pruned, `replaceme-ls`,
-`folded-tied` and `folded` exports (default ghost-aware selection; one shared set of calibration statistics
-per depth, cached under benchmark-cache/).
+"""The exports served by llama.cpp: converted with llama.cpp's own converter (the `normed` ghosted model with
+`ghosted export-gguf`, which runs it), quantized with its llama-quantize, scored with its llama-perplexity on
+the same held-out text as transformers, and timed with llama-bench, for the dense packaged
+SmolLM2-135M-Instruct and its plainly pruned, `replaceme-ls`, `folded-tied`, `folded` and `normed` exports
+(the block the default selection removes; one shared set of calibration statistics per depth, cached under
+benchmark-cache/). "share of ghost gain" is (log plain - log ppl) / (log plain - log ghost), with the plainly
+pruned and ghosted models' transformers perplexity on the same chunks.
+
+With llama-cpp-python on the same build (`--bindings`), the F16 files are also compared with transformers on
+the same token ids: next-token logits over the first chunk (max abs difference, top-1 agreement) and the first
+32 greedy tokens of 5 prompts.
 
 Perplexity is computed the way llama-perplexity computes it, on both sides: the token stream cut into
 chunks of --ctx tokens, the first token of a chunk replaced by BOS where the vocabulary asks for one, and
@@ -10,9 +16,13 @@ the second half of each chunk scored. "vs transformers" is llama.cpp's perplexit
 on the same chunks.
 
     # llama.cpp from the llama-cpp-python sdist (vendor/llama.cpp), CPU build, about 20 minutes on 2 cores:
-    #   cmake -B build -DLLAMA_CURL=OFF && cmake --build build -j2 --target llama-perplexity llama-quantize llama-bench
+    #   cmake -B build -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=ON \
+    #     && cmake --build build -j2 --target llama-perplexity llama-quantize llama-bench
+    # and its Python bindings on that build (nothing compiled again):
+    #   CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install llama-cpp-python==0.3.36
+    #   export LLAMA_CPP_LIB_PATH=PATH/TO/llama.cpp/build/bin
     pip install sentencepiece   # llama.cpp's converter imports it even for a tokenizer.json-only folder
-    python benchmarks/serving.py --llama-cpp PATH/TO/llama.cpp --layers 8 4 > benchmarks/results/serving.md
+    python benchmarks/serving.py --llama-cpp PATH/TO/llama.cpp --layers 8 4 --bindings > benchmarks/results/serving.md
 """
 
 from __future__ import annotations
@@ -39,7 +49,9 @@ from common import packaged_model
 from healing import cached_statistics
 
 KINDS = [("plainly pruned", "none"), ("replaceme-ls", "replaceme-ls"), ("folded-tied", "folded-tied"),
-         ("folded", "folded")]
+         ("folded", "folded"), ("normed", "normed")]
+PROMPTS = ["The history of the city", "In mathematics, a prime number", "The river flows", "Scientists have found",
+           "The first law of"]
 
 
 def run(command: list[str], **kwargs) -> str:
@@ -90,6 +102,37 @@ def llama_speed(binary: Path, gguf_path: Path, threads: int) -> tuple[float, flo
     return speed["prefill"], speed["decode"]
 
 
+def binding_agreement(model: torch.nn.Module, gguf_path: Path, tokenizer, tokens: list[int], ctx: int,
+                      threads: int) -> dict[str, float]:
+    """llama.cpp (through llama-cpp-python) against transformers on the same token ids: next-token logits over
+    `ctx` tokens and 32 greedy tokens of each prompt."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf_path), n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=threads, verbose=False)
+    ids = tokens[:ctx]
+    llm.reset()
+    llm.eval(ids)
+    theirs = torch.tensor(llm.scores[:len(ids)], dtype=torch.float32)
+    with torch.no_grad():
+        ours = model(torch.tensor([ids])).logits[0].float()
+    same, total = 0, 0
+    for prompt in PROMPTS:
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            reference = model.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False)[0, len(prompt_ids):]
+        generated = []
+        for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+            generated.append(token)
+            if len(generated) == len(reference):
+                break
+        match = next((i for i, (a, b) in enumerate(zip(generated, reference.tolist())) if a != b), len(reference))
+        same += match
+        total += len(reference)
+    return {"max_abs_logit_diff": float((theirs - ours).abs().max()),
+            "top1_agreement": float((theirs.argmax(-1) == ours.argmax(-1)).float().mean()),
+            "greedy_prefix": same / total}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp folder (converter + build/bin).")
@@ -100,6 +143,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("benchmark-cache/serving"))
     parser.add_argument("--statistics", type=Path, default=Path("benchmark-cache"))
+    parser.add_argument("--bindings", action="store_true",
+                        help="Compare logits and greedy tokens through llama-cpp-python (LLAMA_CPP_LIB_PATH: this build).")
     args = parser.parse_args()
     bin_dir = args.llama_cpp / "build" / "bin"
     args.work.mkdir(parents=True, exist_ok=True)
@@ -122,35 +167,60 @@ def main() -> None:
         if plan:
             batches = tokenize_texts(tokenizer, calibration, prune.seq_len, prune.num_sequences, prune.batch_size)
             stats = stats.with_tensors(collect_statistics(load(), batches.batches, plan))
-        for name, kind in KINDS:
+        for name, kind in [*KINDS, ("ghost", "ghost")]:
             folder = args.work / f"{n}-{kind}"
             if not (folder / "config.json").is_file():
-                save_with_card(ghost_prune(load(), tokenizer, calibration, prune, statistics=stats, operator=kind),
-                               folder, tokenizer)
-            folders[(name, n)] = folder
+                save_with_card(ghost_prune(load(), tokenizer, calibration, prune, statistics=stats, operator=kind,
+                                           criterion="manual", layers=removed), folder, tokenizer)
+            if kind != "ghost":
+                folders[(name, n)] = folder
 
     print(f"SmolLM2-135M-Instruct exports in llama.cpp (CPU, {args.threads} threads); perplexity on {args.chunks} "
           f"chunks of {args.ctx} held-out tokens (second halves scored, as llama-perplexity does).\n")
-    print("| model | removed | precision | GGUF MB | llama.cpp perplexity | vs transformers | prefill t/s | "
-          "decode t/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | removed | precision | GGUF MB | llama.cpp perplexity | vs transformers | share of ghost gain | "
+          "prefill t/s | decode t/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    from transformers import AutoModelForCausalLM
+
+    load_folder = lambda folder: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # noqa: E731
+    agreement = []
     for (name, n), folder in folders.items():
         f16 = args.work / f"{name}-{n}-F16.gguf".replace(" ", "_")
         if not f16.is_file():
-            run([sys.executable, args.llama_cpp / "convert_hf_to_gguf.py", folder, "--outfile", f16, "--outtype", "f16"])
+            if name == "normed":
+                run([sys.executable, "-m", "ghosted_hf.cli", "export-gguf", folder, f16, "--llama-cpp", args.llama_cpp])
+            else:
+                run([sys.executable, args.llama_cpp / "convert_hf_to_gguf.py", folder, "--outfile", f16, "--outtype",
+                     "f16"])
         wants_bos, bos = add_bos(f16)
-        from transformers import AutoModelForCausalLM
-
-        reference = transformers_perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
-                                            tokens, args.ctx, args.chunks, bos if wants_bos else None)
+        bos = bos if wants_bos else None
+        model = load_folder(folder)
+        reference = transformers_perplexity(model, tokens, args.ctx, args.chunks, bos)
+        plain = ghost = None
+        if n:
+            plain = transformers_perplexity(load_folder(args.work / f"{n}-none"), tokens, args.ctx, args.chunks, bos)
+            ghost = transformers_perplexity(load_folder(args.work / f"{n}-ghost"), tokens, args.ctx, args.chunks, bos)
+        if args.bindings:
+            agreement.append((name, n, binding_agreement(model, f16, tokenizer, tokens, args.ctx, args.threads)))
         for quant in args.quants:
             path = f16 if quant == "F16" else f16.with_name(f16.name.replace("F16", quant))
             if not path.is_file():
                 run([bin_dir / "llama-quantize", f16, path, quant])
             ppl = llama_perplexity(bin_dir / "llama-perplexity", path, text, args.ctx, args.chunks, args.threads)
             prefill, decode = llama_speed(bin_dir / "llama-bench", path, args.threads)
+            share = f"{(math.log(plain) - math.log(ppl)) / (math.log(plain) - math.log(ghost)):.3f}" if n else "-"
             print(f"| {name} | {f'{n}/30' if n else '-'} | {quant} | {path.stat().st_size / 1e6:.1f} | {ppl:.3f} | "
-                  f"{ppl / reference:.4f} (transformers {reference:.3f}) | {prefill:.0f} | {decode:.1f} |", flush=True)
+                  f"{ppl / reference:.4f} (transformers {reference:.3f}) | {share} | {prefill:.0f} | {decode:.1f} |",
+                  flush=True)
+    if agreement:
+        print("\nF16 in llama.cpp (llama-cpp-python on the same build) against transformers fp32, same token ids: "
+              f"next-token logits over the first {args.ctx} held-out tokens, and the share of 32 greedy tokens of "
+              f"{len(PROMPTS)} prompts that agree before the first difference.\n")
+        print("| model | removed | max abs logit diff | top-1 agreement | greedy tokens equal |")
+        print("|---|---|---|---|---|")
+        for name, n, figures in agreement:
+            print(f"| {name} | {f'{n}/30' if n else '-'} | {figures['max_abs_logit_diff']:.4f} | "
+                  f"{figures['top1_agreement']:.4f} | {figures['greedy_prefix']:.3f} |")
     print(f"\nTotal {time.perf_counter() - started:.0f} s.")
 
 

@@ -145,6 +145,19 @@ class ExportArgs(LoadArgs):
 
 
 @dataclass(kw_only=True)
+class GgufArgs(LoadArgs):
+    """Arguments of `ghosted export-gguf`."""
+
+    folder: str = option(help="Saved ghosted model folder or Hub id whose boundaries are all `normed` (or plain).")
+    output: str = option(help="The GGUF file to write.")
+    llama_cpp: str = option(None, "The llama.cpp source folder (its convert_hf_to_gguf.py converts the pruned base).",
+                            required=True)
+    outtype: str = option("f16", "GGUF type of the weights (quantize the file afterwards with llama-quantize).",
+                          ("f32", "f16"))
+    timeout: float = option(3600.0, "Seconds llama.cpp's converter may run.")
+
+
+@dataclass(kw_only=True)
 class InspectArgs:
     """Arguments of `ghosted inspect`."""
 
@@ -401,6 +414,22 @@ def cmd_export_stock(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_gguf(args: argparse.Namespace) -> int:
+    """`ghosted export-gguf`: a normed ghosted model as one llama.cpp GGUF (DeciLM linear-attention blocks)."""
+    from .llamacpp import export_gguf
+
+    run = from_namespace(GgufArgs, args)
+    output = Path(run.output)
+    if output.exists() and not output.is_file():
+        raise GhostedError(f"{output} exists and is not a file: pass the path of the GGUF file to write.")
+    model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
+                                  revision=run.revision)
+    export_gguf(model, tokenizer, output, run.llama_cpp, run.outtype, run.timeout)
+    print(f"Wrote {output} (llama.cpp architecture deci; run it with llama-cli / llama-server, quantize it with "
+          "llama-quantize).")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """`ghosted inspect`: what a saved ghosted folder contains and how it was made."""
     from safetensors import safe_open
@@ -446,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("export-stock", "Turn a ghosted model into the best stock Llama/Qwen checkpoint: each operator refitted as a "
                          "scaled rotation (and a down_proj transform) folded into the weights.",
          [ExportArgs, ExportOptions], cmd_export_stock),
+        ("export-gguf", "Write a ghosted model whose boundaries are `normed` as one llama.cpp GGUF: each boundary a "
+                        "DeciLM linear-attention block, the base converted by llama.cpp's own converter.",
+         [GgufArgs], cmd_export_gguf),
         ("inspect", "Print what a saved ghosted model contains.", [InspectArgs], cmd_inspect),
     ]
     for name, help, groups, handler in subcommands:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from .errors import GhostedError
 from .data import TextSource, TokenBatches, tokenize_texts
 from .operators import operator_kind
 from .options import ExportOptions
@@ -30,6 +31,10 @@ def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSou
     ||fold - X W||^2 / ||X W - X||^2). Treat `model` as consumed."""
     options = ExportOptions.build(options, **overrides)
     kind = operator_kind(options.operator)
+    normed = [b["removed"] for b in model.config.ghost_boundaries if b.get("normed")]
+    if normed:
+        raise GhostedError(f"The boundaries after removed layers {normed} have a normed term, which export_stock "
+                           "cannot imitate: prune the dense model with operator='folded' for a stock checkpoint.")
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
     check_token_ids(data, model.get_input_embeddings().weight.shape[0])
     check_token_budget(data.num_tokens, model.config.hidden_size)  # the rule `ghost_prune` applies

@@ -19,7 +19,7 @@ from typing import Any
 
 from .checkpoint import index_weight_map
 from .errors import GhostedError, MissingFileError
-from .remote.modeling_ghosted import check_sizes_against_weights, ghost_tensor_key, operator_sha256, replace_folder
+from .remote.modeling_ghosted import check_sizes_against_weights, ghost_tensor_keys, operator_sha256, replace_folder
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def check_ghosted_layout(folder: Path, config: dict[str, Any], operators: dict[s
         check_sizes_against_weights(str(folder), {})  # the check from_pretrained makes: layers, vocabulary, width
     except ValueError as error:
         raise GhostedError(f"{error} Save the model again.") from None
-    expected = {ghost_tensor_key(b) for b in ghosted.ghost_boundaries}
+    expected = {key for b in ghosted.ghost_boundaries for key in ghost_tensor_keys(b).values()}
     if set(operators) != expected:
         raise GhostedError(f"The weight files hold the operators {sorted(operators)}, but config.json has boundaries "
                            f"for {sorted(expected)}; save the model again.")
@@ -117,15 +117,15 @@ def check_ghosted_layout(folder: Path, config: dict[str, Any], operators: dict[s
 
 
 def check_operator_hashes(config: dict[str, Any], tensors: dict[str, Any]) -> None:
-    """Compare each operator with the sha256 its config recorded (when it recorded one)."""
+    """Compare each ghost tensor with the sha256 its config recorded."""
     for boundary in config.get("ghost_boundaries", []):
-        key = ghost_tensor_key(boundary)
-        if key not in tensors:
-            raise GhostedError(f"Operator tensor {key} is missing from the weight files; save the model again.")
-        expected = boundary.get("sha256")
-        if not expected:
-            raise GhostedError(f"Operator tensor {key} has no sha256 in config.json, so it cannot be verified; save "
-                               "the model again with save_pretrained.")
-        if operator_sha256(tensors[key], config.get("operator_dtype", "float32")) != expected:
-            raise GhostedError(f"Operator tensor {key} does not match the sha256 in config.json: the file was "
-                               "changed or damaged after saving; save the model again.")
+        for field, key in ghost_tensor_keys(boundary).items():
+            if key not in tensors:
+                raise GhostedError(f"Operator tensor {key} is missing from the weight files; save the model again.")
+            expected = boundary.get(field)
+            if not expected:
+                raise GhostedError(f"Operator tensor {key} has no {field} in config.json, so it cannot be verified; "
+                                   "save the model again with save_pretrained.")
+            if operator_sha256(tensors[key], config.get("operator_dtype", "float32")) != expected:
+                raise GhostedError(f"Operator tensor {key} does not match the {field} in config.json: the file was "
+                                   "changed or damaged after saving; save the model again.")

@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from .statistics import ABS, ROTATED_ABS, CalibrationStatistics, StatisticsPlan, least_squares, mlp_terms
+from .statistics import (ABS, ROTATED_ABS, CalibrationStatistics, StatisticsPlan, least_squares, mlp_terms,
+                         normed_terms)
 from .errors import GhostedError
 from .hadamard import rotation
 from .registry import Registry
@@ -22,14 +23,15 @@ from .registry import Registry
 
 @dataclass
 class BoundaryFit:
-    """One boundary's fit: the operator x -> x @ operator and, for kinds that fold into the weights, the
-    transform of the last upstream MLP output to fold into its down_proj."""
+    """One boundary's fit: the operator x -> x @ operator (+ n(x) @ normed for the normed kinds) and, for kinds
+    that fold into the weights, the transform of the last upstream MLP output to fold into its down_proj."""
 
     kind: str
     source: int
     target: int
     operator: torch.Tensor | None = None
     fused: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
     figures: dict[str, Any] = field(default_factory=dict)
 
 
@@ -41,6 +43,7 @@ class OperatorKind:
     stock: ClassVar[bool] = False  # folds into the weights: ghost_prune returns a stock Llama/Qwen checkpoint
     sequential: ClassVar[bool] = True  # can be refitted on the model already pruned and patched upstream
     first_removable: ClassVar[int] = 0  # the lowest layer a boundary of this kind may start at
+    regressors: ClassVar[int] = 1  # inputs of the fit per output channel, in multiples of C (the token budget)
 
     def statistics(self, s: int, e: int) -> StatisticsPlan:
         """What `fit` reads for the boundary removing layers s..e-1 (with the fit figures)."""
@@ -49,6 +52,15 @@ class OperatorKind:
     def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
         """The closed-form fit of boundary (s, e) from `stats`."""
         raise NotImplementedError
+
+    def selection_statistics(self, s: int, e: int) -> StatisticsPlan:
+        """What `selection_residual` reads beyond the least-squares statistics."""
+        return StatisticsPlan()
+
+    def selection_residual(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> float | None:
+        """||fit - X_e||^2 / ||X_e||^2, as ghost-aware selection scores the span for this kind; None: the kind is
+        scored by the ghost fit (a kind whose own fit is not a least-squares fit of X_e)."""
+        return None
 
 
 logger = logging.getLogger(__name__)
@@ -136,6 +148,67 @@ class Ghost(OperatorKind):
             ridge_eps=eps,
         )
         return BoundaryFit(self.name, s, e, operator=w, figures=figures)
+
+
+def normed_residual(stats: CalibrationStatistics, s: int, e: int, w: torch.Tensor, a: torch.Tensor) -> float:
+    """||X W + N A - X_e||^2 with N = n(X_s), from the statistics."""
+    gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
+    ngram, nsource, ncross = stats.normed_terms(s, e)
+    return float(((gram @ w) * w).sum() + 2.0 * (w * (nsource.T @ a)).sum() + ((ngram @ a) * a).sum()
+                 - 2.0 * (w * cross).sum() - 2.0 * (a * ncross).sum()) + energy
+
+
+def fit_normed(stats: CalibrationStatistics, s: int, e: int, ridge: float, *,
+               joint: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(W, A, ridge eps) of the least-squares fit X_e - X_s ~ n(X_s) A (W = I) or, `joint`, ~ X_s M + n(X_s) A
+    (W = I + M): the ridge of each block is scaled by its own mean diagonal (n(X) and X differ in scale)."""
+    gram, cross = stats.gram(s), stats.cross(s, e)
+    ngram, nsource, ncross = stats.normed_terms(s, e)
+    c = gram.shape[0]
+    eye = torch.eye(c, dtype=gram.dtype, device=gram.device)
+    eps_n = ridge_epsilon(ngram, ridge)
+    if not joint:
+        return eye, torch.linalg.solve(ngram + eps_n * eye, ncross - nsource), {"ridge_eps_normed": eps_n}
+    eps_x = ridge_epsilon(gram, ridge)
+    system = torch.cat([torch.cat([gram + eps_x * eye, nsource.T], 1), torch.cat([nsource, ngram + eps_n * eye], 1)])
+    solution = torch.linalg.solve(system, torch.cat([cross - gram, ncross - nsource]))
+    return eye + solution[:c], solution[c:], {"ridge_eps": eps_x, "ridge_eps_normed": eps_n}
+
+
+@register
+class Normed(OperatorKind):
+    """A ghost boundary in the form of an RMSNorm-then-linear block, as llama.cpp's DeciLM "linear attention"."""
+
+    name = "normed"
+    summary = "x + n(x) A, n(x) = x / rms(x), (N^T N + eps I) A = N^T (X_e - X_s) with N = n(X_s)"
+    joint: ClassVar[bool] = False
+
+    def statistics(self, s: int, e: int) -> StatisticsPlan:
+        return super().statistics(s, e) | normed_terms(s, e)
+
+    def selection_statistics(self, s: int, e: int) -> StatisticsPlan:
+        return normed_terms(s, e)
+
+    def selection_residual(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> float | None:
+        w, a, _ = fit_normed(stats, s, e, ridge, joint=self.joint)
+        return max(normed_residual(stats, s, e, w, a), 0.0) / stats.energy(s, e)
+
+    def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
+        w, a, figures = fit_normed(stats, s, e, ridge, joint=self.joint)
+        gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
+        untouched = squared_residual(gram, cross, energy, torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device))
+        figures.update(residual_figures(normed_residual(stats, s, e, w, a), untouched, energy))
+        return BoundaryFit(self.name, s, e, operator=w, normed=a, figures=figures)
+
+
+@register
+class GhostNormed(Normed):
+    """The ghost operator and the normed term fitted jointly."""
+
+    name = "ghost-normed"
+    summary = "x W + n(x) A, W = I + M, [M; A] the joint least-squares fit of X_e - X_s on [X_s, n(X_s)]"
+    joint = True
+    regressors = 2
 
 
 @register

@@ -74,7 +74,7 @@ def selection_request(depth: int, options: PruneOptions) -> SelectionRequest:
     """What the criterion is asked to choose, for a model of `depth` layers."""
     return SelectionRequest(depth=depth, num_layers=options.num_layers,
                             first=operator_kind(options.operator).first_removable, ridge=options.ridge,
-                            layers=tuple(options.layers or ()))
+                            layers=tuple(options.layers or ()), operator=options.operator)
 
 
 def statistics_plan(depth: int, options: PruneOptions) -> StatisticsPlan:
@@ -120,7 +120,8 @@ def fit_operators(calibrator: Calibrator, removed: list[int], options: PruneOpti
         if sequential and k > 0:
             patch = Patch(tuple(i for i in removed if i < s),
                           operators={f.source: f.operator.float() for f in fits if f.operator is not None},
-                          transforms={f.source - 1: f.fused.float() for f in fits if f.fused is not None})
+                          transforms={f.source - 1: f.fused.float() for f in fits if f.fused is not None},
+                          normed={f.source: f.normed.float() for f in fits if f.normed is not None})
             local = calibrator.collect(plan.split_at(s)[0], f"sequential fit {k + 1}/{len(spans)}", patch=patch)
             fit = kind.fit(stats.with_tensors(local), s, e, options.ridge)
             fit.figures["fitted_on"] = "pruned and patched model"
@@ -135,7 +136,8 @@ def build(model: PreTrainedModel, removed: list[int], fits: list[BoundaryFit], o
     """The pruned model with each boundary's operator installed (and transforms folded into down_proj)."""
     operators = {f.source: f.operator for f in fits if f.operator is not None}
     ghosted = prune_layers(model, removed, operators, operator_kind=options.operator,
-                           operator_dtype=getattr(torch, options.operator_dtype))
+                           operator_dtype=getattr(torch, options.operator_dtype),
+                           normed={f.source: f.normed for f in fits if f.normed is not None})
     for fit, record in zip(fits, ghosted.config.ghost_boundaries):
         if fit.fused is not None:
             record["fused_into"] = fold_into_down_proj(ghosted, fit.source - 1, fit.fused)
@@ -213,7 +215,7 @@ def prepare_calibration(calibration_pass: CalibrationPass, tokenizer: Any, calib
         raise GhostedError("A tokenizer is needed to tokenize the calibration text.")
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
     check_token_ids(data, calibration_pass.vocab_size)
-    check_token_budget(data.num_tokens, calibration_pass.config.hidden_size)
+    check_token_budget(data.num_tokens, calibration_pass.config.hidden_size, operator_kind(options.operator).regressors)
     return data, statistics
 
 
@@ -242,16 +244,19 @@ def check_token_ids(data: TokenBatches, vocab_size: int) -> None:
                            "the tokenizer does not belong to this model. Load the tokenizer from the model's own folder.")
 
 
-def check_token_budget(tokens: int, hidden_size: int) -> None:
-    """The one rule for how much text a fit needs: fewer tokens than channels (C) leave the C x C least-squares
-    fit underdetermined and are refused; fewer than 10 C fit, with a warning that the fit may not be stable."""
-    if hidden_size <= tokens < 10 * hidden_size:  # (fewer than C is refused below, without a warning first)
-        logger.warning("The calibration data gave %d tokens for a %dx%d operator: fewer than 10x the hidden size "
-                       "(%d), so the fit may not carry over to other text. Add calibration text or raise seq_len / "
-                       "num_sequences.", tokens, hidden_size, hidden_size, 10 * hidden_size)
-    if tokens < hidden_size:
+def check_token_budget(tokens: int, hidden_size: int, regressors: int = 1) -> None:
+    """The one rule for how much text a fit needs, for a fit of `regressors` x C inputs per output channel (the
+    joint `ghost-normed` fit reads X_s and n(X_s): 2): fewer tokens than that leave the least-squares fit
+    underdetermined and are refused; fewer than 10 x that fit, with a warning that the fit may not be stable."""
+    columns = regressors * hidden_size
+    what = f"a {hidden_size}x{hidden_size} operator" if regressors == 1 else f"{regressors} {hidden_size}x{hidden_size} terms jointly"
+    if columns <= tokens < 10 * columns:  # (fewer than that is refused below, without a warning first)
+        logger.warning("The calibration data gave %d tokens for %s: fewer than 10x the %d inputs of the fit (%d), so "
+                       "the fit may not carry over to other text. Add calibration text or raise seq_len / "
+                       "num_sequences.", tokens, what, columns, 10 * columns)
+    if tokens < columns:
         raise GhostedError(
-            f"The calibration data gave {tokens} usable tokens, but fitting a {hidden_size}x{hidden_size} operator "
-            f"needs at least {hidden_size} (the hidden size), and about {10 * hidden_size} for a stable fit. "
-            "Add calibration text or raise seq_len / num_sequences."
+            f"The calibration data gave {tokens} usable tokens, but fitting {what} needs at least {columns} (the "
+            f"inputs of the fit), and about {10 * columns} for a stable fit. Add calibration text or raise seq_len / "
+            "num_sequences."
         )

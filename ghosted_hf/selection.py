@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from .statistics import CalibrationStatistics, StatisticsPlan, least_squares, similarity
 from .errors import GhostedError
-from .operators import fit_figures, ghost_operator
+from .operators import fit_figures, ghost_operator, operator_kind
 from .registry import Registry
 
 
@@ -26,6 +26,7 @@ class SelectionRequest:
     first: int = 0  # the lowest removable layer (set by the operator kind)
     ridge: float = 1e-6
     layers: tuple[int, ...] = ()  # explicit indices, for criteria that take them
+    operator: str = "ghost"  # the operator kind that will recover the boundary
 
 
 @dataclass
@@ -114,16 +115,21 @@ class GhostAware(ContiguousCriterion):
     """Removes the span the ghost operator recovers best (the default)."""
 
     name = "ghost-aware"
-    summary = "span whose ghost-fitted residual ||X_s W - X_e||^2 / ||X_e||^2 is smallest"
+    summary = ("span whose ghost-fitted residual ||X_s W - X_e||^2 / ||X_e||^2 is smallest (the normed kinds' own "
+               "residual for them)")
     better = "lower"
     # Relative, not absolute: each layer reads the stream through RMSNorm, so what a boundary's error does
     # downstream depends on its size relative to the stream there, whatever the depth (the stream's norm grows
     # with depth, so absolute residuals of deep and shallow blocks do not compare).
 
     def statistics(self, request: SelectionRequest) -> StatisticsPlan:
-        return StatisticsPlan.union(least_squares(s, e) for s, e in self.spans(request))
+        kind = operator_kind(request.operator)
+        return StatisticsPlan.union(least_squares(s, e) | kind.selection_statistics(s, e) for s, e in self.spans(request))
 
     def score(self, stats: CalibrationStatistics, s: int, e: int, request: SelectionRequest) -> float:
+        own = operator_kind(request.operator).selection_residual(stats, s, e, request.ridge)
+        if own is not None:
+            return own
         w, _, _ = ghost_operator(stats, s, e, request.ridge)
         return fit_figures(stats, s, e, w)["residual_vs_target"]
 

@@ -22,8 +22,9 @@ from .remote.configuration_ghosted import (
     GhostedConfig,
     expected_boundaries,
     pruned_index,
+    required_format_version,
 )
-from .remote.modeling_ghosted import GHOST_MODULE, GhostedForCausalLM, ghost_tensor_key
+from .remote.modeling_ghosted import GHOST_MODULE, GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def _take_tensor(pruned: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
 
 
-def _adopt_tensors(target: nn.Module, source: nn.Module, source_name: Callable[[str], str]) -> None:
+def adopt_tensors(target: nn.Module, source: nn.Module, source_name: Callable[[str], str]) -> None:
     """Fill every parameter and buffer of meta-built `target` (except ghost operators) with the tensor of
     `source` named `source_name(name)`, then re-tie shared weights."""
     names = [n for n, _ in target.named_parameters(remove_duplicate=False)]
@@ -154,8 +155,9 @@ def _check_dense_model(model: PreTrainedModel) -> None:
 
 
 def _stored_operators(operators: Mapping[int, torch.Tensor] | None, boundaries: list[dict], hidden: int,
-                      dtype: torch.dtype) -> dict[int, torch.Tensor]:
-    """The given operators keyed by their boundary's first removed layer, checked and cast to `dtype`."""
+                      dtype: torch.dtype, what: str = "Operator") -> dict[int, torch.Tensor]:
+    """The given operators (or normed terms) keyed by their boundary's first removed layer, checked and cast to
+    `dtype`."""
     first = [b["removed"][0] for b in boundaries]
     if operators is not None and not isinstance(operators, Mapping):
         raise GhostedError(
@@ -172,7 +174,8 @@ def _stored_operators(operators: Mapping[int, torch.Tensor] | None, boundaries: 
     if str(dtype).removeprefix("torch.") not in OPERATOR_DTYPES:
         raise GhostedError(f"operator_dtype must be one of {OPERATOR_DTYPES}, got {dtype}.")
     removed_at = {b["removed"][0]: b["removed"] for b in boundaries}
-    return {start: validate_operator(op, hidden, f"the boundary after removed layers {removed_at[start]}", dtype)
+    return {start: _validate_ghost_tensor(op, (hidden, hidden), what, f"the boundary after removed layers "
+                                          f"{removed_at[start]}", "hidden size x hidden size", dtype)
             for start, op in operators.items()}
 
 
@@ -183,13 +186,15 @@ def prune_layers(
     *,
     operator_kind: str = "custom",
     operator_dtype: torch.dtype = torch.float32,
+    normed: Mapping[int, torch.Tensor] | None = None,
 ) -> GhostedForCausalLM:
     """Remove decoder layers `remove` (dense numbering) and install one operator per boundary.
 
     Consecutive removed layers form one boundary; `operators` maps the first removed index of a boundary
     to its (C, C) operator, applied as ``x @ W`` to the hidden state that reaches the next kept layer (or
     the final norm). Boundaries without an operator get the identity (operator kind "none": plain pruning);
-    the others are recorded as `operator_kind`.
+    the others are recorded as `operator_kind`. `normed` (same keys) adds a normed term ``n(x) @ A`` to a
+    boundary (format 1.1; its operator defaults to the identity).
 
     The returned model shares the dense model's tensors (no copy, so peak memory stays one model): treat
     `model` as consumed.
@@ -203,15 +208,17 @@ def prune_layers(
 
     boundaries = expected_boundaries(depth, removed)
     stored = _stored_operators(operators, boundaries, hidden, operator_dtype)
+    terms = _stored_operators(normed, boundaries, hidden, operator_dtype, "Normed term")
     start_of = lambda b: b["removed"][0]  # noqa: E731
+    records = [{**b, "operator": operator_kind if start_of(b) in stored.keys() | terms.keys() else "none", "fit": {},
+                **({"normed": True} if start_of(b) in terms else {})} for b in boundaries]
 
     config = GhostedConfig(
         text_config=pruned_text_config(base_config, kept),
         original_num_hidden_layers=depth,
         removed_layers=removed,
-        ghost_boundaries=[
-            {**b, "operator": operator_kind if start_of(b) in stored else "none", "fit": {}} for b in boundaries
-        ],
+        ghost_boundaries=records,
+        ghost_format_version=required_format_version(records),
         operator_dtype=str(operator_dtype).removeprefix("torch."),
         ghost_provenance={"base_model": base_config._name_or_path or None},
     )
@@ -221,14 +228,17 @@ def prune_layers(
     with torch.device("meta"):
         pruned = GhostedForCausalLM(config)
 
-    _adopt_tensors(pruned, model, lambda name: _dense_name(name, kept))
+    adopt_tensors(pruned, model, lambda name: _dense_name(name, kept))
 
-    for boundary in boundaries:
+    for boundary in records:
         key = ghost_tensor_key(boundary)
         parent = pruned.get_submodule(key.rsplit(".", 2)[0])
         device = next(p.device for n, p in parent.named_parameters() if not n.startswith(GHOST_MODULE))
         value = stored.get(start_of(boundary), torch.eye(hidden, dtype=operator_dtype))
         _take_tensor(pruned, key, nn.Parameter(value.to(device=device).clone()))
+        if boundary.get("normed"):
+            _take_tensor(pruned, ghost_tensor_key(boundary, GHOST_NORMED),
+                         nn.Parameter(terms[start_of(boundary)].to(device=device).clone()))
 
     still_meta = [n for n, t in {**dict(pruned.named_parameters()), **dict(pruned.named_buffers())}.items()
                   if t.device.type == "meta"]
@@ -339,6 +349,12 @@ def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
     folds = []
     for boundary in model.config.ghost_boundaries:
         name = ghost_tensor_key(boundary)
+        if boundary.get("normed"):
+            raise GhostedError(
+                f"The boundary before {name.rsplit('.', 2)[0]} has a normed term (operator kind "
+                f"{boundary.get('operator')!r}): it has no place in a stock checkpoint. Refit it as a foldable one "
+                "with `ghosted export-stock`, or save it as a ghosted model."
+            )
         operator = model.get_parameter(name)
         if torch.equal(operator, torch.eye(operator.shape[0], dtype=operator.dtype, device=operator.device)):
             continue
@@ -358,7 +374,7 @@ def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
         text_config.tie_word_embeddings = False
     with torch.device("meta"):
         stock = AutoModelForCausalLM.from_config(text_config)
-    _adopt_tensors(stock, model, lambda name: name)
+    adopt_tensors(stock, model, lambda name: name)
     for layer, c, q in folds:
         fold_scaled_rotation(stock, layer, c, q)
     provenance = dict(model.config.ghost_provenance or {})

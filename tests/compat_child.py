@@ -253,9 +253,11 @@ def run_model(name: str, spec: dict, work: Path) -> None:
         torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
 
     def do_format_version():
-        # Saved as 1.0; every 1.x loads; a newer major version is refused with one line naming it.
-        if json.loads((folder / "config.json").read_text()).get("ghost_format_version") != "1.0":
-            raise AssertionError("config.json does not record ghost_format_version 1.0")
+        # Saved as the version its boundaries need (1.0, 1.1 with normed terms); every 1.x loads; a newer major
+        # version is refused with one line naming it.
+        saved = json.loads((folder / "config.json").read_text()).get("ghost_format_version")
+        if saved != meta["format_version"]:
+            raise AssertionError(f"config.json records ghost_format_version {saved!r}, not {meta['format_version']!r}")
         for version, refused in (("1.7", False), ("2.0", True)):
             marked = work / f"{name}-format-{version}"
             shutil.copytree(folder, marked, dirs_exist_ok=True)

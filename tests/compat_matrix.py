@@ -6,7 +6,8 @@
    ~/.cache/ghosted_hf/compat); see compat_venvs.py;
 2. with the current code, in this process, saves tiny random Llama, Qwen2 (mixed sliding-window layers) and
    Qwen3 (tied embeddings) ghosted models, each with a boundary feeding layer 0, one in the middle and one
-   feeding the final norm (removed layers 0, 2, 3, 5 of 6), plus reference logits, greedy tokens and loss;
+   feeding the final norm (removed layers 0, 2, 3, 5 of 6; Qwen2's first and last also with a normed term,
+   format 1.1), plus reference logits, greedy tokens and loss;
 3. per version, runs compat_child.py once in that venv, without ghosted_hf and offline;
 4. prints a markdown table versions x checks and exits 1 if any check failed.
 """
@@ -95,7 +96,9 @@ def save_fixtures(out: Path) -> dict:
     for index, name in enumerate(("llama", "qwen2", "qwen3")):
         dense = tiny_dense(name, seed=index)
         operators = {s: torch.eye(HIDDEN) + 0.2 * torch.randn(HIDDEN, HIDDEN, generator=g) for s in (0, 2, 5)}
-        model = prune_layers(dense, REMOVED, operators, operator_kind="ghost").eval()
+        # qwen2 also carries normed terms (format 1.1) at two of its boundaries.
+        normed = ({s: 0.1 * torch.randn(HIDDEN, HIDDEN, generator=g) for s in (0, 5)} if name == "qwen2" else None)
+        model = prune_layers(dense, REMOVED, operators, operator_kind="ghost", normed=normed).eval()
         folder = out / name
         model.save_pretrained(folder)
         char_tokenizer().save_pretrained(folder)
@@ -123,6 +126,7 @@ def save_fixtures(out: Path) -> dict:
                            "vocab_size": text.vocab_size},
                 "kept": text.num_hidden_layers,
                 "operators": tensors,
+                "format_version": model.config.ghost_format_version,
                 "new_tokens": NEW_TOKENS,
                 "pad": PAD,
             },

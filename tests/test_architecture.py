@@ -16,7 +16,7 @@ LAYERS = {
     3: {"operators", "selection"},
     4: {"surgery"},
     5: {"summary", "card", "hub", "loading", "evaluate", "files"},
-    6: {"options", "recipe", "export", "healing", "demo"},
+    6: {"options", "recipe", "export", "llamacpp", "healing", "demo"},
     7: {"cli", "__init__"},
 }
 LEVEL = {module: level for level, modules in LAYERS.items() for module in modules}

@@ -192,4 +192,4 @@ def test_too_little_text_for_a_stable_fit_is_a_warning(caplog: pytest.LogCapture
     with caplog.at_level("WARNING", logger="ghosted_hf.recipe"):
         ghost_prune(build("llama"), char_tokenizer(), texts(), seq_len=8, num_sequences=24, criterion="manual",
                     layers=[2, 3])
-    assert "gave 192 tokens for a 32x32 operator: fewer than 10x the hidden size (320)" in caplog.text
+    assert "gave 192 tokens for a 32x32 operator: fewer than 10x the 32 inputs of the fit (320)" in caplog.text

@@ -13,12 +13,12 @@ from ghosted_hf.data import batch_sequences
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.statistics import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET,
                                    ROTATED_ABS, CalibrationStatistics, Patch, StatisticsPlan, collect_statistics,
-                                   least_squares, mlp_terms, similarity)
+                                   least_squares, mlp_terms, normed_terms, similarity)
 from ghosted_hf.statistics.declarations import STATISTICS, parse_key
 from tiny import LAYERS, PAD, build, sequences
 
 PLAN = (least_squares(0, 3) | least_squares(2, 6) | similarity(1, 2) | similarity(2, 6)
-        | StatisticsPlan.of(ABS(2), ABS(6), ROTATED_ABS(2)) | mlp_terms(2, 4))
+        | StatisticsPlan.of(ABS(2), ABS(6), ROTATED_ABS(2)) | mlp_terms(2, 4) | normed_terms(2, 6))
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -42,7 +42,9 @@ def in_memory(model, seqs: list[list[int]]) -> dict[str, torch.Tensor]:
     x = {i: torch.cat(v).double() for i, v in inputs.items()}
     m = torch.cat(mlp_out).double()
     cos = lambda a, b: torch.nn.functional.cosine_similarity(a, b, dim=1)
+    n = x[2] / (x[2].square().mean(1, keepdim=True) + 1e-6).sqrt()  # n(x) = x / rms(x)
     return {
+        "ngram.2": n.T @ n, "nsource.2": n.T @ x[2], "ncross.2.6": n.T @ x[6],
         "gram.0": x[0].T @ x[0], "gram.2": x[2].T @ x[2], "cross.0.3": x[0].T @ x[3], "cross.2.6": x[2].T @ x[6],
         "energy.2.6": x[6].square().sum().reshape(1), "cos.1.2": cos(x[1], x[2]).sum().reshape(1),
         "abs.6": x[6].abs().sum(0), "mlp_gram.2": m.T @ m, "mlp_source.2": m.T @ x[2], "mlp_target.2.4": m.T @ x[4],
@@ -167,13 +169,14 @@ def test_patched_stream_equals_the_built_pruned_model(arch: str) -> None:
     generator = torch.Generator().manual_seed(3)
     w = torch.eye(32) + 0.05 * torch.randn(32, 32, generator=generator)
     t = torch.eye(32) + 0.05 * torch.randn(32, 32, generator=generator)
-    patch = Patch((1, 2), operators={1: w}, transforms={0: t})
+    a = 0.05 * torch.randn(32, 32, generator=generator)  # a normed term
+    patch = Patch((1, 2), operators={1: w}, transforms={0: t}, normed={1: a})
     batches = batch_sequences(sequences(), 3, PAD)
     # Sources at dense layer 4 (pruned 2) and MLP output of dense layer 3 (pruned 1); targets from the dense model.
     plan = least_squares(4, 6) | mlp_terms(4, 6)
     got = collect_statistics(model, batches, plan, patch=patch, progress=False)
     assert model.config.num_hidden_layers == LAYERS and len(model.model.layers) == LAYERS  # restored
-    pruned = prune_layers(model, [1, 2], {1: w})
+    pruned = prune_layers(model, [1, 2], {1: w}, normed={1: a})
     fold_into_down_proj(pruned, 0, t.double())
     sources = collect_statistics(pruned, batches, least_squares(2, 2) | StatisticsPlan.of(MLP_GRAM(2), MLP_SOURCE(2)),
                                  progress=False)

@@ -102,6 +102,52 @@ def test_operators_act_as_x_at_w_where_they_belong(arch: str) -> None:
     assert set(ghosted.ghost_operators()) == {"model.layers.1.ghost.operator", "model.norm.ghost.operator"}
 
 
+def test_a_normed_term_acts_as_x_at_w_plus_n_of_x_at_a(tmp_path: Path) -> None:
+    """A `normed` boundary computes x W + n(x) A, n(x) = x / sqrt(mean(x^2) + 1e-6) (format 1.1), saves both
+    tensors with their hashes, and loads back (in process and through the remote code) to the same logits; a
+    boundary without one stays as it was, and the format version says 1.1 only where a term exists."""
+    removed = [1, 2, 5]
+    dense = build("llama")
+    reference = deleted_reference(dense, removed)
+    w, a = random_operator(10), 0.3 * torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(4))
+    ghosted = prune_layers(dense, removed, {1: w}, normed={1: a})
+    assert ghosted.config.ghost_format_version == "1.1"
+    assert [b.get("normed", False) for b in ghosted.config.ghost_boundaries] == [True, False]
+    seen: dict[str, torch.Tensor] = {}
+    record(ghosted.model.layers[1], seen, "ghost")
+    record(reference.model.layers[1], seen, "plain")
+    inputs = batch()
+    expected_logits = logits(ghosted, inputs)
+    logits(reference, inputs)
+    x = seen["plain"]
+    n = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(seen["ghost"], x @ w + n @ a, rtol=1e-6, atol=1e-6)
+    folder = _save(ghosted, tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["ghost_format_version"] == "1.1"
+    assert config["ghost_boundaries"][0]["normed_sha256"] and "normed_sha256" not in config["ghost_boundaries"][1]
+    assert sorted(k for k in load_file(folder / "model.safetensors") if ".ghost." in k) == [
+        "model.layers.1.ghost.normed", "model.layers.1.ghost.operator", "model.norm.ghost.operator"]
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(folder), inputs), expected_logits)
+    assert_loads_with_same_logits(folder, ghosted, inputs, tmp_path)
+    # Without a normed term the checkpoint stays 1.0, readable by every 1.x reader.
+    plain = _save(prune_layers(build("llama"), removed, {1: w}), tmp_path / "plain")
+    assert json.loads((plain / "config.json").read_text())["ghost_format_version"] == "1.0"
+
+
+def test_a_damaged_or_missing_normed_term_is_refused(tmp_path: Path) -> None:
+    folder = _save(prune_layers(build("llama"), [2, 3], normed={2: random_operator(3)}), tmp_path / "model")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.2.ghost.normed"][0, 0] += 1.0
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.2.ghost.normed does not match the sha256"):
+        AutoModelForCausalLM.from_pretrained(folder)
+    del tensors["model.layers.2.ghost.normed"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: \['model.layers.2.ghost.normed'\]"):
+        AutoModelForCausalLM.from_pretrained(folder)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_generate_with_cache_equals_without_cache_left_padded(arch: str) -> None:
     ghosted = prune_layers(build(arch), [1, 4], {1: random_operator(3), 4: random_operator(4)})

@@ -11,6 +11,8 @@ from ghosted_hf.statistics.declarations import mlp, source, target
 from ghosted_hf.hadamard import hadamard, rotation
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.operators import OPERATOR_KINDS, operator_kind, solve_ghost, squared_residual
+from ghosted_hf.remote.modeling_ghosted import rms_normalized
+from ghosted_hf.statistics import normed_terms
 
 C = 24
 
@@ -78,6 +80,33 @@ def test_ghost_residual_is_below_every_other_operator() -> None:
     assert 0 < figures["antisymmetric_share"] < 1
 
 
+def test_normed_fits_are_the_least_squares_fits_on_the_tokens() -> None:
+    """`normed` solves X_e - X_s ~ n(X_s) A and `ghost-normed` ~ [X_s, n(X_s)] [M; A] exactly as lstsq on the
+    tokens does; the joint fit leaves less than either term alone, and its figure is its true residual."""
+    x, y = synthetic()
+    # A target that depends on the token norms, which a linear map of X alone cannot follow.
+    y = y + 3.0 * rms_normalized(x) @ torch.randn(C, C, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    acc = StatisticsAccumulator(least_squares(0, 1) | normed_terms(0, 1), C)
+    for xs, ys in zip(x.chunk(7), y.chunk(7)):
+        acc.add({source(0): xs, target(1): ys})
+        acc.tokens += xs.shape[0]
+    stats = acc.result(depth=1)
+    n = rms_normalized(x)
+    normed = fit_boundary(stats, "normed", 0, 1, ridge=0.0)
+    assert torch.equal(normed.operator, torch.eye(C, dtype=torch.float64))
+    torch.testing.assert_close(normed.normed, torch.linalg.lstsq(n, y - x).solution, rtol=1e-7, atol=1e-9)
+    joint = fit_boundary(stats, "ghost-normed", 0, 1, ridge=0.0)
+    both = torch.linalg.lstsq(torch.cat([x, n], 1), y - x).solution
+    torch.testing.assert_close(joint.operator, torch.eye(C, dtype=torch.float64) + both[:C], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(joint.normed, both[C:], rtol=1e-6, atol=1e-8)
+    ghost = fit_boundary(stats, "ghost", 0, 1, ridge=0.0)
+    untouched = residual(x, y, torch.eye(C, dtype=torch.float64))
+    left = float((x @ joint.operator + n @ joint.normed - y).square().sum())
+    assert joint.figures["relative_residual"] == pytest.approx(left / untouched, rel=1e-6)
+    assert joint.figures["relative_residual"] < min(ghost.figures["relative_residual"],
+                                                    normed.figures["relative_residual"])
+
+
 def test_ridge_shrinks_toward_identity() -> None:
     x, y = synthetic()
     stats = stats_of(x, y)
@@ -93,8 +122,8 @@ def test_linearpatch_diag_is_the_ratio_of_mean_magnitudes() -> None:
 
 
 def test_unknown_operator_lists_valid_ones() -> None:
-    with pytest.raises(GhostedError, match="Unknown operator 'magic'; choose one of: ghost, none, linearpatch-diag, "
-                                           "linearpatch-rotate, replaceme-ls"):
+    with pytest.raises(GhostedError, match="Unknown operator 'magic'; choose one of: ghost, normed, ghost-normed, none, "
+                                           "linearpatch-diag, linearpatch-rotate, replaceme-ls"):
         operator_kind("magic")
 
 
@@ -117,6 +146,8 @@ def test_every_kind_declares_what_its_fit_reads() -> None:
         assert fit.kind == kind.name
         z = x - m + m @ fit.fused if fit.fused is not None else x  # the stream after the folded MLP transform
         prediction = z @ fit.operator if fit.operator is not None else z
+        if fit.normed is not None:
+            prediction = prediction + rms_normalized(x) @ fit.normed
         expected = residual(prediction, y, torch.eye(C, dtype=torch.float64)) / residual(x, y, torch.eye(C, dtype=torch.float64))
         assert fit.figures["relative_residual"] == pytest.approx(expected, rel=1e-6), kind.name
         if kind.name in ("ghost", "replaceme-ls"):  # least-squares fits never do worse than leaving X_s as is

@@ -11,7 +11,8 @@ import torch
 from ghosted_hf import GhostedForCausalLM, PruneOptions, to_stock_model, ghost_prune
 from ghosted_hf.statistics import CalibrationStatistics, collect_statistics
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.selection import SelectionRequest, criterion
+from ghosted_hf.errors import GhostedError
+from ghosted_hf.selection import SelectionRequest, candidate_name, criterion
 from isolated import assert_loads_with_same_logits
 from tiny import EOS, LAYERS, build, char_tokenizer, kl_to_dense, texts
 
@@ -111,6 +112,37 @@ def test_linearpatch_baselines_run_and_report(operator: str) -> None:
         assert record["operator"] == operator and "relative_residual" in record["fit"]
 
 
+def test_normed_kinds_prune_select_by_their_own_fit_and_refuse_a_stock_export() -> None:
+    """`normed` and `ghost-normed` give a 1.1 ghosted model whose boundary has both tensors; ghost-aware selection
+    scores each span by the kind's own residual (the joint fit never leaves more than the ghost fit at a span), a
+    sequential second boundary refits on the patched stream, and the stock paths refuse the normed term."""
+    from ghosted_hf import export_stock
+    from ghosted_hf.operators import operator_kind
+
+    tokenizer = char_tokenizer()
+    ghost = ghost_prune(build("llama"), tokenizer, texts(), num_layers=2, **FAST)
+    for kind in ("normed", "ghost-normed"):
+        model = ghost_prune(build("llama"), tokenizer, texts(), num_layers=2, operator=kind, **FAST)
+        assert model.config.ghost_format_version == "1.1"
+        (record,) = model.config.ghost_boundaries
+        assert record["operator"] == kind and record["normed"] and 0 < record["fit"]["relative_residual"] < 1
+        parent = f"model.layers.{record['layer']}" if record["target"] == "layer" else "model.norm"
+        assert set(model.ghost_operators()) == {f"{parent}.ghost.operator", f"{parent}.ghost.normed"}
+        scores = model.config.ghost_provenance["selection"]["scores"]
+        assert min(scores, key=scores.get) == candidate_name(record["removed"][0], record["removed"][-1] + 1)
+        if kind == "ghost-normed":
+            ghost_scores = ghost.config.ghost_provenance["selection"]["scores"]
+            assert all(scores[name] <= ghost_scores[name] + 1e-12 for name in scores)
+        with pytest.raises(GhostedError, match="has a normed term"):
+            to_stock_model(model)
+        with pytest.raises(GhostedError, match="have a normed term, which export_stock cannot imitate"):
+            export_stock(model, tokenizer, texts(), **FAST)
+    assert operator_kind("normed").sequential
+    two = ghost_prune(build("llama"), tokenizer, texts(), criterion="manual", layers=[1, 4], operator="ghost-normed",
+                      **FAST)
+    assert [b["fit"]["fitted_on"] for b in two.config.ghost_boundaries] == ["dense model", "pruned and patched model"]
+
+
 def test_saved_statistics_replace_the_calibration_pass(tmp_path: Path) -> None:
     tokenizer = char_tokenizer()
     data = tokenize_texts(tokenizer, texts(), FAST["seq_len"], FAST["num_sequences"], FAST["batch_size"])
@@ -156,7 +188,7 @@ def test_tokenizer_without_pad_token_is_handled() -> None:
         (dict(num_layers=LAYERS), ValueError, f"num_layers must be between 1 and {LAYERS - 1}"),
         (dict(num_layers=0), ValueError, "num_layers must be between 1"),
         (dict(criterion="best"), ValueError, "Unknown criterion 'best'; choose one of: ghost-aware, streamline, angular"),
-        (dict(operator="magic"), ValueError, "Unknown operator 'magic'; choose one of: ghost, none, linearpatch-diag"),
+        (dict(operator="magic"), ValueError, "Unknown operator 'magic'; choose one of: ghost, normed, ghost-normed, none, linearpatch-diag"),
         (dict(criterion="manual"), ValueError, "needs the layer indices"),
         (dict(bogus=1), TypeError, r"Unknown option\(s\) \['bogus'\]"),
         (dict(num_layers=2, seq_len=8, num_sequences=2), ValueError, r"gave 16 usable tokens, but fitting a 32x32 operator needs at least 32"),

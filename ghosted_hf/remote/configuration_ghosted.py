@@ -26,7 +26,10 @@ NORM_TARGET = "norm"
 LAYER_TARGET = "layer"
 # The saved format's version, "MAJOR.MINOR". This code reads every checkpoint of its major version (a minor
 # version only adds what older readers may ignore) and refuses a newer major version.
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
+# 1.1 adds the normed term of a boundary, ``x -> x @ operator + n(x) @ normed`` with n(x) = x / rms(x), read with
+# this epsilon (fitted with it too: part of the format, not of the base model).
+NORMED_EPS = 1e-6
 _READY = "_ghosted_init_done"
 
 
@@ -45,14 +48,17 @@ class GhostedConfig(PretrainedConfig):
             One record per run of consecutive removed layers: `removed` (their original indices), `target`
             (`"layer"` or `"norm"`), `layer` (index of the fed layer in the pruned model, `None` for the norm),
             `original_layer` (its index in the dense model), `operator` (the operator kind that fitted the
-            tensor, e.g. `"ghost"`), `sha256` of the operator's bytes and free-form `fit` figures.
+            tensor, e.g. `"ghost"`), `sha256` of the operator's bytes and free-form `fit` figures. Format 1.1: `normed`
+            (`True` when the boundary also adds ``n(x) @ normed``, n the RMS normalisation with `NORMED_EPS`) and
+            `normed_sha256` of that tensor's bytes.
         operator_dtype (`str`):
             Storage and compute dtype of the operators, `"float32"` (default, whatever the model dtype) or
             `"bfloat16"`.
         ghost_provenance (`dict`):
             How the operators were obtained (selection, calibration data and hash, solver settings, versions).
         ghost_format_version (`str`):
-            Version of the saved format, "MAJOR.MINOR" (written as `FORMAT_VERSION`).
+            Version of the saved format, "MAJOR.MINOR": the oldest that describes the checkpoint
+            (`required_format_version`); this code reads every 1.x up to `FORMAT_VERSION`.
     """
 
     model_type = "ghosted"
@@ -69,7 +75,7 @@ class GhostedConfig(PretrainedConfig):
         ghost_boundaries: list[dict[str, Any]] | None = None,
         operator_dtype: str = "float32",
         ghost_provenance: dict[str, Any] | None = None,
-        ghost_format_version: str = FORMAT_VERSION,
+        ghost_format_version: str = "1.0",  # a config.json written before the field existed is 1.0
         **kwargs: Any,
     ) -> None:
         # Set before the parent init (recent versions read it there). Turned into a config object here on every
@@ -137,6 +143,9 @@ class GhostedConfig(PretrainedConfig):
         layer_types = getattr(text, "layer_types", None)
         if layer_types is not None and len(layer_types) != kept:
             raise ValueError(f"text_config.layer_types has {len(layer_types)} entries for {kept} layers.")
+        for b in self.ghost_boundaries:
+            if not isinstance(b.get("normed", False), bool):
+                raise ValueError(f"ghost_boundaries: `normed` must be true or false, got {b['normed']!r}.")
         found = [(b.get("target"), b.get("layer"), list(b.get("removed", []))) for b in self.ghost_boundaries]
         expected = expected_boundaries(total, removed)
         if found != [(b["target"], b["layer"], b["removed"]) for b in expected]:
@@ -175,6 +184,12 @@ def check_format_version(version: Any) -> None:
                          f"({FORMAT_VERSION.split('.')[0]}.x): update ghosted_hf (pip install -U ghosted_hf), or load "
                          "with the remote code saved beside the checkpoint (trust_remote_code=True, without "
                          "ghosted_hf imported).")
+
+
+def required_format_version(boundaries: list[dict[str, Any]]) -> str:
+    """The oldest format version that describes these boundaries: 1.1 where one has a normed term, else 1.0
+    (which every 1.x reader loads)."""
+    return "1.1" if any(b.get("normed") for b in boundaries) else "1.0"
 
 
 def expected_boundaries(total_layers: int, removed: list[int]) -> list[dict[str, Any]]:

@@ -8,8 +8,9 @@ Weight layout (``model.safetensors``): the base decoder keeps its standard names
 (``model.layers.{i}.self_attn.q_proj.weight``, ``model.norm.weight``, ``lm_head.weight``); each operator is
 the tensor ``model.layers.{i}.ghost.operator`` (applied to the hidden state entering pruned-model layer
 ``i``) or ``model.norm.ghost.operator`` (applied before the final norm), of shape (C, C), used as
-``x -> x @ operator``. config.json records each operator's sha256 and the format version
-(docs/reference/format.md).
+``x -> x @ operator``. A boundary marked `normed` (format 1.1) also has ``....ghost.normed`` and maps
+``x -> x @ operator + n(x) @ normed``, n(x) = x / sqrt(mean(x^2) + NORMED_EPS). config.json records each
+tensor's sha256 and the format version (docs/reference/format.md).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import nn
 from transformers import AutoModel, GenerationMixin, LlamaForCausalLM, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_ghosted import LAYER_TARGET, OPERATOR_DTYPES, GhostedConfig
+from .configuration_ghosted import LAYER_TARGET, NORMED_EPS, OPERATOR_DTYPES, GhostedConfig, required_format_version
 
 # Oldest transformers this file is tested on. Support is decided by the features below, never by the version.
 MIN_TRANSFORMERS = "4.57"
@@ -71,6 +72,7 @@ except ImportError:  # older releases: the same behaviour, here
 
 GHOST_MODULE = "ghost"
 GHOST_PARAM = "operator"
+GHOST_NORMED = "normed"
 
 # How this transformers declares tied weights, read off its own Llama: a {tied: source} dict (5.x) or a list
 # of tied names (4.x).
@@ -86,11 +88,19 @@ def operator_sha256(operator: torch.Tensor, dtype: str) -> str:
     return hashlib.sha256(tensor.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def ghost_tensor_key(boundary: dict[str, Any]) -> str:
-    """State-dict key of a boundary's operator."""
+def ghost_tensor_key(boundary: dict[str, Any], param: str = GHOST_PARAM) -> str:
+    """State-dict key of a boundary's operator (or of its other tensor `param`)."""
     if boundary["target"] == LAYER_TARGET:
-        return f"model.layers.{boundary['layer']}.{GHOST_MODULE}.{GHOST_PARAM}"
-    return f"model.norm.{GHOST_MODULE}.{GHOST_PARAM}"
+        return f"model.layers.{boundary['layer']}.{GHOST_MODULE}.{param}"
+    return f"model.norm.{GHOST_MODULE}.{param}"
+
+
+def ghost_tensor_keys(boundary: dict[str, Any]) -> dict[str, str]:
+    """{the config field holding its sha256: state-dict key} of every tensor of a boundary."""
+    keys = {"sha256": ghost_tensor_key(boundary)}
+    if boundary.get("normed"):
+        keys["normed_sha256"] = ghost_tensor_key(boundary, GHOST_NORMED)
+    return keys
 
 
 # What `save_pretrained` writes; files of an earlier save matching these never survive into a new one.
@@ -140,25 +150,37 @@ def _describe_mismatch(entry: Any) -> str:
     return f"{_mismatch_key(entry)} (checkpoint shape differs from the config's)"
 
 
+def rms_normalized(x: torch.Tensor) -> torch.Tensor:
+    """n(x) = x / sqrt(mean(x^2) + NORMED_EPS) over the channels: the normed term's input (an RMSNorm without
+    a weight; the weight is part of `normed`)."""
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + NORMED_EPS)
+
+
 class GhostOperator(nn.Module):
-    """Maps the residual stream entering its parent module: ``x -> x @ operator``.
+    """Maps the residual stream entering its parent module: ``x -> x @ operator`` (``+ n(x) @ normed`` with a
+    normed term).
 
     Lives as a child of the layer (or final norm) it feeds, so the base weight names stay standard and
-    device placement follows the parent. The product is computed in the operator's dtype (float32 by
+    device placement follows the parent. The products are computed in the operator's dtype (float32 by
     default) and cast back to the activation dtype.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32, normed: bool = False) -> None:
         super().__init__()
         self.operator = nn.Parameter(torch.empty(hidden_size, hidden_size, dtype=dtype))
+        self.normed = nn.Parameter(torch.empty(hidden_size, hidden_size, dtype=dtype)) if normed else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         operator = self.operator
-        mapped = hidden_states.to(device=operator.device, dtype=operator.dtype) @ operator
+        x = hidden_states.to(device=operator.device, dtype=operator.dtype)
+        mapped = x @ operator
+        if self.normed is not None:
+            mapped = mapped + rms_normalized(x) @ self.normed
         return mapped.to(device=hidden_states.device, dtype=hidden_states.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.operator.shape[0]}, dtype={self.operator.dtype}"
+        normed = ", normed" if self.normed is not None else ""
+        return f"{self.operator.shape[0]}, dtype={self.operator.dtype}{normed}"
 
 
 _EMBEDDING = "model.embed_tokens.weight"
@@ -224,12 +246,13 @@ def check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
                          f"weight files' embedding is {list(embedding)}: the config does not belong to these weights.")
 
 
-def _offloaded_value(module: nn.Module) -> torch.Tensor | None:
-    """The value of an offloaded operator, through the weights map accelerate's hook on its module reads
-    from (None when there is no such map)."""
-    weights = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+def _offloaded_value(model: nn.Module, name: str) -> torch.Tensor | None:
+    """The value of the offloaded ghost tensor `name`, through the weights map accelerate's hook on its module
+    reads from (None when there is no such map)."""
+    module_name, _, param = name.rpartition(".")
+    weights = getattr(getattr(model.get_submodule(module_name), "_hf_hook", None), "weights_map", None)
     try:
-        return weights[GHOST_PARAM] if weights is not None else None
+        return weights[param] if weights is not None else None
     except KeyError:
         return None
 
@@ -264,6 +287,8 @@ class GhostedPreTrainedModel(PreTrainedModel):
         # refuses checkpoints whose operators are missing.
         if isinstance(module, GhostOperator):
             nn.init.eye_(module.operator)
+            if module.normed is not None:
+                nn.init.zeros_(module.normed)
         else:
             super()._init_weights(module)
 
@@ -278,12 +303,14 @@ class GhostedPreTrainedModel(PreTrainedModel):
             self._keep_in_fp32_modules_strict = [GHOST_MODULE]
         for boundary in config.ghost_boundaries:
             parent = self.model.layers[boundary["layer"]] if boundary["target"] == LAYER_TARGET else self.model.norm
-            parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size, operator_dtype))
+            parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size, operator_dtype,
+                                                          normed=bool(boundary.get("normed"))))
             parent.register_forward_pre_hook(apply_ghost_operator, with_kwargs=True)
 
     def ghost_operators(self) -> dict[str, nn.Parameter]:
-        """The operator of every boundary, keyed by its state-dict name."""
-        return {ghost_tensor_key(b): self.get_parameter(ghost_tensor_key(b)) for b in self.config.ghost_boundaries}
+        """Every ghost tensor (each boundary's operator, and its normed term where it has one), keyed by its
+        state-dict name."""
+        return {key: self.get_parameter(key) for b in self.config.ghost_boundaries for key in ghost_tensor_keys(b).values()}
 
     def operator_value_problems(self, require_hashes: bool = False) -> list[str]:
         """What is wrong with the operators' values: non-finite in the storage dtype, not the bytes whose
@@ -291,10 +318,10 @@ class GhostedPreTrainedModel(PreTrainedModel):
         at all. Empty when they are sound."""
         problems = []
         storage = self.config.operator_dtype
-        recorded = {ghost_tensor_key(b): b.get("sha256") for b in self.config.ghost_boundaries}
+        recorded = {key: b.get(field) for b in self.config.ghost_boundaries for field, key in ghost_tensor_keys(b).items()}
         for name, operator in self.ghost_operators().items():
             if operator.device.type == "meta":  # offloaded (device_map with disk or CPU offload): read it back
-                operator = _offloaded_value(self.get_submodule(name.rsplit(".", 1)[0]))
+                operator = _offloaded_value(self, name)
                 if operator is None:
                     problems.append(f"operator {name} is offloaded where it cannot be read back to verify it")
                     continue
@@ -331,16 +358,17 @@ class GhostedPreTrainedModel(PreTrainedModel):
         boundaries = []
         for boundary in self.config.ghost_boundaries:
             boundary = dict(boundary)
-            name = ghost_tensor_key(boundary)
-            operator = operators[name]
-            if operator.device.type == "meta":  # offloaded: hash the value its hook reads back
-                operator = _offloaded_value(self.get_submodule(name.rsplit(".", 1)[0]))
-                if operator is None:
-                    raise ValueError(f"Cannot save {name}: it is offloaded where it cannot be read back. Load the "
-                                     "model without offloading the operators to save it.")
-            boundary["sha256"] = operator_sha256(operator, self.config.operator_dtype)
+            for field, name in ghost_tensor_keys(boundary).items():
+                operator = operators[name]
+                if operator.device.type == "meta":  # offloaded: hash the value its hook reads back
+                    operator = _offloaded_value(self, name)
+                    if operator is None:
+                        raise ValueError(f"Cannot save {name}: it is offloaded where it cannot be read back. Load "
+                                         "the model without offloading the operators to save it.")
+                boundary[field] = operator_sha256(operator, self.config.operator_dtype)
             boundaries.append(boundary)
         self.config.ghost_boundaries = boundaries
+        self.config.ghost_format_version = required_format_version(boundaries)
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any):
         """`PreTrainedModel.save_pretrained`, all or nothing: the files are written into a sibling folder that then

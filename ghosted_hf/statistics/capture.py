@@ -13,17 +13,19 @@ import torch
 from torch import nn
 
 from ..errors import GhostedError, NonFiniteError
+from ..remote.modeling_ghosted import rms_normalized
 
 
 @dataclass(frozen=True)
 class Patch:
     """The model pruned of `removed` (dense numbering) with each boundary's operator `operators[first removed
-    layer]` applied to the stream it feeds, and the MLP output of layer j multiplied by `transforms[j]` (the
-    transforms that fold into down_proj)."""
+    layer]` applied to the stream it feeds (plus its normed term `normed[first removed layer]`), and the MLP
+    output of layer j multiplied by `transforms[j]` (the transforms that fold into down_proj)."""
 
     removed: tuple[int, ...]
     operators: Mapping[int, torch.Tensor] = field(default_factory=dict)
     transforms: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    normed: Mapping[int, torch.Tensor] = field(default_factory=dict)
 
     def fed(self, depth: int) -> dict[int, int]:
         """First removed layer of each boundary -> the index it feeds (depth: the final norm)."""
@@ -81,8 +83,13 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
     kept = [i for i in range(depth) if i not in set(patch.removed)]
     handles = []
 
-    def operator_hook(matrix: torch.Tensor):
-        apply = apply_matrix(matrix)
+    def operator_hook(matrix: torch.Tensor, normed: torch.Tensor | None):
+        if normed is None:
+            apply = apply_matrix(matrix)
+        else:
+            def apply(x: torch.Tensor) -> torch.Tensor:
+                v = x.to(device=matrix.device, dtype=matrix.dtype)
+                return (v @ matrix + rms_normalized(v) @ normed.to(v)).to(device=x.device, dtype=x.dtype)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if args:
@@ -98,7 +105,8 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
         for first, fed in patch.fed(depth).items():
             if first in patch.operators:
                 target = layers[fed] if fed < depth else norm
-                handles.append(target.register_forward_pre_hook(operator_hook(patch.operators[first]), with_kwargs=True))
+                hook = operator_hook(patch.operators[first], patch.normed.get(first))
+                handles.append(target.register_forward_pre_hook(hook, with_kwargs=True))
         for j, matrix in patch.transforms.items():
             handles.append(layers[j].mlp.register_forward_hook(transform_hook(matrix)))
         inner.layers = nn.ModuleList([layers[i] for i in kept])

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import GhostedError
+from ..remote.modeling_ghosted import rms_normalized
 
 # A hidden state a statistic reads: (role, index), role "source", "target" or "mlp".
 Read = tuple[str, int]
@@ -160,6 +161,24 @@ def _mlp_target(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) 
     total.addmm_(x[mlp(s - 1)].T, x[target(e)])
 
 
+def _normed(x: Inputs, i: int) -> torch.Tensor:
+    return rms_normalized(x[source(i)])
+
+
+def _normed_gram(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+    n = _normed(x, index[0])
+    total.addmm_(n.T, n)
+
+
+def _normed_source(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+    total.addmm_(_normed(x, index[0]).T, x[source(index[0])])
+
+
+def _normed_cross(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+    s, e = index
+    total.addmm_(_normed(x, s).T, x[target(e)])
+
+
 _after_a_layer = dict(valid=lambda s, *rest: s >= 1, what="MLP terms need a layer before the source: s >= 1")
 
 GRAM = Statistic("gram", 1, False, False, lambda i: (source(i),), _gram, what="X_i^T X_i")
@@ -177,8 +196,15 @@ MLP_SOURCE = Statistic("mlp_source", 1, False, False, lambda s: (mlp(s - 1), sou
 MLP_TARGET = Statistic("mlp_target", 2, False, False, lambda s, e: (mlp(s - 1), target(e)), _mlp_target,
                        **_after_a_layer)
 
+# n(X) = X / rms(X) row-wise (the normed term's input, `rms_normalized`).
+NORMED_GRAM = Statistic("ngram", 1, False, False, lambda i: (source(i),), _normed_gram, what="n(X_i)^T n(X_i)")
+NORMED_SOURCE = Statistic("nsource", 1, False, False, lambda i: (source(i),), _normed_source, what="n(X_i)^T X_i")
+NORMED_CROSS = Statistic("ncross", 2, False, False, lambda s, e: (source(s), target(e)), _normed_cross,
+                         what="n(X_s)^T X_e")
+
 STATISTICS: dict[str, Statistic] = {s.name: s for s in (GRAM, CROSS, ENERGY, COSINE, ANGULAR, ABS, ROTATED_ABS,
-                                                        MLP_GRAM, MLP_SOURCE, MLP_TARGET)}
+                                                        MLP_GRAM, MLP_SOURCE, MLP_TARGET, NORMED_GRAM, NORMED_SOURCE,
+                                                        NORMED_CROSS)}
 
 
 def parse_key(key: str) -> Entry:

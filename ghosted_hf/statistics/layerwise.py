@@ -161,9 +161,9 @@ class LayerwisePass(CalibrationPass):
         batches = list(batches)
         depth, hidden = self.config.num_hidden_layers, self.config.hidden_size
         reads = plan.reads()
-        if patch is not None and (patch.transforms or any(role == "mlp" for role, _ in reads)):
-            raise GhostedError("Layer-wise calibration cannot refit an operator kind that transforms an MLP output "
-                               "sequentially (the transform is not streamed layer by layer): pass "
+        if patch is not None and (patch.transforms or patch.normed or any(role == "mlp" for role, _ in reads)):
+            raise GhostedError("Layer-wise calibration cannot refit an operator kind that transforms an MLP output or "
+                               "adds a normed term sequentially (neither is streamed layer by layer): pass "
                                "fitting='independent'.")
         accumulator = StatisticsAccumulator(plan, hidden, device if device is not None else "cpu")
         # Each sum is added when its deepest read exists; the rows of a read are kept until then.

@@ -9,8 +9,8 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from .declarations import (ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, Entry, Read,
-                           parse_key)
+from .declarations import (ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, NORMED_CROSS,
+                           NORMED_GRAM, NORMED_SOURCE, Entry, Read, parse_key)
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,12 @@ def least_squares(s: int, e: int) -> StatisticsPlan:
 def mlp_terms(s: int, e: int) -> StatisticsPlan:
     """M^T M, M^T X_s, M^T X_e for the MLP output M of layer s-1 (a transform of M folds into its down_proj)."""
     return StatisticsPlan.of(MLP_GRAM(s), MLP_SOURCE(s), MLP_TARGET(s, e))
+
+
+def normed_terms(s: int, e: int) -> StatisticsPlan:
+    """n(X_s)^T n(X_s), n(X_s)^T X_s, n(X_s)^T X_e: what a least-squares fit from the normalised stream n(X_s) reads
+    (with `least_squares` for the joint fit with X_s and for the residuals)."""
+    return StatisticsPlan.of(NORMED_GRAM(s), NORMED_SOURCE(s), NORMED_CROSS(s, e))
 
 
 def similarity(s: int, e: int) -> StatisticsPlan:

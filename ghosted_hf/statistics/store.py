@@ -21,8 +21,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..errors import GhostedError, MissingFileError
-from .declarations import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, ROTATED_ABS,
-                           Entry, parse_key)
+from .declarations import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, NORMED_CROSS,
+                           NORMED_GRAM, NORMED_SOURCE, ROTATED_ABS, Entry, parse_key)
 from .plan import StatisticsPlan
 
 FORMAT = "ghosted-statistics"
@@ -100,6 +100,10 @@ class CalibrationStatistics:
     def mlp_terms(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(M^T M, M^T X_s, M^T X_e) for the MLP output M of layer s-1."""
         return self[MLP_GRAM(s)], self[MLP_SOURCE(s)], self[MLP_TARGET(s, e)]
+
+    def normed_terms(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(N^T N, N^T X_s, N^T X_e) for the normalised stream N = n(X_s)."""
+        return self[NORMED_GRAM(s)], self[NORMED_SOURCE(s)], self[NORMED_CROSS(s, e)]
 
     def mean_cosine(self, s: int, e: int) -> float:
         return float(self[COSINE(s, e)]) / self.tokens

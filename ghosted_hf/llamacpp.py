@@ -1,0 +1,193 @@
+"""A ghosted model in llama.cpp: each normed boundary (``x + n(x) A``) as one DeciLM "linear attention" block.
+
+llama.cpp's `deci` architecture (DeciLM / Nemotron-NAS) has per-layer head counts and FFN widths, and a layer
+with attention heads but no KV heads that adds ``(RMSNorm(x) * g) Wo`` to the stream: a `normed` boundary
+is exactly that layer, with g = 1 and Wo = A^T. The pruned base is converted by llama.cpp's own converter
+(so the tokenizer metadata is what llama.cpp writes for the base model), and that GGUF is rewritten as `deci`
+with one such layer inserted where each boundary was.
+
+In deci's graph a layer of FFN width 0 drops its attention output, so each inserted layer carries an
+all-zero FFN of width `FFN_WIDTH` (the smallest that every llama.cpp quantization type accepts by falling
+back): it adds nothing to the stream and costs ~1% of a layer.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from .errors import GhostedError
+from .remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
+from .remote.modeling_ghosted import GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key
+from .surgery import adopt_tensors
+
+logger = logging.getLogger(__name__)
+
+FFN_WIDTH = 32
+OUTTYPES = ("f32", "f16")  # quantize the result with llama-quantize
+
+
+def normed_blocks(model: GhostedForCausalLM) -> dict[int, torch.Tensor]:
+    """{pruned position the block goes before (the depth: before the final norm): A} for every boundary; a
+    boundary whose operator is not the identity (a `ghost` or `ghost-normed` fit) has no llama.cpp form."""
+    blocks = {}
+    for boundary in model.config.ghost_boundaries:
+        operator = model.get_parameter(ghost_tensor_key(boundary)).detach()
+        if not torch.equal(operator, torch.eye(operator.shape[0], dtype=operator.dtype, device=operator.device)):
+            raise GhostedError(
+                f"The boundary after removed layers {boundary['removed']} is a {boundary.get('operator')!r} operator "
+                "x @ W: llama.cpp has no block for it. Prune with --operator normed (x + n(x) A, which llama.cpp runs "
+                "as a DeciLM linear-attention block), or use export-stock for a folded Llama checkpoint."
+            )
+        if boundary.get("normed"):
+            at = boundary["layer"] if boundary["target"] == LAYER_TARGET else model.config.text_config.num_hidden_layers
+            blocks[at] = model.get_parameter(ghost_tensor_key(boundary, GHOST_NORMED)).detach().float().cpu()
+    return blocks
+
+
+def pruned_base(model: GhostedForCausalLM) -> PreTrainedModel:
+    """The pruned base decoder as a stock model, without its ghost modules (shares the tensors)."""
+    with torch.device("meta"):
+        stock = AutoModelForCausalLM.from_config(copy.deepcopy(model.config.text_config))
+    adopt_tensors(stock, model, lambda name: name)
+    stock.generation_config = copy.deepcopy(model.generation_config)
+    return stock.eval()
+
+
+def convert(folder: Path, llama_cpp: Path, outfile: Path, outtype: str, timeout: float) -> None:
+    """llama.cpp's own converter on a stock folder (a bounded wait: it is killed after `timeout` seconds)."""
+    script = llama_cpp / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise GhostedError(f"{llama_cpp} has no convert_hf_to_gguf.py: pass the llama.cpp source folder (e.g. a clone "
+                           "of ggml-org/llama.cpp, or vendor/llama.cpp of the llama-cpp-python sdist).")
+    command = [sys.executable, str(script), str(folder), "--outfile", str(outfile), "--outtype", outtype]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise GhostedError(f"llama.cpp's converter did not finish in {timeout:.0f} s; raise the timeout.") from None
+    if done.returncode != 0:
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        raise GhostedError(f"llama.cpp's converter failed on the pruned base ({tail}). It needs its own requirements "
+                           "(pip install gguf sentencepiece).")
+
+
+def field_value(field: Any) -> tuple[Any, Any, Any]:
+    """(value, type, array item type) of a GGUF reader field."""
+    import gguf
+
+    kind = field.types[0]
+    sub = field.types[1] if kind == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
+    return field.contents(), kind, sub
+
+
+def layer_order(depth: int, blocks: dict[int, torch.Tensor]) -> list[tuple[str, int]]:
+    """The new layers in order: ("block", position) before each position of `blocks`, ("layer", i) for base layer i."""
+    order = []
+    for i in range(depth + 1):
+        if i in blocks:
+            order.append(("block", i))
+        if i < depth:
+            order.append(("layer", i))
+    return order
+
+
+def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[str, int]]) -> None:
+    """Every key of the llama GGUF's `fields` under `deci.`, the per-layer lists saying which layer is a block."""
+    prefix = "llama."
+    value = lambda key: int(field_value(fields[prefix + key])[0])  # noqa: E731
+    heads, kv_heads, ffn = value("attention.head_count"), value("attention.head_count_kv"), value("feed_forward_length")
+    per_layer = {"block_count", "attention.head_count", "attention.head_count_kv", "feed_forward_length"}
+    for name, field in fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name[len(prefix):] in per_layer:
+            continue
+        content, kind, sub = field_value(field)
+        writer.add_key_value("deci." + name[len(prefix):] if name.startswith(prefix) else name, content, kind, sub_type=sub)
+    writer.add_block_count(len(order))
+    writer.add_head_count([heads for _ in order])
+    writer.add_head_count_kv([0 if what == "block" else kv_heads for what, _ in order])
+    writer.add_feed_forward_length([FFN_WIDTH if what == "block" else ffn for what, _ in order])
+    writer.add_key_length(value("embedding_length") // heads)
+    writer.add_value_length(value("embedding_length") // heads)
+
+
+def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], outtype: str) -> int:
+    """Write `output`: the llama GGUF `base` as a `deci` GGUF with a linear-attention layer inserted before each
+    position of `blocks`. Returns the new layer count."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(base))
+    architecture = reader.fields["general.architecture"].contents()
+    if architecture != "llama":
+        raise GhostedError(f"llama.cpp converts this base model as {architecture!r}; the deci block maps only onto "
+                           "the llama layout (Llama, SmolLM, Mistral). Use export-stock for a folded checkpoint.")
+    order = layer_order(int(reader.fields["llama.block_count"].contents()), blocks)
+    writer = gguf.GGUFWriter(str(output), arch="deci")
+    write_deci_metadata(writer, reader.fields, order)
+    hidden = int(reader.fields["llama.embedding_length"].contents())
+    dtype = np.float16 if outtype == "f16" else np.float32
+    layer_tensors: dict[int, list[Any]] = {}
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk":
+            layer_tensors.setdefault(int(parts[1]), []).append(tensor)
+        else:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    ones, zeros = np.ones(hidden, dtype=np.float32), np.zeros((FFN_WIDTH, hidden), dtype=dtype)
+    for new, (what, i) in enumerate(order):
+        if what == "layer":
+            for tensor in layer_tensors[i]:
+                suffix = tensor.name.split(".", 2)[2]
+                writer.add_tensor(f"blk.{new}.{suffix}", np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+            continue
+        # x + n(x) A: RMSNorm with weight 1 (the format's eps is 1e-6, llama.cpp uses the model's), then Wo = A^T.
+        writer.add_tensor(f"blk.{new}.attn_norm.weight", ones)
+        writer.add_tensor(f"blk.{new}.attn_output.weight", np.ascontiguousarray(blocks[i].numpy().T.astype(dtype)))
+        writer.add_tensor(f"blk.{new}.ffn_norm.weight", ones)
+        writer.add_tensor(f"blk.{new}.ffn_gate.weight", zeros)
+        writer.add_tensor(f"blk.{new}.ffn_up.weight", zeros)
+        writer.add_tensor(f"blk.{new}.ffn_down.weight", np.ascontiguousarray(zeros.T))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return len(order)
+
+
+def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, llama_cpp: str | Path,
+                outtype: str = "f16", timeout: float = 3600.0) -> Path:
+    """Write `model` (every boundary `normed`, or plain) as one llama.cpp GGUF file `output`, through
+    llama.cpp's converter at `llama_cpp`. Written beside `output` and moved into place when complete."""
+    if outtype not in OUTTYPES:
+        raise GhostedError(f"outtype must be one of {OUTTYPES}, got {outtype!r} (quantize with llama-quantize).")
+    if getattr(model.config, "model_type", None) != "ghosted":
+        raise GhostedError("export-gguf takes a ghosted model; convert a stock checkpoint with llama.cpp's converter.")
+    blocks = normed_blocks(model)
+    eps = getattr(model.config.text_config, "rms_norm_eps", NORMED_EPS)
+    if eps != NORMED_EPS:
+        logger.info("llama.cpp normalises the inserted blocks with the model's eps %g, not the format's %g: a "
+                    "difference below %.0e of the stream's mean square.", eps, NORMED_EPS, abs(eps - NORMED_EPS))
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as scratch:
+        folder = Path(scratch) / "base"
+        base = pruned_base(model)
+        base.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        from .card import name_tokenizer_class_for_every_reader
+
+        name_tokenizer_class_for_every_reader(folder)
+        convert(folder, Path(llama_cpp), Path(scratch) / "base.gguf", outtype, timeout)
+        staged = Path(scratch) / output.name
+        layers = rewrite_as_deci(Path(scratch) / "base.gguf", staged, blocks, outtype)
+        staged.replace(output)
+    logger.info("Wrote %s: %d layers, %d of them linear-attention blocks.", output, layers, len(blocks))
+    return output

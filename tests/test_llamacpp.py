@@ -1,0 +1,102 @@
+"""The llama.cpp export: a normed ghosted model as a DeciLM GGUF. The rewrite is checked on a GGUF written here
+in the llama layout llama.cpp's converter writes; running the result in llama.cpp is `benchmarks/serving.py`'s
+job (llama.cpp must be built)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ghosted_hf import prune_layers
+from ghosted_hf.errors import GhostedError
+from ghosted_hf.llamacpp import FFN_WIDTH, normed_blocks, pruned_base, rewrite_as_deci
+from tiny import HIDDEN, LAYERS, batch, build, random_operator
+
+gguf = pytest.importorskip("gguf")
+HEADS, KV_HEADS, FFN, VOCAB = 4, 2, 64, 128
+
+
+def llama_gguf(path: Path, layers: int) -> dict[str, np.ndarray]:
+    """A llama-architecture GGUF with the keys and tensor names llama.cpp's converter writes; returns its tensors."""
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    writer.add_bos_token_id(1)
+    g = np.random.default_rng(0)
+    tensors = {"token_embd.weight": g.standard_normal((VOCAB, HIDDEN), dtype=np.float32),
+               "output_norm.weight": np.ones(HIDDEN, dtype=np.float32)}
+    kv = HIDDEN // HEADS * KV_HEADS
+    for i in range(layers):
+        shapes = {"attn_norm.weight": (HIDDEN,), "attn_q.weight": (HIDDEN, HIDDEN), "attn_k.weight": (kv, HIDDEN),
+                  "attn_v.weight": (kv, HIDDEN), "attn_output.weight": (HIDDEN, HIDDEN), "ffn_norm.weight": (HIDDEN,),
+                  "ffn_gate.weight": (FFN, HIDDEN), "ffn_up.weight": (FFN, HIDDEN), "ffn_down.weight": (HIDDEN, FFN)}
+        for name, shape in shapes.items():
+            tensors[f"blk.{i}.{name}"] = g.standard_normal(shape, dtype=np.float32)
+    for name, value in tensors.items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+def test_normed_boundaries_become_linear_attention_layers(tmp_path: Path) -> None:
+    """A block before layer 1 and one before the final norm: the layers are renumbered around them, every
+    per-layer list says which layer is which, each block holds Wo = A^T with a zero FFN, and the tokenizer and
+    every other key are carried over."""
+    base = llama_gguf(tmp_path / "base.gguf", 3)
+    a_first, a_last = torch.randn(HIDDEN, HIDDEN), torch.randn(HIDDEN, HIDDEN)
+    layers = rewrite_as_deci(tmp_path / "base.gguf", tmp_path / "deci.gguf", {1: a_first, 3: a_last}, "f32")
+    assert layers == 5
+    reader = gguf.GGUFReader(str(tmp_path / "deci.gguf"))
+    field = lambda name: reader.fields[name].contents()  # noqa: E731
+    assert field("general.architecture") == "deci" and field("deci.block_count") == 5
+    assert list(field("deci.attention.head_count")) == [HEADS] * 5
+    assert list(field("deci.attention.head_count_kv")) == [KV_HEADS, 0, KV_HEADS, KV_HEADS, 0]
+    assert list(field("deci.feed_forward_length")) == [FFN, FFN_WIDTH, FFN, FFN, FFN_WIDTH]
+    assert field("deci.attention.layer_norm_rms_epsilon") == pytest.approx(1e-5)
+    assert field("deci.attention.key_length") == HIDDEN // HEADS
+    assert field("tokenizer.ggml.tokens") == [f"t{i}" for i in range(VOCAB)]
+    assert not any(name.startswith("llama.") for name in reader.fields)
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    for new, old in ((0, 0), (2, 1), (3, 2)):
+        for name in ("attn_q.weight", "attn_k.weight", "ffn_down.weight"):
+            assert np.array_equal(tensors[f"blk.{new}.{name}"], base[f"blk.{old}.{name}"])
+    for new, a in ((1, a_first), (4, a_last)):
+        assert np.array_equal(tensors[f"blk.{new}.attn_output.weight"], a.numpy().T)
+        assert not any(f"blk.{new}.attn_{x}.weight" in tensors for x in "qkv")
+        assert tensors[f"blk.{new}.ffn_down.weight"].shape == (HIDDEN, FFN_WIDTH)
+        assert not tensors[f"blk.{new}.ffn_down.weight"].any() and not tensors[f"blk.{new}.ffn_up.weight"].any()
+    assert np.array_equal(tensors["token_embd.weight"], base["token_embd.weight"])
+
+
+def test_only_llama_layouts_and_normed_boundaries_are_exported(tmp_path: Path) -> None:
+    ghost = prune_layers(build("llama"), [2, 3], {2: random_operator(1)}, operator_kind="ghost")
+    with pytest.raises(GhostedError, match="llama.cpp has no block for it. Prune with --operator normed"):
+        normed_blocks(ghost)
+    normed = prune_layers(build("llama"), [2, 3, 5], normed={2: random_operator(2), 5: random_operator(3)})
+    assert sorted(normed_blocks(normed)) == [2, LAYERS - 3]  # before pruned layer 2, and before the final norm
+    base = pruned_base(normed)  # the decoder without its ghost modules: plain pruning of the same layers
+    plain = prune_layers(build("llama"), [2, 3, 5])
+    with torch.no_grad():
+        assert torch.equal(base(**batch()).logits, plain(**batch()).logits)
+    writer = gguf.GGUFWriter(str(tmp_path / "qwen.gguf"), arch="qwen2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GhostedError, match="converts this base model as 'qwen2'"):
+        rewrite_as_deci(tmp_path / "qwen.gguf", tmp_path / "out.gguf", {}, "f16")
