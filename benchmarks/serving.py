@@ -6,9 +6,9 @@ SmolLM2-135M-Instruct and its plainly pruned, `replaceme-ls`, `folded-tied`, `fo
 benchmark-cache/). "share of ghost gain" is (log plain - log ppl) / (log plain - log ghost), with the plainly
 pruned and ghosted models' transformers perplexity on the same chunks.
 
-With llama-cpp-python on the same build (`--bindings`), the F16 files are also compared with transformers on
-the same token ids: next-token logits over the first chunk (max abs difference, top-1 agreement) and the first
-32 greedy tokens of 5 prompts.
+With llama-cpp-python on the same build (`--bindings`), each model is also converted at F32 and compared with
+transformers on the same token ids: next-token logits over the first chunk (max abs difference, top-1 agreement)
+and the first 32 greedy tokens of 5 prompts (F32: the engine's arithmetic, not the weights' rounding to F16).
 
 Perplexity is computed the way llama-perplexity computes it, on both sides: the token stream cut into
 chunks of --ctx tokens, the first token of a chunk replaced by BOS where the vocabulary asks for one, and
@@ -23,6 +23,12 @@ on the same chunks.
     #   export LLAMA_CPP_LIB_PATH=PATH/TO/llama.cpp/build/bin
     pip install sentencepiece   # llama.cpp's converter imports it even for a tokenizer.json-only folder
     python benchmarks/serving.py --llama-cpp PATH/TO/llama.cpp --layers 8 4 --bindings > benchmarks/results/serving.md
+    # the agreement alone, without scoring and timing every precision:
+    python benchmarks/serving.py --llama-cpp PATH/TO/llama.cpp --layers 8 4 --bindings --quants
+    # the two best llama.cpp exports healed (`heal`'s defaults, 130 steps: what 10 CPU-minutes gave the ghost):
+    python benchmarks/serving.py --llama-cpp PATH/TO/llama.cpp --layers 8 --heal-steps 130 --quants F16 Q4_K_M
+
+Where llama.cpp's AMX path crashes (a Q8_0 file on a virtual machine with AMX, here), add --no-repack.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from ghosted_hf import assets, ghost_prune, save_with_card
+from ghosted_hf import assets, ghost_prune, heal, merge, save_with_card
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
@@ -50,6 +56,7 @@ from healing import cached_statistics
 
 KINDS = [("plainly pruned", "none"), ("replaceme-ls", "replaceme-ls"), ("folded-tied", "folded-tied"),
          ("folded", "folded"), ("normed", "normed")]
+HEALED = ("folded", "normed")  # the best exports llama.cpp runs, healed with --heal-steps
 PROMPTS = ["The history of the city", "In mathematics, a prime number", "The river flows", "Scientists have found",
            "The first law of"]
 
@@ -90,14 +97,17 @@ def transformers_perplexity(model: torch.nn.Module, tokens: list[int], ctx: int,
     return math.exp(nll / count)
 
 
-def llama_perplexity(binary: Path, gguf_path: Path, text: Path, ctx: int, chunks: int, threads: int) -> float:
-    out = run([binary, "-m", gguf_path, "-f", text, "-c", ctx, "--chunks", chunks, "-t", threads, "-b", ctx])
+def llama_perplexity(binary: Path, gguf_path: Path, text: Path, ctx: int, chunks: int, threads: int,
+                     repack: bool) -> float:
+    out = run([binary, "-m", gguf_path, "-f", text, "-c", ctx, "--chunks", chunks, "-t", threads, "-b", ctx,
+               *([] if repack else ["--no-repack"])])
     return float(re.search(r"Final estimate: PPL = ([0-9.]+)", out).group(1))
 
 
-def llama_speed(binary: Path, gguf_path: Path, threads: int) -> tuple[float, float]:
+def llama_speed(binary: Path, gguf_path: Path, threads: int, repack: bool) -> tuple[float, float]:
     """(prefill tokens/s for 512 tokens, decode tokens/s for 128) from llama-bench."""
-    rows = json.loads(run([binary, "-m", gguf_path, "-p", 512, "-n", 128, "-t", threads, "-r", 3, "-o", "json"]))
+    rows = json.loads(run([binary, "-m", gguf_path, "-p", 512, "-n", 128, "-t", threads, "-r", 3, "-o", "json",
+                           "--repack", int(repack)]))
     speed = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
     return speed["prefill"], speed["decode"]
 
@@ -137,12 +147,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp folder (converter + build/bin).")
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 4])
-    parser.add_argument("--quants", nargs="+", default=["F16", "Q8_0", "Q4_K_M"])
+    parser.add_argument("--quants", nargs="*", default=["F16", "Q8_0", "Q4_K_M"],
+                        help="Precisions to score and time (none: only the agreement of --bindings).")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("benchmark-cache/serving"))
     parser.add_argument("--statistics", type=Path, default=Path("benchmark-cache"))
+    parser.add_argument("--heal-steps", type=int, default=0,
+                        help="Also heal the folded and normed exports with `heal`'s defaults for this many steps "
+                             "(on the calibration articles), and serve the healed models.")
+    parser.add_argument("--no-repack", dest="repack", action="store_false",
+                        help="Run llama.cpp without its extra CPU buffer types (weight repacking, AMX): its AMX path "
+                             "crashed on Q8_0 on a virtual machine with AMX here.")
     parser.add_argument("--bindings", action="store_true",
                         help="Compare logits and greedy tokens through llama-cpp-python (LLAMA_CPP_LIB_PATH: this build).")
     args = parser.parse_args()
@@ -150,6 +167,9 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
+    from transformers import AutoModelForCausalLM
+
+    load_folder = lambda folder: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # noqa: E731
     tokenizer, load = packaged_model()
     calibration = assets.wikipedia_split("calibration")
     text = args.work / "held-out.txt"
@@ -174,24 +194,33 @@ def main() -> None:
                                            criterion="manual", layers=removed), folder, tokenizer)
             if kind != "ghost":
                 folders[(name, n)] = folder
+        for name in HEALED if args.heal_steps else ():
+            folder = args.work / f"{n}-{name}-healed-{args.heal_steps}"
+            if not (folder / "config.json").is_file():
+                healed = heal(load_folder(args.work / f"{n}-{name}"), tokenizer, calibration, steps=args.heal_steps)
+                save_with_card(merge(healed), folder, tokenizer)
+            folders[(f"{name} + healing", n)] = folder
 
-    print(f"SmolLM2-135M-Instruct exports in llama.cpp (CPU, {args.threads} threads); perplexity on {args.chunks} "
-          f"chunks of {args.ctx} held-out tokens (second halves scored, as llama-perplexity does).\n")
-    print("| model | removed | precision | GGUF MB | llama.cpp perplexity | vs transformers | share of ghost gain | "
-          "prefill t/s | decode t/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    from transformers import AutoModelForCausalLM
-
-    load_folder = lambda folder: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # noqa: E731
+    if args.quants:
+        print(f"SmolLM2-135M-Instruct exports in llama.cpp (CPU, {args.threads} threads); perplexity on {args.chunks} "
+              f"chunks of {args.ctx} held-out tokens (second halves scored, as llama-perplexity does).\n")
+        print("| model | removed | precision | GGUF MB | llama.cpp perplexity | vs transformers | share of ghost gain | "
+              "prefill t/s | decode t/s |")
+        print("|---|---|---|---|---|---|---|---|---|")
     agreement = []
-    for (name, n), folder in folders.items():
-        f16 = args.work / f"{name}-{n}-F16.gguf".replace(" ", "_")
-        if not f16.is_file():
-            if name == "normed":
-                run([sys.executable, "-m", "ghosted_hf.cli", "export-gguf", folder, f16, "--llama-cpp", args.llama_cpp])
+    def gguf_file(name: str, n: int, folder: Path, outtype: str) -> Path:
+        path = args.work / f"{name}-{n}-{outtype.upper()}.gguf".replace(" ", "_")
+        if not path.is_file():
+            if name.startswith("normed"):
+                run([sys.executable, "-m", "ghosted_hf.cli", "export-gguf", folder, path, "--llama-cpp", args.llama_cpp,
+                     "--outtype", outtype])
             else:
-                run([sys.executable, args.llama_cpp / "convert_hf_to_gguf.py", folder, "--outfile", f16, "--outtype",
-                     "f16"])
+                run([sys.executable, args.llama_cpp / "convert_hf_to_gguf.py", folder, "--outfile", path, "--outtype",
+                     outtype])
+        return path
+
+    for (name, n), folder in folders.items():
+        f16 = gguf_file(name, n, folder, "f16")
         wants_bos, bos = add_bos(f16)
         bos = bos if wants_bos else None
         model = load_folder(folder)
@@ -201,19 +230,21 @@ def main() -> None:
             plain = transformers_perplexity(load_folder(args.work / f"{n}-none"), tokens, args.ctx, args.chunks, bos)
             ghost = transformers_perplexity(load_folder(args.work / f"{n}-ghost"), tokens, args.ctx, args.chunks, bos)
         if args.bindings:
-            agreement.append((name, n, binding_agreement(model, f16, tokenizer, tokens, args.ctx, args.threads)))
+            f32 = gguf_file(name, n, folder, "f32")
+            agreement.append((name, n, binding_agreement(model, f32, tokenizer, tokens, args.ctx, args.threads)))
         for quant in args.quants:
             path = f16 if quant == "F16" else f16.with_name(f16.name.replace("F16", quant))
             if not path.is_file():
                 run([bin_dir / "llama-quantize", f16, path, quant])
-            ppl = llama_perplexity(bin_dir / "llama-perplexity", path, text, args.ctx, args.chunks, args.threads)
-            prefill, decode = llama_speed(bin_dir / "llama-bench", path, args.threads)
+            ppl = llama_perplexity(bin_dir / "llama-perplexity", path, text, args.ctx, args.chunks, args.threads,
+                                   args.repack)
+            prefill, decode = llama_speed(bin_dir / "llama-bench", path, args.threads, args.repack)
             share = f"{(math.log(plain) - math.log(ppl)) / (math.log(plain) - math.log(ghost)):.3f}" if n else "-"
             print(f"| {name} | {f'{n}/30' if n else '-'} | {quant} | {path.stat().st_size / 1e6:.1f} | {ppl:.3f} | "
                   f"{ppl / reference:.4f} (transformers {reference:.3f}) | {share} | {prefill:.0f} | {decode:.1f} |",
                   flush=True)
     if agreement:
-        print("\nF16 in llama.cpp (llama-cpp-python on the same build) against transformers fp32, same token ids: "
+        print("\nF32 in llama.cpp (llama-cpp-python on the same build) against transformers fp32, same token ids: "
               f"next-token logits over the first {args.ctx} held-out tokens, and the share of 32 greedy tokens of "
               f"{len(PROMPTS)} prompts that agree before the first difference.\n")
         print("| model | removed | max abs logit diff | top-1 agreement | greedy tokens equal |")

