@@ -3,8 +3,10 @@
 the same held-out text as transformers, and timed with llama-bench, for the dense packaged
 SmolLM2-135M-Instruct and its plainly pruned, `replaceme-ls`, `folded-tied`, `folded` and `normed` exports
 (the block the default selection removes; one shared set of calibration statistics per depth, cached under
-benchmark-cache/). "share of ghost gain" is (log plain - log ppl) / (log plain - log ghost), with the plainly
-pruned and ghosted models' transformers perplexity on the same chunks.
+benchmark-cache/). "gap closed" is the share of the log-perplexity gap between the same block plainly pruned and
+the dense model that an export closes, both run by llama.cpp at the same precision; "share of ghost gain" is
+(log plain - log ppl) / (log plain - log ghost), with the plainly pruned and ghosted models' transformers
+perplexity on the same chunks.
 
 With llama-cpp-python on the same build (`--bindings`), each model is also converted at F32 and compared with
 transformers on the same token ids: next-token logits over the first chunk (max abs difference, top-1 agreement)
@@ -46,6 +48,7 @@ import torch
 
 from ghosted_hf import assets, ghost_prune, heal, merge, save_with_card
 from ghosted_hf.data import tokenize_texts
+from ghosted_hf.evaluate import gap_closed
 from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.recipe import boundary_spans
@@ -204,10 +207,10 @@ def main() -> None:
     if args.quants:
         print(f"SmolLM2-135M-Instruct exports in llama.cpp (CPU, {args.threads} threads); perplexity on {args.chunks} "
               f"chunks of {args.ctx} held-out tokens (second halves scored, as llama-perplexity does).\n")
-        print("| model | removed | precision | GGUF MB | llama.cpp perplexity | vs transformers | share of ghost gain | "
-              "prefill t/s | decode t/s |")
-        print("|---|---|---|---|---|---|---|---|---|")
-    agreement = []
+        print("| model | removed | precision | GGUF MB | llama.cpp perplexity | vs transformers | gap closed | "
+              "share of ghost gain | prefill t/s | decode t/s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+
     def gguf_file(name: str, n: int, folder: Path, outtype: str) -> Path:
         path = args.work / f"{name}-{n}-{outtype.upper()}.gguf".replace(" ", "_")
         if not path.is_file():
@@ -219,6 +222,7 @@ def main() -> None:
                      outtype])
         return path
 
+    agreement, served = [], {}
     for (name, n), folder in folders.items():
         f16 = gguf_file(name, n, folder, "f16")
         wants_bos, bos = add_bos(f16)
@@ -239,10 +243,13 @@ def main() -> None:
             ppl = llama_perplexity(bin_dir / "llama-perplexity", path, text, args.ctx, args.chunks, args.threads,
                                    args.repack)
             prefill, decode = llama_speed(bin_dir / "llama-bench", path, args.threads, args.repack)
+            served[(name, n, quant)] = ppl
             share = f"{(math.log(plain) - math.log(ppl)) / (math.log(plain) - math.log(ghost)):.3f}" if n else "-"
+            closed = (f"{gap_closed(ppl, served[('plainly pruned', n, quant)], served[('dense', 0, quant)]):.3f}"
+                      if n else "-")
             print(f"| {name} | {f'{n}/30' if n else '-'} | {quant} | {path.stat().st_size / 1e6:.1f} | {ppl:.3f} | "
-                  f"{ppl / reference:.4f} (transformers {reference:.3f}) | {share} | {prefill:.0f} | {decode:.1f} |",
-                  flush=True)
+                  f"{ppl / reference:.4f} (transformers {reference:.3f}) | {closed} | {share} | {prefill:.0f} | "
+                  f"{decode:.1f} |", flush=True)
     if agreement:
         print("\nF32 in llama.cpp (llama-cpp-python on the same build) against transformers fp32, same token ids: "
               f"next-token logits over the first {args.ctx} held-out tokens, and the share of 32 greedy tokens of "

@@ -12,11 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ghosted_hf import ghost_prune, prune_layers, save_with_card
+from ghosted_hf import assets, ghost_prune, heal, merge, prune_layers, save_with_card
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.llamacpp import FFN_WIDTH, convert, export_gguf, normed_blocks, pruned_base, rewrite_as_deci
-from tiny import HIDDEN, LAYERS, batch, build, random_operator, requires, texts
+from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, random_operator, requires, texts
 
 gguf = pytest.importorskip("gguf")
 HEADS, KV_HEADS, FFN, VOCAB = 4, 2, 64, 128
@@ -105,6 +106,22 @@ def test_only_llama_layouts_and_normed_boundaries_are_exported(tmp_path: Path) -
         rewrite_as_deci(tmp_path / "qwen.gguf", tmp_path / "out.gguf", {}, "f16")
 
 
+@pytest.mark.slow
+def test_a_healed_normed_model_still_exports_unless_its_operators_were_trained() -> None:
+    """`heal` freezes the ghost tensors: x @ W stays the identity llama.cpp needs. Trained, W moves and the export
+    is refused by name rather than written without it."""
+    def healed(**options):
+        model = prune_layers(build("llama"), [2, 3], normed={2: random_operator(2)})
+        return merge(heal(model, char_tokenizer(), texts(), steps=3, lr=5e-3, seq_len=48, progress=False, **options))
+
+    frozen = healed()
+    assert sorted(normed_blocks(frozen)) == [2]
+    assert not torch.equal(frozen.get_parameter("model.layers.2.self_attn.q_proj.weight"),
+                           prune_layers(build("llama"), [2, 3]).get_parameter("model.layers.2.self_attn.q_proj.weight"))
+    with pytest.raises(GhostedError, match="llama.cpp has no block for it"):
+        normed_blocks(healed(train_operators=True))
+
+
 LLAMA_CPP = os.environ.get("GHOSTED_LLAMA_CPP")
 converter = pytest.mark.skipif(not LLAMA_CPP, reason="set GHOSTED_LLAMA_CPP to a llama.cpp source folder (.ci/run "
                                                       "unpacks one from the llama-cpp-python sdist)")
@@ -117,10 +134,6 @@ def smollm_tokenizer():
     (by a hash of how they split a test string). Not for a tiny Qwen2: transformers loads a Qwen2 folder's
     tokenizer as `Qwen2Tokenizer`, which imposes Qwen's pre-tokenizer on this vocabulary, and the converter then
     rightly refuses the mix; a real Qwen2 ships its own tokenizer."""
-    from transformers import AutoTokenizer
-
-    from ghosted_hf import assets
-
     return AutoTokenizer.from_pretrained(assets.default_model_dir())
 
 
@@ -152,10 +165,7 @@ def test_llama_cpp_converts_every_stock_folder(arch: str, kind: str, smollm_toke
     assert fields["general.architecture"] == arch and fields[f"{arch}.block_count"] == kept
     assert {int(name.split(".")[1]) for name in tensors if name.startswith("blk.")} == set(range(kept))
     assert len(fields["tokenizer.ggml.tokens"]) == len(smollm_tokenizer)
-    from transformers import AutoConfig
-
-    tied = AutoConfig.from_pretrained(folder).tie_word_embeddings
-    assert ("output.weight" in tensors) == (not tied)
+    assert ("output.weight" in tensors) == (not AutoConfig.from_pretrained(folder).tie_word_embeddings)
 
 
 @converter
@@ -164,8 +174,6 @@ def test_llama_cpp_converts_every_stock_folder(arch: str, kind: str, smollm_toke
 def test_export_gguf_writes_a_deci_model_through_llama_cpps_converter(smollm_tokenizer, tmp_path: Path) -> None:
     """`export_gguf` on a saved normed model: llama.cpp's converter writes the pruned base, the rewrite inserts
     one linear-attention layer holding A^T where the boundary was, and nothing is left beside the output."""
-    from transformers import AutoModelForCausalLM
-
     folder = pruned_folder(tmp_path, smollm_tokenizer, "llama", "normed")
     model = AutoModelForCausalLM.from_pretrained(folder)
     out = export_gguf(model, smollm_tokenizer, tmp_path / "gguf" / "normed.gguf", LLAMA_CPP, "f32")
