@@ -108,7 +108,8 @@ def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[s
     per_layer = {"block_count", "attention.head_count", "attention.head_count_kv", "feed_forward_length",
                  "attention.key_length", "attention.value_length"}  # (written below)
     for name, field in fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" or name[len(prefix):] in per_layer:
+        if name.startswith("GGUF.") or name == "general.architecture" or (name.startswith(prefix)
+                                                                           and name[len(prefix):] in per_layer):
             continue
         content, kind, sub = field_value(field)
         writer.add_key_value("deci." + name[len(prefix):] if name.startswith(prefix) else name, content, kind, sub_type=sub)
@@ -116,8 +117,11 @@ def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[s
     writer.add_head_count([heads for _ in order])
     writer.add_head_count_kv([0 if what == "block" else kv_heads for what, _ in order])
     writer.add_feed_forward_length([FFN_WIDTH if what == "block" else ffn for what, _ in order])
-    writer.add_key_length(value("embedding_length") // heads)
-    writer.add_value_length(value("embedding_length") // heads)
+    # The base's head size where its converter wrote one (a config with head_dim != hidden / heads), else the
+    # hidden size over the heads, as llama.cpp assumes for a llama file without it.
+    head = lambda key: value(key) if prefix + key in fields else value("embedding_length") // heads  # noqa: E731
+    writer.add_key_length(head("attention.key_length"))
+    writer.add_value_length(head("attention.value_length"))
 
 
 def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], outtype: str) -> int:
@@ -174,8 +178,9 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
     blocks = normed_blocks(model)
     eps = getattr(model.config.text_config, "rms_norm_eps", NORMED_EPS)
     if eps != NORMED_EPS:
-        logger.info("llama.cpp normalises the inserted blocks with the model's eps %g, not the format's %g: a "
-                    "difference below %.0e of the stream's mean square.", eps, NORMED_EPS, abs(eps - NORMED_EPS))
+        logger.info("llama.cpp normalises the inserted blocks with the model's eps %g, not the format's %g: n(x) "
+                    "changes by a factor of about 1 + %.0e / (2 mean(x^2)), negligible unless the stream's mean square "
+                    "is that small.", eps, NORMED_EPS, eps - NORMED_EPS)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as scratch:

@@ -352,8 +352,9 @@ def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
         if boundary.get("normed"):
             raise GhostedError(
                 f"The boundary before {name.rsplit('.', 2)[0]} has a normed term (operator kind "
-                f"{boundary.get('operator')!r}): it has no place in a stock checkpoint. Refit it as a foldable one "
-                "with `ghosted export-stock`, or save it as a ghosted model."
+                f"{boundary.get('operator')!r}): it has no place in a stock checkpoint, and export-stock cannot refit "
+                "it. Prune the dense model with --operator folded (or folded-tied) for a stock checkpoint, run it in "
+                "llama.cpp with `ghosted export-gguf`, or save it as a ghosted model."
             )
         operator = model.get_parameter(name)
         if torch.equal(operator, torch.eye(operator.shape[0], dtype=operator.dtype, device=operator.device)):

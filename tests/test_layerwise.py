@@ -62,10 +62,14 @@ def test_pass_stops_after_the_deepest_layer_needed(tmp_path: Path) -> None:
     assert seen == [0, 1, 2]
 
 
-@pytest.mark.parametrize("fitting", ["sequential", "independent"])
-def test_ghost_prune_layerwise_equals_in_memory(fitting: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fitting, operator", [("sequential", "ghost"), ("independent", "ghost"),
+                                               ("sequential", "normed")])
+def test_ghost_prune_layerwise_equals_in_memory(fitting: str, operator: str, tmp_path: Path) -> None:
+    """Sequential refits stream the patched model layer by layer: normed terms included (operators and the normed
+    tensors both compared)."""
     build("llama").save_pretrained(tmp_path / "model")
-    options = dict(criterion="manual", layers=[1, 2, 4], fitting=fitting, seq_len=32, num_sequences=10, batch_size=3)
+    options = dict(criterion="manual", layers=[1, 2, 4], fitting=fitting, seq_len=32, num_sequences=10, batch_size=3,
+                   operator=operator)
     expected = ghost_prune(build("llama"), char_tokenizer(), texts(), **options)
     got = ghost_prune(LayerwisePass(tmp_path / "model"), char_tokenizer(), texts(), **options)
     assert got.config.removed_layers == expected.config.removed_layers

@@ -23,9 +23,13 @@ gguf = pytest.importorskip("gguf")
 HEADS, KV_HEADS, FFN, VOCAB = 4, 2, 64, 128
 
 
-def llama_gguf(path: Path, layers: int) -> dict[str, np.ndarray]:
-    """A llama-architecture GGUF with the keys and tensor names llama.cpp's converter writes; returns its tensors."""
+def llama_gguf(path: Path, layers: int, head_dim: int | None = None) -> dict[str, np.ndarray]:
+    """A llama-architecture GGUF with the keys and tensor names llama.cpp's converter writes (the head size
+    only where the config has a `head_dim`); returns its tensors."""
     writer = gguf.GGUFWriter(str(path), arch="llama")
+    if head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_block_count(layers)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
@@ -71,7 +75,7 @@ def test_normed_boundaries_become_linear_attention_layers(tmp_path: Path) -> Non
     assert list(field("deci.attention.head_count_kv")) == [KV_HEADS, 0, KV_HEADS, KV_HEADS, 0]
     assert list(field("deci.feed_forward_length")) == [FFN, FFN_WIDTH, FFN, FFN, FFN_WIDTH]
     assert field("deci.attention.layer_norm_rms_epsilon") == pytest.approx(1e-5)
-    assert field("deci.attention.key_length") == HIDDEN // HEADS
+    assert field("deci.attention.key_length") == field("deci.attention.value_length") == HIDDEN // HEADS
     assert field("tokenizer.ggml.tokens") == [f"t{i}" for i in range(VOCAB)]
     assert not any(name.startswith("llama.") for name in reader.fields)
     tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
@@ -84,6 +88,16 @@ def test_normed_boundaries_become_linear_attention_layers(tmp_path: Path) -> Non
         assert tensors[f"blk.{new}.ffn_down.weight"].shape == (HIDDEN, FFN_WIDTH)
         assert not tensors[f"blk.{new}.ffn_down.weight"].any() and not tensors[f"blk.{new}.ffn_up.weight"].any()
     assert np.array_equal(tensors["token_embd.weight"], base["token_embd.weight"])
+
+
+def test_the_bases_own_head_size_is_kept(tmp_path: Path) -> None:
+    """A config whose head_dim is not hidden / heads (Mistral-Nemo-like): llama.cpp checks the head size against
+    the rope dimensions, so the rewrite must carry the base's, not recompute it."""
+    llama_gguf(tmp_path / "base.gguf", 2, head_dim=2 * HIDDEN // HEADS)
+    rewrite_as_deci(tmp_path / "base.gguf", tmp_path / "deci.gguf", {1: torch.randn(HIDDEN, HIDDEN)}, "f32")
+    fields = gguf.GGUFReader(str(tmp_path / "deci.gguf")).fields
+    for key in ("deci.attention.key_length", "deci.attention.value_length"):
+        assert fields[key].contents() == 2 * HIDDEN // HEADS
 
 
 def test_only_llama_layouts_and_normed_boundaries_are_exported(tmp_path: Path) -> None:

@@ -61,6 +61,12 @@ def test_export_refuses_an_operator_that_is_not_a_scaled_rotation() -> None:
         to_stock_model(ghosted)
 
 
+def test_a_normed_term_is_refused_with_a_way_that_works() -> None:
+    normed = prune_layers(build("llama"), [2], normed={2: torch.randn(HIDDEN, HIDDEN)})
+    with pytest.raises(GhostedError, match="export-stock cannot refit it. Prune the dense model with --operator folded"):
+        to_stock_model(normed)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_folded_prune_is_a_stock_checkpoint_that_loads_without_remote_code(arch: str, tmp_path: Path) -> None:

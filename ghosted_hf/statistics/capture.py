@@ -63,10 +63,12 @@ def input_device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if weight.device.type == "meta" else weight.device
 
 
-def apply_matrix(matrix: torch.Tensor):
-    """x -> x @ matrix, computed in the matrix's dtype (as a ghost operator computes)."""
+def apply_matrix(matrix: torch.Tensor, normed: torch.Tensor | None = None):
+    """x -> x @ matrix (+ n(x) @ normed), computed in the matrix's dtype (as a ghost operator computes)."""
     def apply(x: torch.Tensor) -> torch.Tensor:
-        return (x.to(device=matrix.device, dtype=matrix.dtype) @ matrix).to(device=x.device, dtype=x.dtype)
+        v = x.to(device=matrix.device, dtype=matrix.dtype)
+        mapped = v @ matrix if normed is None else v @ matrix + rms_normalized(v) @ normed.to(v)
+        return mapped.to(device=x.device, dtype=x.dtype)
     return apply
 
 
@@ -84,12 +86,7 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
     handles = []
 
     def operator_hook(matrix: torch.Tensor, normed: torch.Tensor | None):
-        if normed is None:
-            apply = apply_matrix(matrix)
-        else:
-            def apply(x: torch.Tensor) -> torch.Tensor:
-                v = x.to(device=matrix.device, dtype=matrix.dtype)
-                return (v @ matrix + rms_normalized(v) @ normed.to(v)).to(device=x.device, dtype=x.dtype)
+        apply = apply_matrix(matrix, normed)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if args:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from ..checkpoint import weight_map
 from ..errors import GhostedError, MissingFileError, NonFiniteError
 from .accumulate import StatisticsAccumulator
-from .capture import Patch, release_freed_memory
+from .capture import Patch, apply_matrix, release_freed_memory
 from .declarations import Read, mlp, source, target
 from .origin import config_sha256, model_fingerprint
 from .passes import Batch, CalibrationPass
@@ -161,10 +161,9 @@ class LayerwisePass(CalibrationPass):
         batches = list(batches)
         depth, hidden = self.config.num_hidden_layers, self.config.hidden_size
         reads = plan.reads()
-        if patch is not None and (patch.transforms or patch.normed or any(role == "mlp" for role, _ in reads)):
-            raise GhostedError("Layer-wise calibration cannot refit an operator kind that transforms an MLP output or "
-                               "adds a normed term sequentially (neither is streamed layer by layer): pass "
-                               "fitting='independent'.")
+        if patch is not None and (patch.transforms or any(role == "mlp" for role, _ in reads)):
+            raise GhostedError("Layer-wise calibration cannot refit an operator kind that transforms an MLP output "
+                               "sequentially (MLP outputs are not streamed layer by layer): pass fitting='independent'.")
         accumulator = StatisticsAccumulator(plan, hidden, device if device is not None else "cpu")
         # Each sum is added when its deepest read exists; the rows of a read are kept until then.
         last_use: dict[Read, int] = {}
@@ -231,9 +230,10 @@ class _Streams:
         folder = Path(self.temporary.name) if self.temporary is not None else None
         self.dense, self.patched = _Store(folder, "dense"), (_Store(folder, "patched") if patch is not None else None)
         self.removed = set(patch.removed) if patch is not None else set()
-        # The operator of each boundary, at the index it feeds.
-        self.apply_at = ({fed: patch.operators[first] for first, fed in patch.fed(depth).items()
-                          if first in patch.operators} if patch is not None else {})
+        # The map of each boundary (its operator, and its normed term), at the index it feeds.
+        self.apply_at = ({fed: apply_matrix(patch.operators[first], patch.normed.get(first))
+                          for first, fed in patch.fed(depth).items() if first in patch.operators}
+                         if patch is not None else {})
         self.kwargs: list[dict] = []
         owner._load(inner.embed_tokens, "model.embed_tokens.")
         catchers = max(run, 1)
@@ -272,8 +272,7 @@ class _Streams:
                         if i not in self.removed:
                             h = layer(h, **kwargs[i])
                         if i + 1 in self.apply_at:
-                            w = self.apply_at[i + 1]
-                            h = (h.to(w.dtype) @ w.to(h.device)).to(h.dtype)
+                            h = self.apply_at[i + 1](h)
                         self.patched.put(b, h)
                 self.dense.put(b, out)
                 yield b, captured
