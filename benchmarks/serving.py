@@ -36,6 +36,7 @@ Where llama.cpp's AMX path crashes (a Q8_0 file on a virtual machine with AMX, h
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -222,20 +223,25 @@ def main() -> None:
                      outtype])
         return path
 
+    @functools.cache
+    def folder_perplexity(folder: Path, bos: int | None) -> float:
+        """transformers' perplexity of a saved model on the chunks: each folder is scored once, not once a row."""
+        return transformers_perplexity(load_folder(folder), tokens, args.ctx, args.chunks, bos)
+
     agreement, served = [], {}
     for (name, n), folder in folders.items():
         f16 = gguf_file(name, n, folder, "f16")
         wants_bos, bos = add_bos(f16)
         bos = bos if wants_bos else None
-        model = load_folder(folder)
-        reference = transformers_perplexity(model, tokens, args.ctx, args.chunks, bos)
+        reference = folder_perplexity(folder, bos)
         plain = ghost = None
         if n:
-            plain = transformers_perplexity(load_folder(args.work / f"{n}-none"), tokens, args.ctx, args.chunks, bos)
-            ghost = transformers_perplexity(load_folder(args.work / f"{n}-ghost"), tokens, args.ctx, args.chunks, bos)
+            plain = folder_perplexity(args.work / f"{n}-none", bos)
+            ghost = folder_perplexity(args.work / f"{n}-ghost", bos)
         if args.bindings:
             f32 = gguf_file(name, n, folder, "f32")
-            agreement.append((name, n, binding_agreement(model, f32, tokenizer, tokens, args.ctx, args.threads)))
+            agreement.append((name, n, binding_agreement(load_folder(folder), f32, tokenizer, tokens, args.ctx,
+                                                         args.threads)))
         for quant in args.quants:
             path = f16 if quant == "F16" else f16.with_name(f16.name.replace("F16", quant))
             if not path.is_file():
