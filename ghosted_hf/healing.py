@@ -35,7 +35,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from .assets import file_sha256
 from .corpus import TrainingSequences, read_corpus, training_sequences
 from .distillation import chunked_kd_loss, final_hidden_states, shifted_labels
-from .distributed import timeout_s
+from .distributed import is_main_process, timeout_s
 from .errors import GhostedError, MissingDependencyError, MissingFileError
 from .options import Options, option, positive
 from .remote.modeling_ghosted import GHOST_MODULE
@@ -391,7 +391,7 @@ class HealResult(NamedTuple):
     """What `heal` returns: the PEFT model, the loss of every step, the held-out evaluations (step, loss,
     perplexity) and the record `merge` saves in the provenance (what was trained, on what, for how long)."""
 
-    model: PeftModel
+    model: PeftModel | None  # None on the processes other than the main one after FSDP (`_unsharded`)
     losses: list[float]
     record: dict[str, Any]
     evaluations: list[dict[str, float]]
@@ -443,7 +443,7 @@ def heal(
     `eval_data`: held-out text (else carved off `data`). `checkpoints`: the folder of resumable checkpoints (with
     `save_every`); `resume`: "last" or a checkpoint folder. `callbacks`: more `transformers.TrainerCallback`s."""
     options = HealOptions.build(options, **overrides)
-    kind = healed_kind(model)
+    kind, model_class = healed_kind(model), type(model)  # FSDP2 swaps the class of the modules it shards
     if options.train_operators and kind == "stock":
         raise GhostedError("train_operators needs a ghosted model: a stock checkpoint has its operators folded into "
                            "its weights, and LoRA already trains those.")
@@ -477,6 +477,11 @@ def heal(
                        *callbacks],
             teacher=teacher, kd_weight=options.kd_weight, kl_chunk=options.kl_chunk, budget=budget,
             schedule=options.schedule, precision=precision)
+        fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+        if fsdp_asked and not trainer.is_fsdp_enabled and is_main_process():
+            logger.warning("The accelerate config asks for FSDP, which accelerate applies on GPUs (and other "
+                           "accelerators) only: these %d CPU processes train data-parallel, each holding the whole "
+                           "model.", args.world_size)
         for replaced in (ProgressCallback, PrinterCallback):  # `_Progress` replaces them (and knows timed runs)
             trainer.remove_callback(replaced)
         with training_attention(model, device, options.seq_len):
@@ -486,6 +491,8 @@ def heal(
                 trainer.evaluate()
     # accelerate wrapped the forward in bf16 autocast for training: the model returned computes as given again
     trainer.accelerator.unwrap_model(peft_model, keep_fp32_wrapper=False).eval()
+    if trainer.is_fsdp_enabled:
+        peft_model = _unsharded(trainer, peft_model, model_class)
     history = trainer.state.log_history
     losses = [entry["loss"] for entry in history if "loss" in entry]
     evaluations = [{"step": e["step"], "loss": e["eval_loss"], "perplexity": e["eval_perplexity"]}
@@ -500,6 +507,29 @@ def heal(
     if evaluations:
         record["held_out_perplexity"] = evaluations[-1]["perplexity"]
     return HealResult(peft_model, losses, record, evaluations)
+
+
+def _unsharded(trainer: Trainer, peft_model: PeftModel, model_class: type[PreTrainedModel]) -> PeftModel | None:
+    """FSDP leaves each process a shard of every parameter, which neither `merge` nor `save_pretrained` can use, and
+    gathering them is a collective: every process gathers, the main process rebuilds the PEFT model unsharded on its
+    CPU from the full state dict (the others get None: only the main process writes)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(trainer.model_wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main_process():
+        return None
+    sharded = peft_model.get_base_model()
+    with torch.device("meta"):
+        rebuilt = get_peft_model(model_class._from_config(sharded.config), peft_model.peft_config[peft_model.active_adapter])
+    rebuilt.load_state_dict(state, strict=True, assign=True)
+    # Buffers are not sharded, and the non-persistent ones (rotary frequencies) are not in a state dict.
+    trained = {name.replace("_fsdp_wrapped_module.", ""): b for name, b in peft_model.named_buffers()}
+    for name, buffer in list(rebuilt.named_buffers()):
+        if buffer.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            rebuilt.get_submodule(owner).register_buffer(leaf, trained[name].detach().cpu(), persistent=False)
+    rebuilt.get_base_model().tie_weights()
+    return rebuilt.eval()
 
 
 def _training_data(tokenizer: Any, data: Any, eval_data: Any, options: HealOptions, per_step: int,
@@ -531,6 +561,9 @@ def merge(healed: HealResult) -> PreTrainedModel:
     """Fold the adapters (and trained operators) into the weights: a model of the class healed (a ghosted model
     stays ghosted, a stock checkpoint stock), its provenance extended by the healing record."""
     peft_model = healed.model
+    if peft_model is None:
+        raise GhostedError("This process holds no healed model: under FSDP it is gathered on the main process "
+                           "(rank 0), which merges and saves it.")
     lora = peft_model.peft_config[peft_model.active_adapter]
     original = type(peft_model.get_base_model())
     merged = peft_model.merge_and_unload()

@@ -121,3 +121,58 @@ def test_heal_under_torchrun_and_accelerate_launch_gives_the_adapters_of_one_pro
         assert adapters.keys() == reference.keys() and reference
         worst = max(float((adapters[k] - reference[k]).abs().max()) for k in reference)
         assert worst <= 1e-5, (launcher, worst)
+
+
+FSDP_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+mixed_precision: 'no'
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_state_dict_type: FULL_STATE_DICT
+  fsdp_reshard_after_forward: true
+"""
+
+
+@pytest.mark.distributed
+def test_heal_under_fsdp_gives_the_model_of_one_process_and_resumes(dense_folder: Path, tmp_path: Path) -> None:
+    """FSDP2 over 2 gloo processes (`tests/fsdp_on_cpu` lets accelerate apply it on CPUs): each process holds a shard
+    of every parameter, so the healed model is gathered from both before rank 0 merges and writes it. It equals the
+    model of 1 process at the same global batch to 1e-5 (the gradient reduce-scatter adds the halves in another
+    order), and a run resumed from its step-2 checkpoint ends with the same model bit for bit."""
+    from ghosted_hf.cli import main
+
+    cal = tmp_path / "cal.txt"
+    assert main(["prune", str(dense_folder), "--calibration", str(cal), "--num-layers", "2", "--seq-len", "48",
+                 "--num-sequences", "16", "--output", str(tmp_path / "pruned")]) == 0
+    flags = ["heal", tmp_path / "pruned", "--data", cal, "--steps", "4", "--seq-len", "32", "--precision", "fp32",
+             "--eval-sequences", "2"]
+    one = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), "--batch-size", "4", "--output",
+                          tmp_path / "one"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert one.returncode == 0, one.stderr[-3000:]
+    (tmp_path / "fsdp.yaml").write_text(FSDP_CONFIG)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(TESTS / "fsdp_on_cpu"), os.environ.get("PYTHONPATH", "")])}
+
+    def fsdp(name: str, *more: str) -> dict[str, torch.Tensor]:
+        launch = ["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp.yaml"),
+                  "--main_process_port", str(free_port())]
+        two = subprocess.run([sys.executable, *launch, "-m", "ghosted_hf.cli", *map(str, flags), "--batch-size", "2",
+                              "--save-every", "2", "--checkpoints", str(tmp_path / f"{name}.checkpoints"),
+                              "--output", str(tmp_path / name), *more], capture_output=True, text=True, timeout=300,
+                             env=env)
+        assert two.returncode == 0, (name, two.stderr[-3000:])
+        assert two.stdout.count("Saved the merged model") == 1, name  # only rank 0 writes
+        return load_file(tmp_path / name / "model.safetensors")
+
+    sharded = fsdp("fsdp")
+    assert (tmp_path / "fsdp.checkpoints" / "checkpoint-2" / "pytorch_model_fsdp.bin").is_file()  # FSDP ran
+    reference = load_file(tmp_path / "one" / "model.safetensors")
+    assert sharded.keys() == reference.keys()
+    assert max(float((sharded[k] - reference[k]).abs().max()) for k in reference) <= 1e-5
+    (tmp_path / "resumed.checkpoints").mkdir()
+    os.rename(tmp_path / "fsdp.checkpoints" / "checkpoint-2", tmp_path / "resumed.checkpoints" / "checkpoint-2")
+    resumed = fsdp("resumed", "--resume", "last")
+    assert all(torch.equal(resumed[k], sharded[k]) for k in sharded)
