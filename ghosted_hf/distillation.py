@@ -5,15 +5,17 @@ pass) a chunk of token positions at a time, so memory grows with chunk x vocabul
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+Head = Callable[[torch.Tensor], torch.Tensor]  # an output layer: hidden states -> logits
+
 
 def _chunk_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor,
-                 student_head: nn.Module, teacher_head: nn.Module) -> torch.Tensor:
+                 student_head: Head, teacher_head: Head) -> torch.Tensor:
     """(sum of KL(teacher || student), sum of next-token cross-entropy) over one chunk of positions."""
     predicted = student_head(student_hidden).float().log_softmax(-1)
     with torch.no_grad():
@@ -25,7 +27,7 @@ def _chunk_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lab
 
 
 def chunked_kd_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor,
-                    student_head: nn.Module, teacher_head: nn.Module, *, kd_weight: float = 1.0,
+                    student_head: Head, teacher_head: Head, *, kd_weight: float = 1.0,
                     chunk: int = 1024) -> torch.Tensor:
     """`kd_weight` x mean KL(teacher || student) over every position + (1 - `kd_weight`) x mean next-token
     cross-entropy over the positions whose `labels` (already shifted: the token each position predicts) are not

@@ -13,6 +13,7 @@ downstream of them, healed less at every budget measured (docs/removed-levers.md
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -34,7 +35,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .assets import file_sha256
 from .corpus import TrainingSequences, read_corpus, training_sequences
-from .distillation import chunked_kd_loss, final_hidden_states, shifted_labels
+from .distillation import Head, chunked_kd_loss, final_hidden_states, shifted_labels
 from .distributed import is_main_process, timeout_s
 from .errors import GhostedError, MissingDependencyError, MissingFileError
 from .options import Options, option, positive
@@ -375,11 +376,24 @@ class HealingTrainer(Trainer):
             teacher_hidden = self.teacher.get_decoder()(input_ids=ids.to(teacher_device)).last_hidden_state
         with final_hidden_states(model) as captured:
             outputs = model(input_ids=ids, logits_to_keep=1)  # the logits come chunk by chunk below
-        student = self.accelerator.unwrap_model(model)
         loss = chunked_kd_loss(captured[-1], teacher_hidden, shifted_labels(inputs["labels"]),
-                               student.get_output_embeddings(), self.teacher.get_output_embeddings(),
+                               self._student_head(model), self.teacher.get_output_embeddings(),
                                kd_weight=self.kd_weight, chunk=self.kl_chunk)
         return (loss, outputs) if return_outputs else loss
+
+    def _student_head(self, model: nn.Module) -> Head:
+        """The student's output layer, called chunk by chunk outside the model's forward. Under ZeRO-3 its weight is
+        a partition there (and again when the backward pass recomputes a chunk): gathered once into a plain copy,
+        which is exact because healing never trains the output layer."""
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        if not hasattr(head.weight, "ds_id"):
+            return head
+        if getattr(self, "_gathered_head", None) is None:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([head.weight]):
+                self._gathered_head = functools.partial(nn.functional.linear, weight=head.weight.detach().clone())
+        return self._gathered_head
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if "eval_loss" in logs:
@@ -391,7 +405,7 @@ class HealResult(NamedTuple):
     """What `heal` returns: the PEFT model, the loss of every step, the held-out evaluations (step, loss,
     perplexity) and the record `merge` saves in the provenance (what was trained, on what, for how long)."""
 
-    model: PeftModel | None  # None on the processes other than the main one after FSDP (`_unsharded`)
+    model: PeftModel | None  # None on the processes other than the main one after FSDP / ZeRO-3 (`_unsharded`)
     losses: list[float]
     record: dict[str, Any]
     evaluations: list[dict[str, float]]
@@ -477,6 +491,7 @@ def heal(
                        *callbacks],
             teacher=teacher, kd_weight=options.kd_weight, kl_chunk=options.kl_chunk, budget=budget,
             schedule=options.schedule, precision=precision)
+        gather = sharded(trainer)
         fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
         if fsdp_asked and not trainer.is_fsdp_enabled and is_main_process():
             logger.warning("The accelerate config asks for FSDP, which accelerate applies on GPUs (and other "
@@ -491,7 +506,7 @@ def heal(
                 trainer.evaluate()
     # accelerate wrapped the forward in bf16 autocast for training: the model returned computes as given again
     trainer.accelerator.unwrap_model(peft_model, keep_fp32_wrapper=False).eval()
-    if trainer.is_fsdp_enabled:
+    if gather:
         peft_model = _unsharded(trainer, peft_model, model_class)
     history = trainer.state.log_history
     losses = [entry["loss"] for entry in history if "loss" in entry]
@@ -509,19 +524,44 @@ def heal(
     return HealResult(peft_model, losses, record, evaluations)
 
 
-def _unsharded(trainer: Trainer, peft_model: PeftModel, model_class: type[PreTrainedModel]) -> PeftModel | None:
-    """FSDP leaves each process a shard of every parameter, which neither `merge` nor `save_pretrained` can use, and
-    gathering them is a collective: every process gathers, the main process rebuilds the PEFT model unsharded on its
-    CPU from the full state dict (the others get None: only the main process writes)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def sharded(trainer: Trainer) -> bool:
+    """Whether each process holds only a shard of the parameters: FSDP, or DeepSpeed ZeRO stage 3 (refused, before
+    any training, when the config keeps its shards from being gathered at the end)."""
+    deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if deepspeed is None or deepspeed.zero_stage != 3:
+        return trainer.is_fsdp_enabled
+    if not deepspeed.deepspeed_config.get("zero_optimization", {}).get("stage3_gather_16bit_weights_on_model_save"):
+        raise GhostedError("Healing under DeepSpeed ZeRO-3 gathers the trained weights at the end: set "
+                           "`zero3_save_16bit_model: true` in the accelerate config (in a DeepSpeed config file, "
+                           "`stage3_gather_16bit_weights_on_model_save: true`).")
+    return True
 
-    state = get_model_state_dict(trainer.model_wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+@contextlib.contextmanager
+def _without_zero3_construction() -> Iterator[None]:
+    """While a ZeRO-3 config is active transformers builds every model partitioned (`deepspeed.zero.Init`), a
+    collective the other processes would not join: the main process builds its unsharded copy without it."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    active = hf_deepspeed._hf_deepspeed_config_weak_ref  # restored afterwards, as the Trainer left it
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = active
+
+
+def _unsharded(trainer: Trainer, peft_model: PeftModel, model_class: type[PreTrainedModel]) -> PeftModel | None:
+    """Neither `merge` nor `save_pretrained` can use parameter shards, and gathering them is a collective: every
+    process takes part, the main process rebuilds the PEFT model unsharded on its CPU from the full state dict (the
+    others get None: only the main process writes)."""
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if not is_main_process():
         return None
-    sharded = peft_model.get_base_model()
-    with torch.device("meta"):
-        rebuilt = get_peft_model(model_class._from_config(sharded.config), peft_model.peft_config[peft_model.active_adapter])
-    rebuilt.load_state_dict(state, strict=True, assign=True)
+    with torch.device("meta"), _without_zero3_construction():
+        config = peft_model.peft_config[peft_model.active_adapter]
+        rebuilt = get_peft_model(model_class._from_config(peft_model.get_base_model().config), config)
+    rebuilt.load_state_dict({name: tensor.cpu() for name, tensor in state.items()}, strict=True, assign=True)
     # Buffers are not sharded, and the non-persistent ones (rotary frequencies) are not in a state dict.
     trained = {name.replace("_fsdp_wrapped_module.", ""): b for name, b in peft_model.named_buffers()}
     for name, buffer in list(rebuilt.named_buffers()):

@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from ghosted_hf import ghost_prune
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.healing import EAGER_MAX_LEN, TARGET_MODULES, base_model_reference, heal, lr_factor, merge, resolve_precision
+from ghosted_hf.errors import GhostedError
+from ghosted_hf.healing import (EAGER_MAX_LEN, TARGET_MODULES, base_model_reference, heal, lr_factor, merge,
+                                 resolve_precision, sharded)
 from isolated import assert_loads_with_same_logits
 from tiny import batch, build, char_tokenizer, kl_to_dense, texts
 
@@ -283,3 +285,20 @@ def test_tensorboard_gets_every_step_and_the_evaluations(tmp_path: Path) -> None
     assert [e.step for e in events.Scalars("eval/perplexity")] == [2, 4]
     with pytest.raises(ValueError, match="need the checkpoints folder"):
         heal(pruned(), char_tokenizer(), texts(), report_to="tensorboard", progress=False)
+
+
+def test_zero3_that_cannot_gather_its_shards_is_refused_before_training() -> None:
+    """The healed model is gathered from ZeRO-3's shards at the end, which DeepSpeed does only with 16-bit weights on
+    save: without them the run would train and then fail, so it is refused at once, naming the setting."""
+    from types import SimpleNamespace
+
+    def trainer(zero_optimization: dict) -> SimpleNamespace:
+        plugin = SimpleNamespace(zero_stage=zero_optimization.get("stage"),
+                                 deepspeed_config={"zero_optimization": zero_optimization})
+        return SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
+                               is_fsdp_enabled=False)
+
+    with pytest.raises(GhostedError, match="zero3_save_16bit_model: true"):
+        sharded(trainer({"stage": 3}))
+    assert sharded(trainer({"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}))
+    assert not sharded(trainer({"stage": 2}))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -123,41 +124,58 @@ def test_heal_under_torchrun_and_accelerate_launch_gives_the_adapters_of_one_pro
         assert worst <= 1e-5, (launcher, worst)
 
 
-FSDP_CONFIG = """compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
+# Configs of the two sharded trainings accelerate runs, each writing a file only it writes in its checkpoints.
+SHARDED = {
+    "fsdp": ("""distributed_type: FSDP
 num_processes: 2
-num_machines: 1
-machine_rank: 0
 mixed_precision: 'no'
 fsdp_config:
   fsdp_version: 2
   fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
   fsdp_state_dict_type: FULL_STATE_DICT
   fsdp_reshard_after_forward: true
-"""
+""", "pytorch_model_fsdp.bin"),
+    # ZeRO-3 keeps parameters under its persistence threshold whole: 0 partitions even the tiny model's
+    "deepspeed": ("""distributed_type: DEEPSPEED
+num_processes: 2
+deepspeed_config:
+  deepspeed_config_file: {folder}/zero3.json
+  zero3_init_flag: false
+""", "global_step2"),
+}
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                               "stage3_gather_16bit_weights_on_model_save": True},
+         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+         "gradient_clipping": "auto"}
 
 
 @pytest.mark.distributed
-def test_heal_under_fsdp_gives_the_model_of_one_process_and_resumes(dense_folder: Path, tmp_path: Path) -> None:
-    """FSDP2 over 2 gloo processes (`tests/fsdp_on_cpu` lets accelerate apply it on CPUs): each process holds a shard
-    of every parameter, so the healed model is gathered from both before rank 0 merges and writes it. It equals the
-    model of 1 process at the same global batch to 1e-5 (the gradient reduce-scatter adds the halves in another
-    order), and a run resumed from its step-2 checkpoint ends with the same model bit for bit."""
+@pytest.mark.parametrize("sharding", SHARDED)
+def test_sharded_healing_gives_the_model_of_one_process_and_resumes(sharding: str, dense_folder: Path,
+                                                                    tmp_path: Path) -> None:
+    """FSDP2 and DeepSpeed ZeRO-3 over 2 gloo processes (`tests/fsdp_on_cpu` lets accelerate apply FSDP on CPUs),
+    distilling from the dense model with the next-token loss mixed in: each process holds a shard of every
+    parameter (the student's output layer too, which the chunked KL calls outside the model's forward), so the
+    healed model is gathered from both before rank 0 merges and writes it. It equals the model of 1 process at the
+    same global batch to 1e-5 (the gradient reduction adds the halves in another order), and a run resumed from its
+    step-2 checkpoint ends with the same model bit for bit."""
     from ghosted_hf.cli import main
 
     cal = tmp_path / "cal.txt"
     assert main(["prune", str(dense_folder), "--calibration", str(cal), "--num-layers", "2", "--seq-len", "48",
                  "--num-sequences", "16", "--output", str(tmp_path / "pruned")]) == 0
     flags = ["heal", tmp_path / "pruned", "--data", cal, "--steps", "4", "--seq-len", "32", "--precision", "fp32",
-             "--eval-sequences", "2"]
+             "--eval-sequences", "2", "--teacher", dense_folder, "--kd-weight", "0.5", "--kl-chunk", "16"]
     one = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), "--batch-size", "4", "--output",
                           tmp_path / "one"], capture_output=True, text=True, timeout=300, env=ENV)
     assert one.returncode == 0, one.stderr[-3000:]
-    (tmp_path / "fsdp.yaml").write_text(FSDP_CONFIG)
+    config, only_sharded_writes = SHARDED[sharding]
+    (tmp_path / "accelerate.yaml").write_text(config.format(folder=tmp_path))
+    (tmp_path / "zero3.json").write_text(json.dumps(ZERO3))
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(TESTS / "fsdp_on_cpu"), os.environ.get("PYTHONPATH", "")])}
 
-    def fsdp(name: str, *more: str) -> dict[str, torch.Tensor]:
-        launch = ["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp.yaml"),
+    def sharded(name: str, *more: str) -> dict[str, torch.Tensor]:
+        launch = ["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
                   "--main_process_port", str(free_port())]
         two = subprocess.run([sys.executable, *launch, "-m", "ghosted_hf.cli", *map(str, flags), "--batch-size", "2",
                               "--save-every", "2", "--checkpoints", str(tmp_path / f"{name}.checkpoints"),
@@ -167,12 +185,12 @@ def test_heal_under_fsdp_gives_the_model_of_one_process_and_resumes(dense_folder
         assert two.stdout.count("Saved the merged model") == 1, name  # only rank 0 writes
         return load_file(tmp_path / name / "model.safetensors")
 
-    sharded = fsdp("fsdp")
-    assert (tmp_path / "fsdp.checkpoints" / "checkpoint-2" / "pytorch_model_fsdp.bin").is_file()  # FSDP ran
+    healed = sharded("sharded")
+    assert (tmp_path / "sharded.checkpoints" / "checkpoint-2" / only_sharded_writes).exists()  # it ran sharded
     reference = load_file(tmp_path / "one" / "model.safetensors")
-    assert sharded.keys() == reference.keys()
-    assert max(float((sharded[k] - reference[k]).abs().max()) for k in reference) <= 1e-5
+    assert healed.keys() == reference.keys()
+    assert max(float((healed[k] - reference[k]).abs().max()) for k in reference) <= 1e-5
     (tmp_path / "resumed.checkpoints").mkdir()
-    os.rename(tmp_path / "fsdp.checkpoints" / "checkpoint-2", tmp_path / "resumed.checkpoints" / "checkpoint-2")
-    resumed = fsdp("resumed", "--resume", "last")
-    assert all(torch.equal(resumed[k], sharded[k]) for k in sharded)
+    os.rename(tmp_path / "sharded.checkpoints" / "checkpoint-2", tmp_path / "resumed.checkpoints" / "checkpoint-2")
+    resumed = sharded("resumed", "--resume", "last")
+    assert all(torch.equal(resumed[k], healed[k]) for k in healed)
