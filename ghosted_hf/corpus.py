@@ -4,6 +4,7 @@ that the training never sees."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .data import NamedTexts, load_texts, pack_tokens, text_hash
+from .data import NamedTexts, load_texts
 from .errors import GhostedError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
@@ -106,25 +107,45 @@ def read_corpus(source: Any, *, split: str | None = None, text_column: str = "te
 
 @dataclass
 class TrainingSequences:
-    """Packed token sequences of one length: the training set (shuffled) and the held-out set (whole documents
-    the training never sees), with what identifies them in the provenance."""
+    """Packed token sequences of one length, as (sequences, seq_len) int32 rows: the training set (shuffled) and
+    the held-out set (whole documents the training never sees), with what identifies them in the provenance. Rows
+    of a tensor, not lists of Python ints: those cost about 36 bytes a token, these 4."""
 
-    train: list[list[int]]
-    held_out: list[list[int]]
+    train: torch.Tensor
+    held_out: torch.Tensor
     name: str
     text_sha256: str
     documents: int
 
     def describe(self) -> dict[str, Any]:
-        length = len(self.train[0]) if self.train else 0
-        return {"name": self.name, "sha256": self.text_sha256, "documents": self.documents, "sequence_length": length,
-                "train_sequences": len(self.train), "held_out_sequences": len(self.held_out)}
+        return {"name": self.name, "sha256": self.text_sha256, "documents": self.documents,
+                "sequence_length": self.train.shape[1], "train_sequences": len(self.train),
+                "held_out_sequences": len(self.held_out)}
 
 
-def _full_sequences(sequences: list[list[int]], seq_len: int) -> list[list[int]]:
-    """Only full-length sequences: every batch then holds the same number of tokens, so the mean loss of a
-    step is the same whether its sequences are split over processes or micro-batches."""
-    return [s for s in sequences if len(s) == seq_len]
+def pack_rows(token_lists: Iterable[list[int]], seq_len: int, max_rows: int | None, separator: int) -> torch.Tensor:
+    """Documents joined by `separator` and cut into full rows of `seq_len` tokens (the rest is dropped: every batch
+    then holds as many tokens, however its rows are split over processes or micro-batches), at most `max_rows`.
+    Reads `token_lists` only as far as those rows need; finished rows are moved out of Python lists in blocks."""
+    blocks: list[torch.Tensor] = []
+    stream: list[int] = []
+    rows = 0
+    block = max(1, (1 << 20) // seq_len) * seq_len  # about a million tokens per block
+    for index, tokens in enumerate(token_lists):
+        if index:
+            stream.append(separator)
+        stream.extend(tokens)
+        if len(stream) >= block:
+            full = len(stream) // seq_len * seq_len
+            blocks.append(torch.tensor(stream[:full], dtype=torch.int32).view(-1, seq_len))
+            rows += len(blocks[-1])
+            del stream[:full]
+        if max_rows is not None and rows + len(stream) // seq_len >= max_rows:
+            break
+    full = len(stream) // seq_len * seq_len
+    blocks.append(torch.tensor(stream[:full], dtype=torch.int32).view(-1, seq_len))
+    packed = torch.cat(blocks)
+    return packed if max_rows is None else packed[:max_rows]
 
 
 def training_sequences(
@@ -141,16 +162,18 @@ def training_sequences(
     `held_out_corpus`, the first documents up to `held_out` sequences are carved off as whole documents, so no
     document is in both sets. `max_sequences` bounds what is read (a streamed corpus is read only that far)."""
     documents = iter(corpus.texts)
-    read: list[str] = []
+    digest, read = hashlib.sha256(), 0  # `text_hash` of the documents read, kept as they are read
 
     def tokens(texts: Iterable[str]) -> Iterator[list[int]]:
+        nonlocal read
         for text in texts:
-            read.append(text)
+            digest.update(text.encode("utf-8") + b"\x00")
+            read += 1
             yield tokenizer(text, add_special_tokens=True)["input_ids"]
 
     eos = tokenizer.eos_token_id
     if held_out_corpus is not None:
-        held = pack_tokens(tokens(held_out_corpus.texts), seq_len, held_out, eos)
+        held = pack_rows(tokens(held_out_corpus.texts), seq_len, held_out, eos)
     elif held_out:  # whole documents until `held_out` sequences are filled
         carved: list[list[int]] = []
         length = 0
@@ -159,10 +182,9 @@ def training_sequences(
             length += len(ids) + 1  # with the EOS that joins it to the next
             if length >= held_out * seq_len:
                 break
-        held = pack_tokens(carved, seq_len, held_out, eos)
+        held = pack_rows(carved, seq_len, held_out, eos)
     else:
-        held = []
-    held = _full_sequences(held, seq_len)
-    train = _full_sequences(pack_tokens(tokens(documents), seq_len, max_sequences, eos), seq_len)
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
-    return TrainingSequences([train[i] for i in order], held, corpus.name, text_hash(read), len(read))
+        held = torch.empty(0, seq_len, dtype=torch.int32)
+    train = pack_rows(tokens(documents), seq_len, max_sequences, eos)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+    return TrainingSequences(train[order], held, corpus.name, digest.hexdigest(), read)

@@ -322,18 +322,18 @@ def resume_point(checkpoints: Path, resume: str | os.PathLike) -> Path:
 
 
 class _SequenceDataset(torch.utils.data.Dataset):
-    def __init__(self, sequences: list[list[int]]) -> None:
+    def __init__(self, sequences: torch.Tensor) -> None:
         self.sequences = sequences
 
     def __len__(self) -> int:
         return len(self.sequences)
 
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.sequences[index]}
 
 
-def _collate(items: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-    ids = torch.tensor([item["input_ids"] for item in items], dtype=torch.long)
+def _collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    ids = torch.stack([item["input_ids"] for item in items]).long()
     return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -486,7 +486,7 @@ def heal(
         peft_model = _lora(model, options)
         trainer = HealingTrainer(
             model=peft_model, args=args, train_dataset=_SequenceDataset(sequences.train), data_collator=_collate,
-            eval_dataset=_SequenceDataset(sequences.held_out) if sequences.held_out else None,
+            eval_dataset=_SequenceDataset(sequences.held_out) if len(sequences.held_out) else None,
             callbacks=[_Schedule(budget), _Record(budget, run), _Progress(budget, per_step * options.seq_len, progress),
                        *callbacks],
             teacher=teacher, kd_weight=options.kd_weight, kl_chunk=options.kl_chunk, budget=budget,
@@ -502,7 +502,7 @@ def heal(
         with training_attention(model, device, options.seq_len):
             trainer.train(resume_from_checkpoint=None if start is None else str(start))
             evaluated_last = trainer.state.log_history[-2:-1] and "eval_loss" in trainer.state.log_history[-2]
-            if sequences.held_out and not evaluated_last:  # the last step may have evaluated already
+            if len(sequences.held_out) and not evaluated_last:  # the last step may have evaluated already
                 trainer.evaluate()
     # accelerate wrapped the forward in bf16 autocast for training: the model returned computes as given again
     trainer.accelerator.unwrap_model(peft_model, keep_fp32_wrapper=False).eval()
@@ -589,11 +589,11 @@ def _training_data(tokenizer: Any, data: Any, eval_data: Any, options: HealOptio
         raise GhostedError(f"The training data ({sequences.name}) gives {len(sequences.train)} sequences of "
                            f"{options.seq_len} tokens (after {len(sequences.held_out)} held out), fewer than one step "
                            f"needs ({per_step}): give more text, or lower seq_len / batch_size.")
-    if options.eval_sequences and not sequences.held_out:
+    if options.eval_sequences and not len(sequences.held_out):
         raise GhostedError(f"No held-out sequence of {options.seq_len} tokens could be made from "
                            f"{'the evaluation data' if eval_data is not None else sequences.name}: give more text, or "
                            "eval_sequences=0 to train without held-out evaluation.")
-    del sequences.train[len(sequences.train) // per_step * per_step:]
+    sequences.train = sequences.train[:len(sequences.train) // per_step * per_step]
     return sequences
 
 

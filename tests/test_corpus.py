@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from ghosted_hf.corpus import Corpus, read_corpus, training_sequences
+from ghosted_hf.corpus import Corpus, pack_rows, read_corpus, training_sequences
 from ghosted_hf.errors import GhostedError
 from tiny import char_tokenizer, texts
 
@@ -69,15 +70,17 @@ def test_held_out_documents_are_whole_and_never_trained_on() -> None:
     tokenizer = char_tokenizer()
     docs = documents(12)
     sequences = training_sequences(tokenizer, Corpus(docs, "docs"), 64, held_out=4, seed=0)
-    assert len(sequences.held_out) == 4 and all(len(s) == 64 for s in sequences.train + sequences.held_out)
-    train_text = {tokenizer.decode(s) for s in sequences.train}
-    held_text = " ".join(tokenizer.decode(s) for s in sequences.held_out)
+    assert sequences.held_out.shape == (4, 64) and sequences.train.shape[1] == 64
+    assert sequences.train.dtype == sequences.held_out.dtype == torch.int32
+    train_text = {tokenizer.decode(s.tolist()) for s in sequences.train}
+    held_text = " ".join(tokenizer.decode(s.tolist()) for s in sequences.held_out)
     held_docs = [d for d in docs if d.split(":")[0] + ":" in held_text]
     assert held_docs == docs[:len(held_docs)] and 0 < len(held_docs) < len(docs)  # the first documents, whole
     assert not any(d.split(":")[0] + ":" in t for d in held_docs for t in train_text)  # none of them in training
     again = training_sequences(tokenizer, Corpus(docs, "docs"), 64, held_out=4, seed=0)
     other = training_sequences(tokenizer, Corpus(docs, "docs"), 64, held_out=4, seed=1)
-    assert again.train == sequences.train and other.train != sequences.train and sorted(other.train) == sorted(again.train)
+    assert torch.equal(again.train, sequences.train) and not torch.equal(other.train, sequences.train)
+    assert sorted(other.train.tolist()) == sorted(again.train.tolist())  # the same rows, shuffled otherwise
 
 
 def test_a_streamed_corpus_is_read_only_as_far_as_needed() -> None:
@@ -90,6 +93,29 @@ def test_a_streamed_corpus_is_read_only_as_far_as_needed() -> None:
 
     sequences = training_sequences(char_tokenizer(), Corpus(lazy(), "stream"), 64, held_out=2, max_sequences=5)
     assert len(sequences.train) == 5 and len(read) < 20
+
+
+@pytest.mark.parametrize("max_rows", [None, 1000, 9000])
+def test_packed_rows_are_the_documents_joined_and_cut_into_full_rows(max_rows: int | None) -> None:
+    """Rows are moved out of Python lists in blocks of about a million tokens: across those blocks, and when only
+    `max_rows` are read, the rows are the joined token stream cut into full rows, as one list would give."""
+    generator = torch.Generator().manual_seed(0)
+    docs = [torch.randint(3, 50_000, (int(n),), generator=generator).tolist()
+            for n in torch.randint(1, 4000, (1500,), generator=generator)]
+    read = []
+
+    def lazy():
+        for doc in docs:
+            read.append(doc)
+            yield doc
+
+    rows = pack_rows(lazy(), 256, max_rows, separator=2)
+    stream = [t for i, doc in enumerate(read) for t in ([2] if i else []) + doc]
+    full = len(stream) // 256
+    expected = torch.tensor(stream[:full * 256], dtype=torch.int32).view(-1, 256)[:max_rows]
+    assert len(stream) > 2 << 20 or max_rows is not None  # more than one block when all is read
+    assert torch.equal(rows, expected) and len(rows) == (max_rows or full)
+    assert max_rows is None or len(read) < len(docs)  # read only as far as the rows need
 
 
 def test_a_hub_dataset_id_reads_offline_from_the_local_cache(tmp_path: Path) -> None:

@@ -267,7 +267,7 @@ def test_held_out_perplexity_is_the_models_perplexity_on_text_it_never_trained_o
     healed = heal(pruned(), char_tokenizer(), texts(), steps=3, seq_len=48, eval_sequences=4, progress=False,
                   precision="fp32")
     held = training_sequences(char_tokenizer(), Corpus(texts(), "t"), 48, held_out=4).held_out
-    ids = torch.tensor(held)
+    ids = held.long()
     with torch.no_grad():
         loss = healed.model(input_ids=ids, labels=ids).loss
     assert healed.evaluations[-1]["step"] == 3 and healed.record["data"]["held_out_sequences"] == 4
