@@ -1,7 +1,8 @@
-"""Memory and time of preparing `heal`'s training data: the 1.0 packing (lists of Python ints) beside the packing
-into int32 rows, on the packaged calibration articles repeated until the corpus has `--tokens` tokens. Each run is
-a fresh process (peak resident memory above what the process held before packing), the two interleaved round by
-round; the rows are checked equal to the 1.0 sequences, order and text hash included.
+"""Memory and time of preparing `heal`'s training data: the 1.0 packing (lists of Python ints, one document
+tokenized at a time) beside today's (int32 rows, documents tokenized in batches), on the packaged calibration
+articles repeated until the corpus has `--tokens` tokens. Each run is a fresh process (peak resident memory
+above what the process held before packing), the two interleaved round by round; the rows are checked equal to
+the 1.0 sequences, order and text hash included.
 
     python benchmarks/healing_data.py --tokens 20000000 --rounds 2 > benchmarks/results/healing_data.md
 """
@@ -78,20 +79,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=20_000_000)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--child", choices=["1.0 lists", "int32 rows"], help=argparse.SUPPRESS)  # --tokens: passes
+    parser.add_argument("--child", choices=["1.0 lists", "int32 rows, batches"], help=argparse.SUPPRESS)  # --tokens: passes
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child, args.tokens)))
         return
     check_equal()
     passes = repeats(packaged_model()[0], args.tokens)
-    results: dict[str, list[dict[str, float]]] = {"1.0 lists": [], "int32 rows": []}
+    results: dict[str, list[dict[str, float]]] = {"1.0 lists": [], "int32 rows, batches": []}
     for _ in range(args.rounds):
         for packing in results:
             out = subprocess.run([sys.executable, __file__, "--child", packing, "--tokens", str(passes)],
                                  capture_output=True, text=True, check=True)
             results[packing].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    rows = results["int32 rows"][0]["rows"]
+    rows = results["int32 rows, batches"][0]["rows"]
     print(f"Packaged calibration articles, {passes} passes: at least {args.tokens:,} tokens ({rows:,} training "
           f"sequences of {SEQ_LEN}); median of {args.rounds} fresh processes per packing; the two give the same sequences "
           "in the same order.\n")

@@ -5,6 +5,7 @@ that the training never sees."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -148,6 +149,15 @@ def pack_rows(token_lists: Iterable[list[int]], seq_len: int, max_rows: int | No
     return packed if max_rows is None else packed[:max_rows]
 
 
+def _batches(texts: Iterable[str], largest: int = 64) -> Iterator[list[str]]:
+    """Documents in batches that double up to `largest`: a fast tokenizer encodes a batch on every core, and a
+    stream read only as far as it is needed is read at most about twice as far."""
+    texts, size = iter(texts), 1
+    while batch := list(itertools.islice(texts, size)):
+        yield batch
+        size = min(2 * size, largest)
+
+
 def training_sequences(
     tokenizer: Any,
     corpus: Corpus,
@@ -161,23 +171,24 @@ def training_sequences(
     """Tokenize and pack `corpus` into sequences of `seq_len` tokens (documents joined by EOS). Without a
     `held_out_corpus`, the first documents up to `held_out` sequences are carved off as whole documents, so no
     document is in both sets. `max_sequences` bounds what is read (a streamed corpus is read only that far)."""
-    documents = iter(corpus.texts)
-    digest, read = hashlib.sha256(), 0  # `text_hash` of the documents read, kept as they are read
+    digest, read = hashlib.sha256(), 0  # `text_hash` of the documents used, kept as they are used
 
     def tokens(texts: Iterable[str]) -> Iterator[list[int]]:
         nonlocal read
-        for text in texts:
-            digest.update(text.encode("utf-8") + b"\x00")
-            read += 1
-            yield tokenizer(text, add_special_tokens=True)["input_ids"]
+        for batch in _batches(texts):
+            for text, ids in zip(batch, tokenizer(batch, add_special_tokens=True)["input_ids"]):
+                digest.update(text.encode("utf-8") + b"\x00")
+                read += 1
+                yield ids
 
     eos = tokenizer.eos_token_id
+    documents = tokens(corpus.texts)  # one stream: the held-out documents are carved off its start
     if held_out_corpus is not None:
         held = pack_rows(tokens(held_out_corpus.texts), seq_len, held_out, eos)
     elif held_out:  # whole documents until `held_out` sequences are filled
         carved: list[list[int]] = []
         length = 0
-        for ids in tokens(documents):
+        for ids in documents:
             carved.append(ids)
             length += len(ids) + 1  # with the EOS that joins it to the next
             if length >= held_out * seq_len:
@@ -185,6 +196,6 @@ def training_sequences(
         held = pack_rows(carved, seq_len, held_out, eos)
     else:
         held = torch.empty(0, seq_len, dtype=torch.int32)
-    train = pack_rows(tokens(documents), seq_len, max_sequences, eos)
+    train = pack_rows(documents, seq_len, max_sequences, eos)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
     return TrainingSequences(train[order], held, corpus.name, digest.hexdigest(), read)
