@@ -61,9 +61,12 @@ class RandomTokens:
     def __init__(self, vocab: int, length: int) -> None:
         self.vocab, self.length = vocab, length
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        generator = torch.Generator().manual_seed(int(text.split()[-1]))
-        return {"input_ids": torch.randint(10, self.vocab - 10, (self.length,), generator=generator).tolist()}
+    def __call__(self, texts: str | list[str], add_special_tokens: bool = True) -> dict[str, list]:
+        def ids(text: str) -> list[int]:
+            generator = torch.Generator().manual_seed(int(text.split()[-1]))
+            return torch.randint(10, self.vocab - 10, (self.length,), generator=generator).tolist()
+
+        return {"input_ids": ids(texts) if isinstance(texts, str) else [ids(text) for text in texts]}
 
 
 class StepClock(TrainerCallback):

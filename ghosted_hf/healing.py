@@ -455,7 +455,9 @@ def heal(
     reads) for `steps` steps, `tokens` tokens or `minutes` by `clock` (seconds). With a `teacher` the loss is
     KL(teacher || student) (mixed with the next-token loss by `kd_weight`), otherwise next-token cross-entropy.
     `eval_data`: held-out text (else carved off `data`). `checkpoints`: the folder of resumable checkpoints (with
-    `save_every`); `resume`: "last" or a checkpoint folder. `callbacks`: more `transformers.TrainerCallback`s."""
+    `save_every`); `resume`: "last" or a checkpoint folder. `callbacks`: more `transformers.TrainerCallback`s.
+    Under FSDP or DeepSpeed ZeRO-3 `model` is consumed (sharded in place); the result's model is the healed model
+    gathered on the main process, None on the others."""
     options = HealOptions.build(options, **overrides)
     kind, model_class = healed_kind(model), type(model)  # FSDP2 swaps the class of the modules it shards
     if options.train_operators and kind == "stock":
