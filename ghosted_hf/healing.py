@@ -604,8 +604,8 @@ def merge(healed: HealResult) -> PreTrainedModel:
     stays ghosted, a stock checkpoint stock), its provenance extended by the healing record."""
     peft_model = healed.model
     if peft_model is None:
-        raise GhostedError("This process holds no healed model: under FSDP it is gathered on the main process "
-                           "(rank 0), which merges and saves it.")
+        raise GhostedError("This process holds no healed model: under FSDP and ZeRO-3 it is gathered on the main "
+                           "process (rank 0), which merges and saves it.")
     lora = peft_model.peft_config[peft_model.active_adapter]
     original = type(peft_model.get_base_model())
     merged = peft_model.merge_and_unload()
