@@ -194,3 +194,22 @@ def test_sharded_healing_gives_the_model_of_one_process_and_resumes(sharding: st
     os.rename(tmp_path / "sharded.checkpoints" / "checkpoint-2", tmp_path / "resumed.checkpoints" / "checkpoint-2")
     resumed = sharded("resumed", "--resume", "last")
     assert all(torch.equal(resumed[k], healed[k]) for k in healed)
+
+
+@pytest.mark.distributed
+def test_an_fsdp_config_on_cpu_processes_warns_that_they_train_data_parallel(dense_folder: Path, tmp_path: Path) -> None:
+    """Without the gate lifted accelerate trains CPU processes with DDP whatever the config asks: `heal` says so."""
+    from ghosted_hf.cli import main
+
+    cal = tmp_path / "cal.txt"
+    assert main(["prune", str(dense_folder), "--calibration", str(cal), "--num-layers", "2", "--seq-len", "48",
+                 "--num-sequences", "16", "--output", str(tmp_path / "pruned")]) == 0
+    (tmp_path / "fsdp.yaml").write_text(SHARDED["fsdp"][0])
+    launch = ["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp.yaml"), "--main_process_port",
+              str(free_port())]
+    two = subprocess.run([sys.executable, *launch, "-m", "ghosted_hf.cli", "heal", str(tmp_path / "pruned"), "--data",
+                          str(cal), "--steps", "1", "--seq-len", "32", "--batch-size", "2", "--eval-sequences", "0",
+                          "--adapter-only", "--output", str(tmp_path / "out")], capture_output=True, text=True,
+                         timeout=300, env=ENV)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stderr.count("these 2 CPU processes train data-parallel") == 1, two.stderr[-3000:]
