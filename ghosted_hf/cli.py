@@ -161,7 +161,7 @@ class GgufArgs(LoadArgs):
 class InspectArgs:
     """Arguments of `ghosted inspect`."""
 
-    folder: str = option(help="Saved ghosted model folder.")
+    folder: str = option(help="Saved ghosted model folder, or a stock checkpoint ghosted_hf made.")
     top: int = option(8, "Selection scores to show.")
 
 
@@ -431,8 +431,10 @@ def cmd_export_gguf(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """`ghosted inspect`: what a saved ghosted folder contains and how it was made."""
+    """`ghosted inspect`: what a saved ghosted folder (or stock checkpoint ghosted_hf made) contains and how it
+    was made."""
     from safetensors import safe_open
+    from transformers import AutoConfig
 
     from .remote.configuration_ghosted import GhostedConfig
     from .summary import render_text, summarize
@@ -443,13 +445,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if not config_path.is_file():
         raise GhostedError(f"{folder} has no config.json: it is not a saved model folder.")
     raw = verify_folder(folder)  # a truncated or altered weight file is named here, not deep in a load
-    if raw.get("model_type") != "ghosted":
-        raise GhostedError(f"{folder} holds a {raw.get('model_type')!r} model, not a ghosted one.")
-    config = GhostedConfig.from_pretrained(folder)
-    tensors = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            tensors.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys() if ".ghost." in k})
+    if raw.get("model_type") == "ghosted":
+        config = GhostedConfig.from_pretrained(folder)
+    elif "ghost_provenance" in raw:  # a stock checkpoint ghosted_hf made: the base's own config class
+        config = AutoConfig.from_pretrained(folder)
+    else:
+        raise GhostedError(f"{folder} holds a {raw.get('model_type')!r} model that ghosted_hf did not make (its "
+                           "config.json has no ghost_provenance): there is nothing to inspect.")
+    tensors = None  # a stock checkpoint has its operators in its weights
+    if raw.get("model_type") == "ghosted":
+        tensors = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                tensors.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys() if ".ghost." in k})
     print(render_text(summarize(config), tensors, top_scores=run.top))
     return 0
 
@@ -478,7 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("export-gguf", "Write a ghosted model whose boundaries are `normed` as one llama.cpp GGUF: each boundary a "
                         "DeciLM linear-attention block, the base converted by llama.cpp's own converter.",
          [GgufArgs], cmd_export_gguf),
-        ("inspect", "Print what a saved ghosted model contains.", [InspectArgs], cmd_inspect),
+        ("inspect", "Print what a saved ghosted model (or stock checkpoint ghosted_hf made) contains and how it was "
+                    "made.", [InspectArgs], cmd_inspect),
     ]
     for name, help, groups, handler in subcommands:
         sub = commands.add_parser(name, help=help, description=help, formatter_class=formatter)

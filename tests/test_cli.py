@@ -44,6 +44,19 @@ def test_prune_dry_run_then_prune_then_inspect(dense_folder: Path, tmp_path: Pat
     assert f"removed {config['removed_layers']}" in shown.stdout and ".ghost.operator [32, 32]" in shown.stdout
 
 
+def test_inspect_shows_how_a_stock_checkpoint_was_made(dense_folder: Path, tmp_path: Path, capsys) -> None:
+    from ghosted_hf.cli import main
+
+    assert main(["prune", str(dense_folder), "--calibration", str(tmp_path / "cal.txt"), "--num-layers", "2",
+                 "--seq-len", "48", "--num-sequences", "16", "--operator", "folded", "--output",
+                 str(tmp_path / "stock")]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "stock")]) == 0
+    shown = capsys.readouterr().out
+    assert "folded into the weights (a stock checkpoint" in shown and "relative_residual=" in shown
+    assert "operator tensors" not in shown and "(llama)" in shown
+
+
 @pytest.mark.slow
 def test_cli_errors_are_clear(dense_folder: Path, tmp_path: Path) -> None:
     bad = ghosted("prune", dense_folder, "--calibration", tmp_path / "cal.txt", "--num-layers", "6", "--dry-run", cwd=tmp_path)
@@ -51,7 +64,7 @@ def test_cli_errors_are_clear(dense_folder: Path, tmp_path: Path) -> None:
     bad = ghosted("prune", dense_folder, "--operator", "magic", "--dry-run", cwd=tmp_path)
     assert bad.returncode == 2 and "invalid choice: 'magic'" in bad.stderr
     bad = ghosted("inspect", dense_folder, cwd=tmp_path)
-    assert bad.returncode != 0 and "holds a 'llama' model, not a ghosted one" in bad.stderr
+    assert bad.returncode != 0 and "holds a 'llama' model that ghosted_hf did not make" in bad.stderr
 
 
 def test_cli_flags_are_generated_from_the_options() -> None:
