@@ -115,7 +115,7 @@ def test_cli_errors_are_one_line(dense_folder: Path, tmp_path: Path, capsys) -> 
     err = one_line_error(capsys, "heal", dense_folder, "--output", tmp_path / "healed", "--steps", "1")
     assert "heal expects a model pruned by ghosted_hf, and this LlamaForCausalLM records no pruning" in err
     err = one_line_error(capsys, "inspect", dense_folder)
-    assert "holds a 'llama' model, not a ghosted one" in err
+    assert "holds a 'llama' model that ghosted_hf did not make" in err
     err = one_line_error(capsys, "heal", dense_folder, "--output", dense_folder)
     assert f"--output {dense_folder} is the input folder; name a new folder" in err
     err = one_line_error(capsys, "demo", "--output", dense_folder)
