@@ -447,17 +447,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     raw = verify_folder(folder)  # a truncated or altered weight file is named here, not deep in a load
     if raw.get("model_type") == "ghosted":
         config = GhostedConfig.from_pretrained(folder)
-    elif "ghost_provenance" in raw:  # a stock checkpoint ghosted_hf made: the base's own config class
-        config = AutoConfig.from_pretrained(folder)
-    else:
-        raise GhostedError(f"{folder} holds a {raw.get('model_type')!r} model that ghosted_hf did not make (its "
-                           "config.json has no ghost_provenance): there is nothing to inspect.")
-    tensors = None  # a stock checkpoint has its operators in its weights
-    if raw.get("model_type") == "ghosted":
         tensors = {}
         for file in sorted(folder.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as handle:
                 tensors.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys() if ".ghost." in k})
+    elif "ghost_provenance" in raw:  # a stock checkpoint ghosted_hf made: its operators are in its weights
+        config, tensors = AutoConfig.from_pretrained(folder), None
+    else:
+        raise GhostedError(f"{folder} holds a {raw.get('model_type')!r} model that ghosted_hf did not make (its "
+                           "config.json has no ghost_provenance): there is nothing to inspect.")
     print(render_text(summarize(config), tensors, top_scores=run.top))
     return 0
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .data import NamedTexts, load_texts
+from .data import NamedTexts, add_to_text_hash, load_texts
 from .errors import GhostedError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
@@ -130,6 +130,12 @@ def pack_rows(token_lists: Iterable[list[int]], seq_len: int, max_rows: int | No
     Reads `token_lists` only as far as those rows need; finished rows are moved out of Python lists in blocks."""
     blocks: list[torch.Tensor] = []
     stream: list[int] = []
+
+    def move_full_rows() -> None:
+        full = len(stream) // seq_len * seq_len
+        blocks.append(torch.tensor(stream[:full], dtype=torch.int32).view(-1, seq_len))
+        del stream[:full]
+
     rows = 0
     block = max(1, (1 << 20) // seq_len) * seq_len  # about a million tokens per block
     for index, tokens in enumerate(token_lists):
@@ -137,14 +143,11 @@ def pack_rows(token_lists: Iterable[list[int]], seq_len: int, max_rows: int | No
             stream.append(separator)
         stream.extend(tokens)
         if len(stream) >= block:
-            full = len(stream) // seq_len * seq_len
-            blocks.append(torch.tensor(stream[:full], dtype=torch.int32).view(-1, seq_len))
+            move_full_rows()
             rows += len(blocks[-1])
-            del stream[:full]
         if max_rows is not None and rows + len(stream) // seq_len >= max_rows:
             break
-    full = len(stream) // seq_len * seq_len
-    blocks.append(torch.tensor(stream[:full], dtype=torch.int32).view(-1, seq_len))
+    move_full_rows()
     packed = torch.cat(blocks)
     return packed if max_rows is None else packed[:max_rows]
 
@@ -171,13 +174,13 @@ def training_sequences(
     """Tokenize and pack `corpus` into sequences of `seq_len` tokens (documents joined by EOS). Without a
     `held_out_corpus`, the first documents up to `held_out` sequences are carved off as whole documents, so no
     document is in both sets. `max_sequences` bounds what is read (a streamed corpus is read only that far)."""
-    digest, read = hashlib.sha256(), 0  # `text_hash` of the documents used, kept as they are used
+    digest, read = hashlib.sha256(), 0  # `data.text_hash` of the documents used, kept as they are used
 
     def tokens(texts: Iterable[str]) -> Iterator[list[int]]:
         nonlocal read
         for batch in _batches(texts):
             for text, ids in zip(batch, tokenizer(batch, add_special_tokens=True)["input_ids"]):
-                digest.update(text.encode("utf-8") + b"\x00")
+                add_to_text_hash(digest, text)
                 read += 1
                 yield ids
 

@@ -105,12 +105,17 @@ def load_texts(text: TextSource, text_column: str = "text") -> tuple[list[str], 
     return [t for t in texts if t.strip()], name
 
 
+def add_to_text_hash(digest: Any, text: str) -> None:
+    """One text more in a `text_hash` digest (for texts hashed as they are read)."""
+    digest.update(text.encode("utf-8"))
+    digest.update(b"\x00")
+
+
 def text_hash(texts: list[str]) -> str:
     """sha256 of the texts joined by NUL bytes: identifies the calibration text in reports."""
     digest = hashlib.sha256()
     for text in texts:
-        digest.update(text.encode("utf-8"))
-        digest.update(b"\x00")
+        add_to_text_hash(digest, text)
     return digest.hexdigest()
 
 

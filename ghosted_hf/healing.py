@@ -346,6 +346,7 @@ class HealingTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.teacher, self.kd_weight, self.kl_chunk, self.budget = teacher, kd_weight, kl_chunk, budget
         self.schedule, self.precision = schedule, precision
+        self._gathered_head: Head | None = None  # the student's output layer, gathered once under ZeRO-3
         # Every batch holds the same number of tokens: the mean loss per micro-batch, divided by the number of
         # micro-batches (and averaged over processes by DDP) is the mean over the whole step.
         self.model_accepts_loss_kwargs, self.loss_is_scaled_for_ga = False, False
@@ -388,7 +389,7 @@ class HealingTrainer(Trainer):
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
         if not hasattr(head.weight, "ds_id"):
             return head
-        if getattr(self, "_gathered_head", None) is None:
+        if self._gathered_head is None:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([head.weight]):
