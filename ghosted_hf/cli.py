@@ -20,8 +20,9 @@ from .options import PruneOptions, add_arguments, from_namespace, option
 logger = logging.getLogger("ghosted_hf")
 
 MODEL_HELP = f"Local folder or Hub id of a Llama / Qwen2 / Qwen3 causal LM (None: the packaged {assets.DEFAULT_MODEL})."
-TRUST_HELP = ("Run the model repository's own Python code. Not needed for ghosted models whose code is ghosted_hf's "
-              "own (checked byte for byte); never needed for stock Llama/Qwen checkpoints.")
+TRUST_HELP = ("Run Python code that the model folder or repository carries (its model's, tokenizer's or custom_generate/ "
+              "code). Never needed for ghosted models (ghosted_hf's own classes load them) or for families transformers "
+              "ships; without it no file of the folder is imported.")
 
 
 @dataclass(kw_only=True)
@@ -291,7 +292,7 @@ def load_for_calibration(run) -> tuple:
                            "first, e.g. huggingface-cli download).")
     # The build after calibration still loads the model (layer surgery needs every kept weight in memory).
     model = LayerwisePass(folder, DTYPES[run.dtype], offload_folder=run.activations_dir)
-    return model, AutoTokenizer.from_pretrained(folder)
+    return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
 def rank_device(device: str | None) -> str | None:
@@ -452,7 +453,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             with safe_open(str(file), framework="pt") as handle:
                 tensors.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys() if ".ghost." in k})
     elif "ghost_provenance" in raw:  # a stock checkpoint ghosted_hf made: its operators are in its weights
-        config, tensors = AutoConfig.from_pretrained(folder), None
+        config, tensors = AutoConfig.from_pretrained(folder, trust_remote_code=False), None
     else:
         raise GhostedError(f"{folder} holds a {raw.get('model_type')!r} model that ghosted_hf did not make (its "
                            "config.json has no ghost_provenance): there is nothing to inspect.")

@@ -68,10 +68,10 @@ def run_demo(output: str | Path, options: PruneOptions | None = None, model: str
     measure dense, plainly pruned and ghosted models on the held-out Wikipedia articles."""
     options = options or PruneOptions()
     folder = assets.resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
     def load():
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False).eval()
 
     held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), eval_seq_len, eval_windows, batch_size=4)
     ghosted = ghost_prune(load(), tokenizer, assets.wikipedia_split("calibration"), options)

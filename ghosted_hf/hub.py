@@ -10,8 +10,10 @@ waits at most `timeout` seconds for an answer. Pulling needs no code of ours:
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -51,6 +53,33 @@ def check_ghosted_folder(folder: Path) -> dict[str, Any]:
     if "auto_map" not in config:
         raise GhostedError(f"{folder}/config.json has no auto_map: it would not load with trust_remote_code.")
     return config
+
+
+# Files a saved ghosted model holds besides its weights: what save_with_card writes (the tokenizer's files too).
+MODEL_FOLDER_FILES = ("config.json", "generation_config.json", "README.md", PLOT_FILE, *REMOTE_FILES, "tokenizer.json",
+                      "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                      "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model")
+
+
+def announce_extra_files(folder: Path) -> list[str]:
+    """Refuse a folder holding a symbolic link whose target lies outside it (pushing would upload that file's
+    content: a token, say); log every file that will be uploaded beyond the model's own, and return them."""
+    root = folder.resolve()
+    leaving, extra = [], []
+    for parent, dirs, files in os.walk(folder):
+        for name in (*dirs, *files):
+            path = Path(parent) / name
+            relative = str(path.relative_to(folder))
+            if path.is_symlink() and not path.resolve().is_relative_to(root):
+                leaving.append(f"{relative} -> {os.readlink(path)}")
+            elif name in files and relative not in MODEL_FOLDER_FILES and not fnmatch.fnmatch(relative, "model*.safetensors*"):
+                extra.append(relative)
+    if leaving:
+        raise GhostedError(f"{folder} holds symbolic links to files outside it, whose content would be uploaded: "
+                           f"{', '.join(leaving)}. Remove them, or copy what they point to into the folder.")
+    if extra:
+        logger.warning("Uploading %d file(s) besides the model's own: %s", len(extra), ", ".join(sorted(extra)))
+    return sorted(extra)
 
 
 def _is_connection_error(error: Exception) -> bool:
@@ -119,6 +148,7 @@ def push_to_hub(
         if isinstance(model_or_folder, (str, Path)):
             if not Path(model_or_folder).is_dir():
                 raise GhostedError(f"{model_or_folder} is not a folder; save the model with save_with_card first.")
+            announce_extra_files(Path(model_or_folder))  # refuses links that leave the folder
             shutil.copytree(model_or_folder, folder)  # the bytes verified below are the bytes sent
         else:
             save_with_card(model_or_folder, folder, tokenizer=tokenizer, repo_id=repo_id)

@@ -107,21 +107,6 @@ def test_eval_runs_custom_code_only_when_trusted(tmp_path: Path, monkeypatch) ->
     assert main([*common, "--trust-remote-code"]) == 0 and marker.read_text() == "ran"
 
 
-def test_own_ghosted_code_is_trusted_and_altered_code_is_not(tmp_path: Path) -> None:
-    from ghosted_hf import prune_layers
-    from ghosted_hf.loading import is_own_ghosted_model
-    from tiny import random_operator
-
-    folder = tmp_path / "ghosted"
-    prune_layers(build("llama"), [2], {2: random_operator(1)}).save_pretrained(folder)
-    assert is_own_ghosted_model(str(folder))
-    with (folder / "modeling_ghosted.py").open("a") as handle:
-        handle.write("\n# altered\n")
-    assert not is_own_ghosted_model(str(folder))
-    build("llama").save_pretrained(tmp_path / "plain")
-    assert not is_own_ghosted_model(str(tmp_path / "plain"))
-
-
 @pytest.mark.slow
 def test_eval_a_hub_id_at_a_revision_offline(tmp_path: Path) -> None:
     from fake_hub import build_hub_cache

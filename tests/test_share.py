@@ -194,3 +194,33 @@ def test_the_saved_tokenizer_class_loads_on_transformers_4_and_5(ghosted, tmp_pa
     folder = save_with_card(ghosted, tmp_path / "model", char_tokenizer())
     assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert AutoTokenizer.from_pretrained(folder)("hello")["input_ids"] == char_tokenizer()("hello")["input_ids"]
+
+
+def test_push_refuses_links_that_leave_the_folder_and_lists_extra_files(ghosted, tmp_path: Path, caplog) -> None:
+    """A link to a file (or folder) outside the model folder would upload what it points to: refused, named;
+    links inside the folder and ordinary extra files are uploaded, each listed before the upload."""
+    secret = tmp_path / "token.txt"
+    secret.write_text("hf_secret")
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "key").write_text("secret")
+    with FakeHub() as hub:
+        for name, target in (("notes.txt", secret), ("tokenizer.json", secret), ("keys", tmp_path / "private"),
+                             ("nested/deep.txt", secret)):
+            folder = save_with_card(ghosted, tmp_path / f"model-{name.replace('/', '-')}", char_tokenizer())
+            link = folder / name
+            link.parent.mkdir(exist_ok=True)
+            link.unlink(missing_ok=True)
+            link.symlink_to(target)
+            with pytest.raises(GhostedError, match=rf"symbolic links to files outside it.*{name} -> {target}"):
+                push_to_hub(folder, "tester/leak", token=hub.token, endpoint=hub.url)
+        assert "tester/leak" not in hub.repos
+        folder = save_with_card(ghosted, tmp_path / "model-ok", char_tokenizer())
+        (folder / "notes.txt").write_text("how it was made")
+        (folder / "sub").mkdir()
+        (folder / "sub" / "data.txt").write_text("x")
+        (folder / "alias.txt").symlink_to(folder / "notes.txt")  # stays inside the folder: its content is ours
+        with caplog.at_level("WARNING", logger="ghosted_hf.hub"):
+            push_to_hub(folder, "tester/ok", token=hub.token, endpoint=hub.url)
+    assert "Uploading 3 file(s) besides the model's own: alias.txt, notes.txt, sub/data.txt" in caplog.text
+    arrived = hub.repos["tester/ok"]["branches"]["main"]
+    assert arrived["alias.txt"] == b"how it was made" and "sub/data.txt" in arrived

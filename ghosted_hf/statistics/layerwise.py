@@ -93,7 +93,7 @@ class LayerwisePass(CalibrationPass):
         if not (self.folder / "config.json").is_file():
             raise MissingFileError(f"{self.folder} holds no config.json: layer-by-layer calibration needs a local model "
                                    "folder with safetensors weights.")
-        self.config = AutoConfig.from_pretrained(self.folder)
+        self.config = AutoConfig.from_pretrained(self.folder, trust_remote_code=False)
         self.config._name_or_path = str(self.folder)
         self.dtype, self.offload_folder = dtype, offload_folder
         self.weights = weight_map(self.folder)
