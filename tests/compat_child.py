@@ -15,6 +15,11 @@ import sys
 
 if __name__ == "__main__":  # (compat_matrix.py imports CHECKS from here and needs ghosted_hf itself)
     sys.modules["ghosted_hf"] = None  # any import of ghosted_hf now raises ImportError
+    # The venv sees the system's packages (for torch), among them the `kernels` that transformers 5.25
+    # requires; kernels >= 0.19 raises at import time inside transformers <= 5.10's hub_kernels module. Hub
+    # kernels are an optional GPU integration a CPU run never uses: hide them so each venv imports the
+    # transformers it pins, not a pairing no user of that version would have.
+    sys.modules["kernels"] = None
 
 import json  # noqa: E402
 import os  # noqa: E402
