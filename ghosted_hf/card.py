@@ -11,7 +11,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .assets import base_model_info
+from .assets import NOTICE_FILE, base_model_info
 from .files import staged_folder
 from .remote.configuration_ghosted import GhostedConfig
 from .summary import summarize
@@ -63,14 +63,15 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
     code sample."""
     prov = config.ghost_provenance or {}
     summary = summarize(config)
-    hub_id, folder_license = base_model_info(prov.get("base_model"))
+    base = base_model_info(prov.get("base_model"))
+    hub_id = base.hub_id
     repo_id = repo_id or "path/to/this-model"
     model_name = repo_id.split("/")[-1]
     card_data = ModelCardData(
         base_model=hub_id,
         library_name="transformers",
         pipeline_tag="text-generation",
-        license=license or prov.get("base_model_license") or folder_license,
+        license=license or prov.get("base_model_license") or base.license,
         tags=STOCK_TAGS if summary.stock else TAGS,
         model_name=model_name,
         eval_results=eval_results(config) or None,
@@ -86,6 +87,7 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
         summary=summary,
         plot=plot,
         ghosted_version=(prov.get("versions") or {}).get("ghosted_hf", ""),
+        notice=prov.get("base_model_notice"),
     )
 
 
@@ -119,5 +121,8 @@ def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_i
             tokenizer.save_pretrained(staging)
             name_tokenizer_class_for_every_reader(staging)
         plot = write_score_plot(config, staging)
+        notice = (config.ghost_provenance or {}).get("base_model_notice")
+        if notice:  # the base's terms ask every derivative to ship it (Gemma: "a 'Notice' text file")
+            (staging / NOTICE_FILE).write_text(notice)
         build_card(config, repo_id=repo_id or folder.name, license=license, plot=plot).save(staging / "README.md")
     return folder

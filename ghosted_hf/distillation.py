@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .architectures import final_norm
+
 Head = Callable[[torch.Tensor], torch.Tensor]  # an output layer: hidden states -> logits
 
 
@@ -58,12 +60,29 @@ def final_hidden_states(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """Capture the output of the decoder's final norm during a forward pass of `model` (which may be wrapped by
     PEFT or DDP: the forward must go through the wrapper for DDP to synchronise gradients)."""
     inner = model
-    while not hasattr(inner, "get_decoder") and hasattr(inner, "module"):  # DDP and the like
-        inner = inner.module
-    norm = inner.get_decoder().norm
+    while not isinstance(getattr(getattr(inner, "model", None), "layers", None), nn.ModuleList):
+        if hasattr(inner, "get_base_model"):  # PEFT
+            inner = inner.get_base_model()
+        elif hasattr(inner, "module"):  # DDP and the like
+            inner = inner.module
+        else:
+            break
+    norm = final_norm(inner)
     captured: list[torch.Tensor] = []
     handle = norm.register_forward_hook(lambda module, args, output: captured.append(output))
     try:
         yield captured
     finally:
         handle.remove()
+
+
+def head_is_plain(model: nn.Module) -> bool:
+    """Whether the model's logits are its output layer applied to the final norm's output, as the chunked KL
+    computes them. A family that post-processes them (Gemma's soft-capping, Granite's and Cohere's scaling) is
+    not: found by running its own forward, not by a list of families."""
+    parameter = next(model.parameters())
+    ids = torch.tensor([[1, 2, 3, 4]], device=parameter.device)
+    with torch.no_grad(), final_hidden_states(model) as captured:
+        logits = model(input_ids=ids).logits
+    head = model.get_output_embeddings()
+    return torch.allclose(head(captured[-1].to(parameter.dtype)).float(), logits.float(), rtol=1e-3, atol=1e-4)

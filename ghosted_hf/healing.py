@@ -35,8 +35,9 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .assets import file_sha256
 from .corpus import TrainingSequences, read_corpus, training_sequences
-from .distillation import Head, chunked_kd_loss, final_hidden_states, shifted_labels
+from .distillation import Head, chunked_kd_loss, final_hidden_states, head_is_plain, shifted_labels
 from .distributed import is_main_process, timeout_s
+from .architectures import lora_targets
 from .errors import GhostedError, MissingDependencyError, MissingFileError
 from .options import Options, option, positive
 from .remote.modeling_ghosted import GHOST_MODULE
@@ -46,8 +47,6 @@ logger = logging.getLogger(__name__)
 SCHEDULES = ("constant", "linear")
 PRECISIONS = ("auto", "fp32", "bf16")
 REPORTERS = ("none", "tensorboard", "wandb")
-LINEAR = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
-TARGET_MODULES = rf"model\.layers\.\d+\.{LINEAR}"  # every linear layer of every decoder layer
 CHECKPOINT_RECORD = "ghosted_checkpoint.json"  # written last: a checkpoint without it is incomplete
 
 
@@ -342,9 +341,10 @@ class HealingTrainer(Trainer):
     our learning-rate schedule (by steps or by time), and the perplexity logged beside every evaluation loss."""
 
     def __init__(self, *args: Any, teacher: nn.Module | None, kd_weight: float, kl_chunk: int, budget: Budget,
-                 schedule: str, precision: str, **kwargs: Any) -> None:
+                 schedule: str, precision: str, plain_heads: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.teacher, self.kd_weight, self.kl_chunk, self.budget = teacher, kd_weight, kl_chunk, budget
+        self.plain_heads = plain_heads  # the chunked KL from hidden states gives both models' logits
         self.schedule, self.precision = schedule, precision
         self._gathered_head: Head | None = None  # the student's output layer, gathered once under ZeRO-3
         # Every batch holds the same number of tokens: the mean loss per micro-batch, divided by the number of
@@ -373,13 +373,20 @@ class HealingTrainer(Trainer):
     def _distillation_loss(self, model, inputs, return_outputs):
         ids = inputs["input_ids"]
         teacher_device = next(self.teacher.parameters()).device
+        labels = shifted_labels(inputs["labels"])
+        if not self.plain_heads:  # logits post-processed by the family's forward: KL of the forwards' own logits
+            with torch.no_grad():
+                target = self.teacher(input_ids=ids.to(teacher_device)).logits
+            outputs = model(input_ids=ids)
+            loss = chunked_kd_loss(outputs.logits, target, labels, nn.Identity(), nn.Identity(),
+                                   kd_weight=self.kd_weight, chunk=self.kl_chunk)
+            return (loss, outputs) if return_outputs else loss
         with torch.no_grad():
             teacher_hidden = self.teacher.get_decoder()(input_ids=ids.to(teacher_device)).last_hidden_state
         with final_hidden_states(model) as captured:
             outputs = model(input_ids=ids, logits_to_keep=1)  # the logits come chunk by chunk below
-        loss = chunked_kd_loss(captured[-1], teacher_hidden, shifted_labels(inputs["labels"]),
-                               self._student_head(model), self.teacher.get_output_embeddings(),
-                               kd_weight=self.kd_weight, chunk=self.kl_chunk)
+        loss = chunked_kd_loss(captured[-1], teacher_hidden, labels, self._student_head(model),
+                               self.teacher.get_output_embeddings(), kd_weight=self.kd_weight, chunk=self.kl_chunk)
         return (loss, outputs) if return_outputs else loss
 
     def _student_head(self, model: nn.Module) -> Head:
@@ -414,7 +421,7 @@ class HealResult(NamedTuple):
 
 def _lora(model: PreTrainedModel, options: HealOptions) -> PeftModel:
     torch.manual_seed(options.seed)
-    config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0, target_modules=TARGET_MODULES,
+    config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0, target_modules=lora_targets(model),
                         modules_to_save=[GHOST_MODULE] if options.train_operators else None, task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 
@@ -464,8 +471,10 @@ def heal(
     if options.train_operators and kind == "stock":
         raise GhostedError("train_operators needs a ghosted model: a stock checkpoint has its operators folded into "
                            "its weights, and LoRA already trains those.")
+    plain_heads = True
     if teacher is not None:
         check_same_vocabulary(model, teacher)
+        plain_heads = head_is_plain(model) and head_is_plain(teacher)
     if (options.save_every or resume is not None or options.report_to != "none") and checkpoints is None:
         raise GhostedError("save_every, resume and report_to need the checkpoints folder (the run's checkpoints, and "
                            "its logs under runs/).")
@@ -493,7 +502,7 @@ def heal(
             callbacks=[_Schedule(budget), _Record(budget, run), _Progress(budget, per_step * options.seq_len, progress),
                        *callbacks],
             teacher=teacher, kd_weight=options.kd_weight, kl_chunk=options.kl_chunk, budget=budget,
-            schedule=options.schedule, precision=precision)
+            schedule=options.schedule, precision=precision, plain_heads=plain_heads)
         gather = sharded(trainer)
         fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
         if fsdp_asked and not trainer.is_fsdp_enabled and is_main_process():

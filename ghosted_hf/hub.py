@@ -56,9 +56,10 @@ def check_ghosted_folder(folder: Path) -> dict[str, Any]:
 
 
 # Files a saved ghosted model holds besides its weights: what save_with_card writes (the tokenizer's files too).
-MODEL_FOLDER_FILES = ("config.json", "generation_config.json", "README.md", PLOT_FILE, *REMOTE_FILES, "tokenizer.json",
-                      "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                      "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model")
+MODEL_FOLDER_FILES = ("config.json", "generation_config.json", "README.md", "NOTICE", PLOT_FILE, *REMOTE_FILES,
+                      "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                      "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt",
+                      "tokenizer.model")
 
 
 def announce_extra_files(folder: Path) -> list[str]:

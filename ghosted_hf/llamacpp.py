@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from .architectures import ARCHITECTURES, architecture
 from .errors import GhostedError
 from .remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
 from .remote.modeling_ghosted import GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key
@@ -175,6 +176,12 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
         raise GhostedError(f"outtype must be one of {OUTTYPES}, got {outtype!r} (quantize with llama-quantize).")
     if getattr(model.config, "model_type", None) != "ghosted":
         raise GhostedError("export-gguf takes a ghosted model; convert a stock checkpoint with llama.cpp's converter.")
+    family = architecture(model)
+    if not family.llama_cpp:
+        raise GhostedError(f"export-gguf writes llama.cpp's DeciLM blocks into a Llama-layout GGUF, which a pruned "
+                           f"{family.name} model is not (llama.cpp families: "
+                           f"{', '.join(sorted(t for t, a in ARCHITECTURES.items() if a.llama_cpp))}). Serve it with "
+                           "transformers (trust_remote_code=True).")
     blocks = normed_blocks(model)
     eps = getattr(model.config.text_config, "rms_norm_eps", NORMED_EPS)
     if eps != NORMED_EPS:

@@ -16,6 +16,7 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .architectures import architecture
 from .assets import base_model_info
 from .data import TextSource, TokenBatches, tokenize_texts
 from .errors import GhostedError
@@ -152,12 +153,13 @@ def provenance(ghosted: GhostedForCausalLM, base_name: str | None, dense_paramet
     and `ghosted inspect`."""
     operator_parameters = sum(p.numel() for p in ghosted.ghost_operators().values())
     data, stats = calibrator.data_description, calibrator.statistics
-    hub_id, license = base_model_info(base_name)
+    base = base_model_info(base_name)
     return {
         "method": METHOD,
-        "base_model": hub_id or base_name or None,
+        "base_model": base.hub_id or base_name or None,
         "base_model_path": base_name or None,
-        "base_model_license": license,
+        "base_model_license": base.license,
+        "base_model_notice": base.notice,
         "selection": selection.describe(),
         "operator": options.operator,
         "fitting": options.fitting,
@@ -179,9 +181,12 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
     """Refuse a request that cannot succeed before any calibration work."""
     depth = getattr(config, "num_hidden_layers", None)
     if not isinstance(depth, int):
-        raise GhostedError(f"Expected a Llama/Qwen causal LM (a transformers model with config.num_hidden_layers), "
+        raise GhostedError(f"Expected a decoder-only causal LM (a transformers model with config.num_hidden_layers), "
                            f"got a {type(config).__name__}.")
     kind = operator_kind(options.operator)
+    family = architecture(config)
+    if kind.stock and kind.name != "none":
+        family.refuse_fold(kind.name)
     if not criterion(options.criterion).takes_layers:
         check_num_layers(options.num_layers, depth - kind.first_removable)
         return

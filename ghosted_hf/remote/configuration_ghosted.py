@@ -3,7 +3,8 @@
 This file is copied next to the weights and loaded with ``trust_remote_code=True``: it imports only the
 standard library and transformers.
 
-A ghosted model is a dense Llama / Qwen2 / Qwen3 / Mistral decoder with whole layers removed. At each
+A ghosted model is a decoder-only causal LM of a family transformers ships (its `text_config`) with whole layers
+removed. At each
 pruning boundary a C x C operator ``W`` maps the residual stream that reaches the first surviving layer
 (or the final norm, when the last layers were removed) as ``x -> x @ W``. The saved format is specified in
 docs/reference/format.md; `ghost_format_version` says which version a checkpoint follows.
@@ -20,7 +21,6 @@ try:  # transformers >= 5.20: composite configs declare sub-configs with a spec 
 except ImportError:  # 4.x and 5.0-5.19: a plain {key: config class} map; the dict -> config conversion is ours
     SubConfigSpec = None
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 OPERATOR_DTYPES = ("float32", "bfloat16")
 NORM_TARGET = "norm"
 LAYER_TARGET = "layer"
@@ -125,10 +125,6 @@ class GhostedConfig(PretrainedConfig):
         """Raise a ValueError naming the problem if the pruning metadata contradicts itself."""
         check_format_version(self.ghost_format_version)
         text = self.text_config
-        if text.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"Unsupported base architecture {text.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
-            )
         if self.operator_dtype not in OPERATOR_DTYPES:
             raise ValueError(f"operator_dtype must be one of {OPERATOR_DTYPES}, got {self.operator_dtype!r}.")
         total, removed = self.original_num_hidden_layers, self.removed_layers

@@ -1,4 +1,4 @@
-"""Ghosted Layers causal LM (arXiv 2605.15491): a pruned Llama / Qwen2 / Qwen3 / Mistral decoder whose
+"""Ghosted Layers causal LM (arXiv 2605.15491): a pruned decoder-only causal LM (any family transformers ships) whose
 residual stream is mapped by a closed-form C x C operator at each pruning boundary.
 
 This file is copied next to the weights and loaded with ``trust_remote_code=True``: it imports only torch,
@@ -16,7 +16,6 @@ tensor's sha256 and the format version (docs/reference/format.md).
 from __future__ import annotations
 
 import fnmatch
-import functools
 import hashlib
 import json
 import os
@@ -28,8 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModel, GenerationMixin, LlamaForCausalLM, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, LlamaForCausalLM, PreTrainedModel
 
 from .configuration_ghosted import LAYER_TARGET, NORMED_EPS, OPERATOR_DTYPES, GhostedConfig, required_format_version
 
@@ -51,24 +49,6 @@ if _lacking:
         f"ghosted remote code needs transformers >= {MIN_TRANSFORMERS}; found {_transformers.__version__} "
         f"(no {', '.join(_lacking)}): pip install -U transformers"
     )
-
-try:
-    from transformers.utils import can_return_tuple
-except ImportError:  # older releases: the same behaviour, here
-
-    def can_return_tuple(forward):
-        """`return_dict=False` (argument or config) turns the ModelOutput into a tuple."""
-
-        @functools.wraps(forward)
-        def wrapper(self, *args, **kwargs):
-            return_dict = kwargs.pop("return_dict", None)
-            if return_dict is None:
-                return_dict = getattr(self.config, "return_dict", True)
-            output = forward(self, *args, **kwargs)
-            return output if return_dict else output.to_tuple()
-
-        return wrapper
-
 
 GHOST_MODULE = "ghost"
 GHOST_PARAM = "operator"
@@ -292,11 +272,15 @@ class GhostedPreTrainedModel(PreTrainedModel):
         else:
             super()._init_weights(module)
 
-    def _build_decoder(self, config: GhostedConfig) -> None:
-        """The pruned base decoder (`self.model`, standard weight names) with an operator before every boundary."""
+    def _build_decoder(self, config: GhostedConfig, decoder: nn.Module | None = None) -> None:
+        """The pruned base decoder (`self.model`, standard weight names; built here unless given) with an operator
+        before every boundary."""
         config.validate_ghost_layout()
         text_config = config.text_config
-        self.model = AutoModel.from_config(text_config)
+        self.model = AutoModel.from_config(text_config) if decoder is None else decoder
+        if not isinstance(getattr(self.model, "layers", None), nn.ModuleList) or not hasattr(self.model, "norm"):
+            raise ValueError(f"{type(self.model).__name__} has no `layers` list and final `norm`: a ghosted model "
+                             "cannot hold it.")
         operator_dtype = getattr(torch, config.operator_dtype)
         if operator_dtype == torch.float32:
             # from_pretrained(dtype=torch.bfloat16) must not round the operators.
@@ -448,21 +432,39 @@ class GhostedModel(GhostedPreTrainedModel):
 
 
 class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
-    """A pruned Llama / Qwen2 / Qwen3 / Mistral causal LM with a Ghosted Layers operator at every pruning
-    boundary: a drop-in transformers model (`generate`, `pipeline`, PEFT, lm-eval) whose `from_pretrained`
-    refuses a checkpoint whose operators are missing, misshapen, non-finite or not the recorded bytes."""
+    """A pruned causal LM of any decoder family transformers ships, with a Ghosted Layers operator at every pruning
+    boundary: a drop-in transformers model (`generate`, `pipeline`, PEFT, lm-eval) whose `from_pretrained` refuses
+    a checkpoint whose operators are missing, misshapen, non-finite or not the recorded bytes.
+
+    The head, the logits' post-processing (soft-capping, scaling), the loss (a router's auxiliary loss included) and
+    the generation hooks are the base family's own: its causal-LM class is built from `text_config`, its modules
+    (`model`, `lm_head`) and the attributes its methods read are taken over, and the instance becomes one of a
+    subclass of both this class and the family's (same name), so that the family's methods run on it as written.
+    """
 
     _tied_weights_keys = TIED_WEIGHTS_KEYS
 
     def __init__(self, config: GhostedConfig) -> None:
         super().__init__(config)
-        self._build_decoder(config)
-        text_config = config.text_config
-        self.vocab_size = text_config.vocab_size
-        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        base = AutoModelForCausalLM.from_config(config.text_config)
+        if set(dict(base.named_children())) != {"model", "lm_head"}:
+            raise ValueError(f"{type(base).__name__} is not a decoder with `model` and `lm_head` modules: a ghosted "
+                             "model cannot hold it.")
+        for name, value in vars(base).items():  # what the family's forward reads (vocab_size, logit_scale, ...)
+            if not name.startswith("_") and name != "training" and not hasattr(self, name):
+                setattr(self, name, value)
+        self.__class__ = _with_family(type(self), type(base))
+        self._tied_weights_keys = getattr(base, "_tied_weights_keys", None) or TIED_WEIGHTS_KEYS
+        self.lm_head = base.lm_head
+        self._build_decoder(config, base.model)
         self.post_init()
 
-    @can_return_tuple
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        self.lm_head = new_embeddings
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -473,24 +475,28 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
-        # The KV cache and attention options travel in **kwargs, so this works whatever transformers names them.
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
-        hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        extras = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **extras)
+    ):
+        # The family's own forward, on this model (`self.model` is the pruned decoder with its operators). The KV
+        # cache and attention options travel in **kwargs, whatever this transformers names them.
+        return self._base_class.forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                                        position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
+                                        use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+
+
+
+_FAMILY_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _with_family(cls: type, family: type) -> type:
+    """`cls` (a ghosted class) joined with a family's causal-LM class: the ghosted class's own methods first, then
+    the family's (its forward, generation hooks, weight init; `super()` inside them holds), then the rest."""
+    if family in cls.__mro__:
+        return cls
+    if (cls, family) not in _FAMILY_CLASSES:
+        _FAMILY_CLASSES[cls, family] = type(cls.__name__, (cls, family), {"__module__": cls.__module__,
+                                                                          "__qualname__": cls.__qualname__,
+                                                                          "_base_class": family})
+    return _FAMILY_CLASSES[cls, family]
 
 
 __all__ = ["GhostedForCausalLM", "GhostedModel", "GhostedPreTrainedModel", "GhostOperator"]

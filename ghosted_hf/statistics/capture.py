@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..architectures import LAYER_FIELDS, architecture, decoder, decoder_layers, final_norm, pruned_config
 from ..errors import GhostedError, NonFiniteError
 from ..remote.modeling_ghosted import rms_normalized
 
@@ -50,11 +51,13 @@ class _StopForward(Exception):
 
 
 def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
-    """The decoder layers and final norm of a Llama-style causal LM (dense or ghosted)."""
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "norm"):
-        raise GhostedError(f"Expected a causal LM with `model.layers` and `model.norm`, got {type(model).__name__}.")
-    return inner.layers, inner.norm
+    """The decoder layers and final norm of a causal LM (dense or ghosted)."""
+    return decoder_layers(model), final_norm(model)
+
+
+def mlp_of(model: nn.Module, layer: nn.Module) -> nn.Module:
+    """The MLP sub-block of a decoder layer of `model` (the architecture registry's name for it)."""
+    return architecture(model).mlp.module(layer)
 
 
 def input_device(model: nn.Module) -> torch.device:
@@ -77,12 +80,15 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
     """Within the context, `model` computes the model pruned and patched by `patch`: the removed layers are
     left out of its layer list (and of its per-layer config), each operator is a pre-hook on what its boundary
     feeds, each transform a hook on an MLP's output. Everything is restored on exit."""
-    inner = model.model
+    inner = decoder(model)
     layers, norm = decoder_parts(model)
     depth = len(layers)
     config = inner.config
-    saved = {name: getattr(config, name) for name in ("num_hidden_layers", "layer_types") if hasattr(config, name)}
     kept = [i for i in range(depth) if i not in set(patch.removed)]
+    # The per-layer config fields the decoder's forward reads by position (layer_types, ...), as pruning sets them.
+    pruned = pruned_config(config, kept)
+    fields = [name for name in ("num_hidden_layers", *LAYER_FIELDS) if hasattr(config, name)]
+    saved = {name: getattr(config, name) for name in fields}
     handles = []
 
     def operator_hook(matrix: torch.Tensor, normed: torch.Tensor | None):
@@ -105,11 +111,10 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
                 hook = operator_hook(patch.operators[first], patch.normed.get(first))
                 handles.append(target.register_forward_pre_hook(hook, with_kwargs=True))
         for j, matrix in patch.transforms.items():
-            handles.append(layers[j].mlp.register_forward_hook(transform_hook(matrix)))
+            handles.append(mlp_of(model, layers[j]).register_forward_hook(transform_hook(matrix)))
         inner.layers = nn.ModuleList([layers[i] for i in kept])
-        config.num_hidden_layers = len(kept)
-        if saved.get("layer_types") is not None:
-            config.layer_types = [saved["layer_types"][i] for i in kept]
+        for name in fields:
+            setattr(config, name, getattr(pruned, name))
         yield
     finally:
         inner.layers = layers
@@ -169,7 +174,7 @@ def capture_hidden_states(
             target = layers[i] if i < depth else norm
             handles.append(target.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
         for j in mlp_layers:
-            handles.append(layers[j].mlp.register_forward_hook(mlp_hook(j)))
+            handles.append(mlp_of(model, layers[j]).register_forward_hook(mlp_hook(j)))
         first = input_device(model)
         with torch.no_grad():
             try:

@@ -21,10 +21,11 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..architectures import decoder, decoder_layers, layer_of
 from ..checkpoint import weight_map
 from ..errors import GhostedError, MissingFileError, NonFiniteError
 from .accumulate import StatisticsAccumulator
-from .capture import Patch, apply_matrix, release_freed_memory
+from .capture import Patch, apply_matrix, mlp_of, release_freed_memory
 from .declarations import Read, mlp, source, target
 from .origin import config_sha256, model_fingerprint
 from .passes import Batch, CalibrationPass
@@ -72,10 +73,14 @@ class _Store:
         return item if isinstance(item, torch.Tensor) else torch.load(item, mmap=True)
 
 
-def _layer_of(name: str) -> int | None:
-    """The decoder layer a weight name belongs to (``model.layers.<i>.``), else None."""
-    parts = name.split(".")
-    return int(parts[2]) if parts[:2] == ["model", "layers"] and len(parts) > 2 else None
+def computed_buffers(model: nn.Module, module: nn.Module, recurse: bool = True) -> None:
+    """Give the buffers of `module` (and its submodules) that a meta-device build left without values (rotary
+    frequencies, embedding scales: computed, never saved) their values, through the family's own `_init_weights`.
+    Their modules' parameters are left empty: load them afterwards."""
+    for sub in module.modules() if recurse else (module,):
+        if any(b.device.type == "meta" for b in sub.buffers(recurse=False)):
+            sub.to_empty(device="cpu", recurse=False)
+            model._init_weights(sub)
 
 
 class LayerwisePass(CalibrationPass):
@@ -113,10 +118,13 @@ class LayerwisePass(CalibrationPass):
 
         skip = {int(i) for i in removed}
         model = self._skeleton()
-        wanted = [k for k in self.weights if _layer_of(k) not in skip]
+        for i, layer in enumerate(decoder_layers(model)):
+            if i not in skip:
+                computed_buffers(model, layer)
+        wanted = [k for k in self.weights if layer_of(k) not in skip]
         model.load_state_dict({k: self._tensor(k) for k in wanted}, strict=False, assign=True)
         model.tie_weights()
-        missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and _layer_of(n) not in skip]
+        missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and layer_of(n) not in skip]
         if missing:
             raise GhostedError(f"{self.folder} lacks {len(missing)} weights of the model (e.g. {missing[0]}); "
                                "re-download or re-save the checkpoint.")
@@ -138,7 +146,8 @@ class LayerwisePass(CalibrationPass):
             raise GhostedError(f"{file} cannot be read for tensor {name} ({type(error).__name__}: {error}): the "
                                "checkpoint is damaged or incomplete; re-download or re-save it.") from None
 
-    def _load(self, module: nn.Module, prefix: str) -> None:
+    def _load(self, module: nn.Module, prefix: str, model: nn.Module) -> None:
+        computed_buffers(model, module)
         names = [k for k in self.weights if k.startswith(prefix)]
         try:
             module.load_state_dict({k[len(prefix):]: self._tensor(k) for k in names}, strict=True, assign=True)
@@ -151,8 +160,10 @@ class LayerwisePass(CalibrationPass):
 
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
-        inner = skeleton.model
-        inner.rotary_emb = type(inner.rotary_emb)(config=inner.config)  # computed buffers, not weights
+        layers = set(decoder_layers(skeleton).modules())
+        for module in skeleton.modules():
+            if module not in layers:
+                computed_buffers(skeleton, module, recurse=False)  # rotary modules, embedding scales
         return skeleton.eval()
 
     def collect(self, batches: Iterable[Batch], plan: StatisticsPlan, *, patch: Patch | None = None,
@@ -223,7 +234,7 @@ class _Streams:
     def __init__(self, owner: LayerwisePass, batches: list[Batch], patch: Patch | None, run: int, depth: int) -> None:
         self.owner, self.patch = owner, patch
         self.skeleton = owner._skeleton()
-        inner = self.skeleton.model
+        inner = decoder(self.skeleton)
         self.layers = list(inner.layers)
         self.temporary = (tempfile.TemporaryDirectory(dir=owner.offload_folder) if owner.offload_folder is not None
                           else None)
@@ -235,7 +246,7 @@ class _Streams:
                           for first, fed in patch.fed(depth).items() if first in patch.operators}
                          if patch is not None else {})
         self.kwargs: list[dict] = []
-        owner._load(inner.embed_tokens, "model.embed_tokens.")
+        owner._load(inner.embed_tokens, "model.embed_tokens.", self.skeleton)
         catchers = max(run, 1)
         for b, batch in enumerate(batches):
             record: dict = {}
@@ -257,11 +268,11 @@ class _Streams:
     def advance(self, i: int, wants_mlp: bool) -> Iterable[tuple[int, torch.Tensor | None]]:
         """Run layer `i` over every batch; yields (batch, its MLP output if wanted) once both streams moved."""
         layer = self.layers[i]
-        self.owner._load(layer, f"model.layers.{i}.")
+        self.owner._load(layer, f"model.layers.{i}.", self.skeleton)
         if self.owner.observer is not None:
             self.owner.observer(i)
         mlp_out: dict[int, torch.Tensor] = {}
-        hook = layer.mlp.register_forward_hook(lambda m, a, out: mlp_out.__setitem__(0, out)) if wants_mlp else None
+        hook = mlp_of(self.skeleton, layer).register_forward_hook(lambda m, a, out: mlp_out.__setitem__(0, out)) if wants_mlp else None
         try:
             for b, kwargs in enumerate(self.kwargs):
                 with torch.no_grad():

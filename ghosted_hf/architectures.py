@@ -1,0 +1,353 @@
+"""The architecture registry: everything ghosted_hf knows about a decoder family, in one place.
+
+What transformers can tell is derived from the model: the decoder (`model.model`), its `layers` and final `norm`,
+the embeddings, and the head, whose logits post-processing and loss the ghosted model takes from the family's own
+causal-LM class. An entry declares only what cannot be derived: where the norms sit and how their gain reads,
+which linear layers read each normalised stream and which write the residual stream, and what the family's stock
+checkpoints and llama.cpp can hold. Config fields that encode structure by layer index are declared once, by
+name, in `LAYER_FIELDS`; a per-layer field this module does not know is a reason to refuse, never to guess, and
+every pruned layer is compared with the dense layer it stands for before a model is built.
+
+Adding a family is one `Architecture` entry and one tiny-model test (tests/test_architectures.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from .errors import GhostedError
+
+NORM_PLACEMENTS = ("pre", "sandwich", "post")  # where the norms sit around each sub-block
+GAINS = ("weight", "one-plus-weight")  # RMSNorm(x) * w, or RMSNorm(x) * (1 + w) (Gemma)
+
+
+@dataclass(frozen=True)
+class SubBlock:
+    """One residual branch of a decoder layer: the module (the first of `modules` the layer has), the norm whose
+    output it reads (None: it reads the stream itself, post-norm), the linear layers that read that normalised
+    stream and those that write the residual stream (for a stock fold), and the norm applied to its output before
+    it is added (sandwich and post-norm families)."""
+
+    modules: tuple[str, ...]
+    norm: str | None
+    readers: tuple[str, ...] = ()
+    writers: tuple[str, ...] = ()
+    output_norm: str | None = None
+
+    def module(self, layer: nn.Module) -> nn.Module:
+        for name in self.modules:
+            if hasattr(layer, name):
+                return getattr(layer, name)
+        raise GhostedError(f"{type(layer).__name__} has none of the sub-blocks {self.modules}.")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One decoder family (or several that share a layout), keyed by their `model_type`s."""
+
+    model_types: tuple[str, ...]
+    attention: SubBlock
+    mlp: SubBlock
+    norm_placement: str = "pre"
+    gain: str = "weight"
+    stock_folds: bool = False  # a scaled rotation and a down_proj transform fold exactly into its stock checkpoint
+    llama_cpp: bool = False  # llama.cpp reads a pruned checkpoint of it right (export-gguf writes DeciLM blocks)
+    moe: bool = False
+    centered_norm: bool = False  # LayerNorm (subtracts the mean) rather than RMSNorm
+    hybrid: bool = False  # some layers hold another mixer than attention (linear attention, state space)
+    real_model: str | None = None  # a packaged real model of the family (ghosted_hf.assets)
+
+    def __post_init__(self) -> None:
+        assert self.norm_placement in NORM_PLACEMENTS and self.gain in GAINS
+
+    @property
+    def name(self) -> str:
+        return self.model_types[0]
+
+    def refuse_fold(self, what: str) -> None:
+        """A GhostedError saying why `what` (an operator kind) cannot be folded into this family's stock model."""
+        if self.stock_folds:
+            return
+        reason = {
+            "sandwich": "a norm gain after each branch does not commute with a rotation of the stream",
+            "post": "its norms sit after each branch, where a rotation of the stream does not pass through",
+        }.get(self.norm_placement)
+        if reason is None and self.centered_norm:
+            reason = "its LayerNorms subtract the mean, which a rotation of the stream does not keep"
+        if reason is None:
+            reason = "its fold is not implemented: " + ("a router and fused experts read the stream" if self.moe else
+                                                        "the registry does not declare every linear layer that reads "
+                                                        "the stream")
+        raise GhostedError(f"Operator kind {what!r} folds into a stock checkpoint, which {self.name} cannot hold "
+                           f"exactly ({reason}). Use operator 'ghost' or 'normed' (remote code), or 'none'.")
+
+
+def _llama_like(norm_after: str | None = None, placement: str = "pre", **extra: Any) -> dict[str, Any]:
+    """The Llama layout of names (q/k/v/o, gate/up/down, input_layernorm, post_attention_layernorm)."""
+    attention = SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj"), ("o_proj",))
+    mlp = SubBlock(("mlp",), "post_attention_layernorm", ("gate_proj", "up_proj"), ("down_proj",))
+    return {"attention": attention, "mlp": mlp, "norm_placement": placement, **extra}
+
+
+_SANDWICH = {
+    "attention": SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj"), ("o_proj",),
+                          output_norm="post_attention_layernorm"),
+    "mlp": SubBlock(("mlp",), "pre_feedforward_layernorm", ("gate_proj", "up_proj"), ("down_proj",),
+                    output_norm="post_feedforward_layernorm"),
+    "norm_placement": "sandwich",
+}
+_POST_NORM = {
+    "attention": SubBlock(("self_attn",), None, ("q_proj", "k_proj", "v_proj"), ("o_proj",),
+                          output_norm="post_attention_layernorm"),
+    "mlp": SubBlock(("mlp",), None, ("gate_proj", "up_proj"), ("down_proj",), output_norm="post_feedforward_layernorm"),
+    "norm_placement": "post",
+}
+_MOE_MLP = SubBlock(("mlp", "block_sparse_moe"), "post_attention_layernorm")
+_HYBRID_ATTENTION = SubBlock(("self_attn", "linear_attn"), "input_layernorm")
+
+ENTRIES: tuple[Architecture, ...] = (
+    # Dense pre-norm families with Llama's names: every operator kind, stock folds checked numerically.
+    Architecture(("llama", "mistral", "qwen2", "qwen3"), **_llama_like(), stock_folds=True, llama_cpp=True,
+                 real_model="smollm2-135m-instruct"),
+    Architecture(("smollm3", "ministral", "helium", "seed_oss", "ernie4_5", "hunyuan_v1_dense"), **_llama_like(),
+                 stock_folds=True),
+    Architecture(("arcee",), attention=_llama_like()["attention"],
+                 mlp=SubBlock(("mlp",), "post_attention_layernorm", ("up_proj",), ("down_proj",)), stock_folds=True),
+    # Multipliers on embeddings, residual branches, attention and logits: scalars, which a rotation passes.
+    Architecture(("granite",), **_llama_like(), stock_folds=True),
+    Architecture(("gemma",), **_llama_like(), gain="one-plus-weight", stock_folds=True),
+    Architecture(("phi3",), attention=SubBlock(("self_attn",), "input_layernorm", ("qkv_proj",), ("o_proj",)),
+                 mlp=SubBlock(("mlp",), "post_attention_layernorm", ("gate_up_proj",), ("down_proj",)),
+                 stock_folds=True),
+    Architecture(("glm", "glm4"), attention=SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj"),
+                                                     ("o_proj",), output_norm="post_self_attn_layernorm"),
+                 mlp=SubBlock(("mlp",), "post_attention_layernorm", ("gate_up_proj",), ("down_proj",),
+                              output_norm="post_mlp_layernorm"), norm_placement="sandwich"),
+    Architecture(("starcoder2",), attention=SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj"),
+                                                     ("o_proj",)),
+                 mlp=SubBlock(("mlp",), "post_attention_layernorm", ("c_fc",), ("c_proj",)), centered_norm=True),
+    Architecture(("cohere", "cohere2"), attention=SubBlock(("self_attn",), "input_layernorm"),
+                 mlp=SubBlock(("mlp",), "input_layernorm"), centered_norm=True),  # parallel branches, one norm
+    # Sandwich norms (a gain after each branch) and post-norm families: ghost and normed kinds, no stock fold.
+    Architecture(("gemma2", "gemma3_text"), **_SANDWICH, gain="one-plus-weight", real_model="gemma3-270m"),
+    Architecture(("olmo2", "olmo3"), **_POST_NORM),
+    # Mixture-of-experts families: the router and the experts read the normalised stream.
+    Architecture(("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "phimoe", "deepseek_v2", "deepseek_v3",
+                  "glm4_moe", "minimax_m2", "dots1", "hunyuan_v1_moe", "ernie4_5_moe"),
+                 attention=SubBlock(("self_attn",), "input_layernorm"), mlp=_MOE_MLP, moe=True),
+    Architecture(("gpt_oss",), attention=SubBlock(("self_attn",), "input_layernorm"), mlp=_MOE_MLP, moe=True),
+    # Hybrids: some layers hold linear attention (gated DeltaNet) instead of softmax attention.
+    Architecture(("qwen3_next",), attention=_HYBRID_ATTENTION, mlp=_MOE_MLP, moe=True, hybrid=True),
+    Architecture(("qwen3_5_text",), attention=_HYBRID_ATTENTION, mlp=SubBlock(("mlp",), "post_attention_layernorm"),
+                 hybrid=True),
+)
+ARCHITECTURES: dict[str, Architecture] = {t: entry for entry in ENTRIES for t in entry.model_types}
+
+
+def architecture(config_or_model: Any) -> Architecture:
+    """The registry entry of a model or config (a ghosted one: of its base), or a GhostedError naming why not."""
+    config = getattr(config_or_model, "config", config_or_model)
+    if getattr(config, "model_type", None) == "ghosted":
+        config = config.text_config
+    model_type = getattr(config, "model_type", None)
+    if model_type in ARCHITECTURES:
+        return ARCHITECTURES[model_type]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False) or model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        raise GhostedError(f"{model_type!r} is an encoder-decoder model: ghosted_hf prunes decoder-only causal LMs.")
+    raise GhostedError(f"Unsupported architecture {model_type!r}: it is not in ghosted_hf's architecture registry "
+                       f"(supported: {', '.join(sorted(ARCHITECTURES))}; docs/architectures.md says how to add one).")
+
+
+# --------------------------------------------------------------------------- the decoder, derived
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The decoder of a causal LM (dense or ghosted): `model.model`, with its `layers` and final `norm`."""
+    inner = getattr(model, "model", None)
+    if not isinstance(getattr(inner, "layers", None), nn.ModuleList) or not hasattr(inner, "norm"):
+        raise GhostedError(f"Expected a causal LM whose decoder is `model.model` with `layers` and a final `norm`, got "
+                           f"{type(model).__name__}.")
+    return inner
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM (dense or ghosted), in order."""
+    return decoder(model).layers
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm after the last decoder layer (a boundary after the last kept layer feeds it)."""
+    return decoder(model).norm
+
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a parameter or module name belongs to (``model.layers.<i>.``), else None."""
+    match = _LAYER_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def lora_targets(model: nn.Module) -> str:
+    """A PEFT `target_modules` pattern for every linear layer in the decoder layers, fused projections and
+    shared experts included (what LoRA healing adapts); not the output layer, not the ghost operators."""
+    relative = sorted({name.split(".", 1)[1] for name, module in decoder_layers(model).named_modules()
+                       if isinstance(module, nn.Linear) and "." in name})
+    return rf"model\.layers\.\d+\.({'|'.join(re.escape(name) for name in relative)})"
+
+
+# --------------------------------------------------------------------------- per-layer config fields
+
+Rule = Callable[[Any, list[int], dict[str, Any]], Any]
+
+
+def _sliced(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+    return None if value is None else [value[i] for i in kept]
+
+
+def _reindexed(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+    """A list of layer indices: those kept, in the pruned numbering."""
+    return None if value is None else [kept.index(i) for i in value if i in kept]
+
+
+def _prefix_count(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+    """`the first N layers are special`: the kept ones among them stay a prefix."""
+    return value if not isinstance(value, int) else sum(1 for i in kept if i < value)
+
+
+def _sparse_step(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+    """Qwen MoE: layer i is sparse when (i + 1) % step == 0 and i is not in mlp_only_layers. Re-encoded as step 1
+    with the dense kept layers listed (done by `_mlp_only_layers`, which reads the dense step)."""
+    return 1 if isinstance(value, int) else value
+
+
+def _mlp_only_layers(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+    step = values.get("decoder_sparse_step") or 1
+    dense = set(value or [])
+    return [new for new, i in enumerate(kept) if i in dense or (i + 1) % step != 0]
+
+
+def _last_index(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+    """`layers up to index N (inclusive) are special`: N becomes the last kept one of them."""
+    return value if not isinstance(value, int) or value < 0 else sum(1 for i in kept if i <= value) - 1
+
+
+def _must_be_one(field: str) -> Rule:
+    def rule(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+        if value not in (None, 1):
+            raise GhostedError(f"Config field {field} = {value} encodes which layers differ by their index; only 1 "
+                               "(every layer alike) can be pruned. Rewrite it as an explicit list first.")
+        return value
+    return rule
+
+
+def _unchanged(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+    return value
+
+
+# Fields that encode structure by layer index, and how each re-indexes when layers go. `mlp_only_layers` must come
+# after nothing that changes `decoder_sparse_step` first: the rules read the dense values.
+LAYER_FIELDS: dict[str, Rule] = {
+    "layer_types": _sliced, "mlp_layer_types": _sliced, "no_rope_layers": _sliced, "layer_rope_theta": _sliced,
+    "num_attention_heads_per_layer": _sliced, "indexer_types": _sliced, "layers_block_type": _sliced,
+    "moe_layers": _reindexed, "full_attn_idxs": _reindexed,
+    "mlp_only_layers": _mlp_only_layers, "decoder_sparse_step": _sparse_step,
+    "max_window_layers": _prefix_count, "first_k_dense_replace": _prefix_count,
+    "moe_layer_start_index": _prefix_count, "moe_layer_end_index": _last_index,
+    "moe_layer_freq": _must_be_one("moe_layer_freq"), "moe_layer_interval": _must_be_one("moe_layer_interval"),
+    # Used only to derive the explicit lists above when they are absent; a pruned config always has the lists.
+    "no_rope_layer_interval": _unchanged, "interleave_moe_layer_step": _unchanged, "sliding_window_pattern": _unchanged,
+    "_sliding_window_pattern": _unchanged, "full_attention_interval": _unchanged,
+}
+
+
+def pruned_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig:
+    """The base config with `num_hidden_layers` and every per-layer field restricted to the `kept` layers; a list
+    as long as the layer count that `LAYER_FIELDS` does not know is refused by name."""
+    values = config.to_dict()
+    depth = values["num_hidden_layers"]
+    unknown = [k for k, v in values.items() if isinstance(v, (list, tuple)) and len(v) == depth
+               and k not in LAYER_FIELDS]
+    if unknown and depth > 1:
+        raise GhostedError(f"Config field(s) {unknown} of {config.model_type!r} hold one entry per layer, and ghosted_hf "
+                           "does not know how they re-index when layers are removed: add them to "
+                           "ghosted_hf.architectures.LAYER_FIELDS.")
+    new = dict(values, num_hidden_layers=len(kept))
+    for field, rule in LAYER_FIELDS.items():
+        if field in values:
+            new[field] = rule(values[field], kept, values)
+    pruned = type(config).from_dict(new)
+    pruned._attn_implementation = config._attn_implementation
+    return pruned
+
+
+_INDEX_ATTRIBUTE = re.compile(r"(^|_)(idx|index|layer_id|layer_number|layer_num)$")
+
+
+def _signature(layer: nn.Module) -> list[tuple]:
+    """What makes a decoder layer the layer it is, apart from its index: every submodule's class, parameter
+    shapes and plain attributes (sliding or global, rotary or not, dense or sparse, ...)."""
+    signature = []
+    for name, module in layer.named_modules():
+        if name.split(".")[0] == "ghost":
+            continue
+        shapes = tuple((n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False))
+        plain = tuple(sorted((k, v) for k, v in vars(module).items()
+                             if not k.startswith("_") and k != "training" and not _INDEX_ATTRIBUTE.search(k)
+                             and isinstance(v, (int, float, str, bool, type(None)))))
+        signature.append((name, type(module).__name__, shapes, plain))
+    return signature
+
+
+def check_layers_match(dense: Iterable[nn.Module], pruned: Iterable[nn.Module], kept: list[int]) -> None:
+    """Refuse a pruned model whose layer i is not built like the dense layer kept[i] (a per-layer config field
+    re-indexed wrongly would change it), naming the first difference."""
+    for new, (old_layer, new_layer) in enumerate(zip(dense, pruned, strict=True)):
+        before, after = _signature(old_layer), _signature(new_layer)
+        if before != after:
+            diff = next((a, b) for a, b in zip(before + [None], after + [None]) if a != b)
+            raise GhostedError(f"Pruned layer {new} would not be built like dense layer {kept[new]} ({diff[0]} became "
+                               f"{diff[1]}): a per-layer config field is not re-indexed right. Report it with the "
+                               "model's config.json.")
+
+
+# --------------------------------------------------------------------------- the generated docs table
+
+
+def _layout(entry: Architecture) -> str:
+    norm = "LayerNorm" if entry.centered_norm else "RMSNorm (1 + w)" if entry.gain == "one-plus-weight" else "RMSNorm"
+    parts = [f"{entry.norm_placement}-norm {norm}"]
+    if entry.moe:
+        parts.append("mixture of experts")
+    if entry.hybrid:
+        parts.append("linear-attention layers")
+    return ", ".join(parts)
+
+
+def _stock_export(entry: Architecture) -> str:
+    try:
+        entry.refuse_fold("folded")
+    except GhostedError as error:
+        return "refused: " + str(error).split("(", 1)[1].split(")", 1)[0]
+    return "exact (checked per family)"
+
+
+def supported_architectures_table() -> str:
+    """The markdown table of docs/architectures.md (a test keeps the page equal to it)."""
+    rows = ["| `model_type` | layout | stock export (`folded`, `folded-tied`, `replaceme-ls`) | `export-gguf` | "
+            "tested with |", "|---|---|---|---|---|"]
+    for entry in ENTRIES:
+        tested = (f"real weights ({entry.real_model}) and tiny random ones" if entry.real_model
+                  else "tiny random weights")
+        rows.append(f"| {', '.join(f'`{t}`' for t in entry.model_types)} | {_layout(entry)} | {_stock_export(entry)} "
+                    f"| {'yes' if entry.llama_cpp else 'refused'} | {tested} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,177 @@
+"""Every family of the architecture registry, by one definition of correct: a pruned model equals the dense model
+with the removed layers skipped (their input passed through) and each operator applied to the stream entering the
+next kept layer or the final norm, in memory, in cached generation and after a reload in a fresh process without
+ghosted_hf. Tiny random models with non-trivial norm gains and biases; scattered removals, one touching the first
+layer and one the last."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ghosted_hf import GhostedError, prune_layers, save_with_card, to_stock_model
+from ghosted_hf.architectures import ARCHITECTURES, LAYER_FIELDS, architecture, decoder_layers, final_norm
+from ghosted_hf.remote.configuration_ghosted import expected_boundaries
+from ghosted_hf.remote.modeling_ghosted import rms_normalized
+from isolated import run_without_ghosted
+from tiny import batch, char_tokenizer, random_operator, tiny_family
+
+FAMILIES = sorted(ARCHITECTURES)
+REMOVALS = ([1, 2, 5], [0, 3])  # a run of two and the last layer; the first layer and a single one
+
+
+def recovery(removed: list[int]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Random operators for every boundary of `removed`, and a normed term on the first."""
+    firsts = [b["removed"][0] for b in expected_boundaries(6, removed)]
+    operators = {f: random_operator(f + 10, 0.1) for f in firsts}
+    return operators, {firsts[0]: 0.1 * random_operator(firsts[0] + 20, 1.0)}
+
+
+def skipped_reference_logits(dense, removed: list[int], operators, normed, inputs) -> torch.Tensor:
+    """The dense model's logits with `removed` layers passing their input through and each boundary's map applied
+    by a pre-hook to what it feeds: the definition of a pruned, ghosted model, built without ghosted_hf's surgery."""
+    layers, norm = decoder_layers(dense), final_norm(dense)
+
+    def skip(module, args, kwargs, output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    def apply(operator, term):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            x = hidden.float()
+            mapped = (x @ operator + (rms_normalized(x) @ term if term is not None else 0)).to(hidden.dtype)
+            return ((mapped, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": mapped})
+        return hook
+
+    handles = [layers[i].register_forward_hook(skip, with_kwargs=True) for i in removed]
+    for boundary in expected_boundaries(len(layers), removed):
+        first, fed = boundary["removed"][0], boundary["removed"][-1] + 1
+        target = layers[fed] if fed < len(layers) else norm
+        handles.append(target.register_forward_pre_hook(apply(operators[first], normed.get(first)), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            return dense(**inputs, use_cache=False).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def pruned_family(model_type: str, removed: list[int]):
+    dense = tiny_family(model_type)
+    operators, normed = recovery(removed)
+    expected = skipped_reference_logits(dense, removed, operators, normed, batch())
+    return prune_layers(dense, removed, operators, normed=normed, operator_kind="ghost"), expected
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_pruned_equals_the_dense_model_with_the_layers_skipped(model_type: str) -> None:
+    for removed in REMOVALS:
+        pruned, expected = pruned_family(model_type, removed)
+        assert pruned.config.text_config.num_hidden_layers == 6 - len(removed)
+        with torch.no_grad():
+            got = pruned(**batch()).logits
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+        prompt = batch()["input_ids"][1:2]
+        cached = pruned.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        uncached = pruned.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                   use_cache=False)
+        assert torch.equal(cached, uncached), (model_type, removed)
+
+
+@pytest.mark.slow
+def test_every_family_reloads_in_a_fresh_process_without_ghosted_hf(tmp_path: Path) -> None:
+    """Saved with its card, each family's pruned model loads with trust_remote_code in a process where ghosted_hf
+    cannot be imported, and gives the same logits."""
+    inputs = batch()
+    for model_type in FAMILIES:
+        pruned, _ = pruned_family(model_type, REMOVALS[0])
+        save_with_card(pruned, tmp_path / model_type, char_tokenizer())
+        with torch.no_grad():
+            save_file({"expected": pruned(**inputs).logits, **inputs}, tmp_path / f"{model_type}.safetensors")
+    printed = run_without_ghosted(f"""
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+        for model_type in {FAMILIES!r}:
+            io = load_file(model_type + ".safetensors")
+            model = AutoModelForCausalLM.from_pretrained(model_type, trust_remote_code=True)
+            with torch.no_grad():
+                got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
+            torch.testing.assert_close(got, io["expected"], rtol=0, atol=0)
+            print("LOADED", model_type, type(model).__module__)
+        """, tmp_path, timeout=600)
+    loaded = [line.split()[1] for line in printed.splitlines() if line.startswith("LOADED")]
+    assert loaded == FAMILIES and "ghosted_hf" not in printed
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_stock_export_is_exact_where_the_family_folds_and_refused_with_the_reason_elsewhere(model_type: str) -> None:
+    """A scaled rotation at every boundary folded into a stock checkpoint of the same family gives the ghosted
+    model's logits; a family where the fold cannot be exact refuses it in one line that says why."""
+    removed = [1, 2, 5]
+    q, _ = torch.linalg.qr(torch.randn(32, 32, generator=torch.Generator().manual_seed(3)))
+    operators = {b["removed"][0]: 1.3 * q for b in expected_boundaries(6, removed)}
+    # The fold is exact up to the norm's eps (rms(s x) + eps is not s (rms(x) + eps)); a negligible eps makes
+    # the comparison test the fold's structure, not each family's default eps against these small activations.
+    dense = tiny_family(model_type, rms_norm_eps=1e-12)
+    ghosted = prune_layers(dense, removed, operators, operator_kind="folded")
+    with torch.no_grad():
+        expected = ghosted(**batch()).logits
+    if not architecture(ghosted).stock_folds:
+        with pytest.raises(GhostedError, match=r"cannot hold exactly \((a norm gain|its norms|its LayerNorms|its fold "
+                                               r"is not implemented)"):
+            to_stock_model(ghosted)
+        return
+    stock = to_stock_model(ghosted)
+    assert stock.config.model_type == model_type and type(stock).__name__ != "GhostedForCausalLM"
+    with torch.no_grad():
+        got = stock(**batch()).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+def test_a_per_layer_field_the_registry_does_not_know_is_refused_by_name() -> None:
+    dense = tiny_family("llama")
+    dense.config.attention_scales_per_layer = [1.0] * 6  # one entry per layer, meaning unknown
+    with pytest.raises(GhostedError, match=r"\['attention_scales_per_layer'\] of 'llama' hold one entry per layer"):
+        prune_layers(dense, [2])
+
+
+def test_a_per_layer_field_re_indexed_wrongly_is_caught_before_a_model_is_built(monkeypatch) -> None:
+    """The layer-by-layer comparison with the dense model catches what a wrong rule would build: here Qwen3-MoE's
+    dense and sparse layers re-indexed as if nothing moved."""
+    monkeypatch.setitem(LAYER_FIELDS, "mlp_only_layers", lambda value, kept, values: value)
+    monkeypatch.setitem(LAYER_FIELDS, "decoder_sparse_step", lambda value, kept, values: value)
+    with pytest.raises(GhostedError, match=r"Pruned layer 1 would not be built like dense layer 2"):
+        prune_layers(tiny_family("qwen3_moe"), [1])
+
+
+def test_index_encoded_fields_re_index() -> None:
+    """Layer types sliced, index lists renumbered, prefix counts counted, Qwen-MoE's step spelled out."""
+    pruned = prune_layers(tiny_family("qwen3_moe"), [0, 3]).config.text_config  # kept 1 2 4 5: sparse, dense, dense, sparse
+    assert (pruned.decoder_sparse_step, pruned.mlp_only_layers) == (1, [1, 2])
+    assert prune_layers(tiny_family("deepseek_v3"), [0]).config.text_config.first_k_dense_replace == 1
+    smol = tiny_family("smollm3")
+    assert prune_layers(smol, [1, 2]).config.text_config.no_rope_layers == [smol.config.no_rope_layers[i]
+                                                                            for i in (0, 3, 4, 5)]
+
+
+def test_families_that_cannot_be_pruned_are_refused_by_name() -> None:
+    from transformers import BartConfig, BartForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(GhostedError, match=r"Unsupported architecture 'gpt2': it is not in ghosted_hf's architecture"):
+        prune_layers(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64)), [0])
+    bart = BartForCausalLM(BartConfig(vocab_size=64, d_model=16, decoder_layers=2, encoder_layers=2,
+                                      decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=16,
+                                      encoder_ffn_dim=16))
+    with pytest.raises(GhostedError, match=r"'bart' is an encoder-decoder model"):
+        prune_layers(bart, [0])
+
+
+def test_the_supported_architectures_page_names_every_family() -> None:
+    """(tests/test_docs.py checks the generated table is current; this, that it is generated from every entry.)"""
+    page = (Path(__file__).parents[1] / "docs" / "architectures.md").read_text()
+    assert all(f"`{t}`" in page for t in FAMILIES)
