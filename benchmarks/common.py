@@ -15,9 +15,9 @@ from ghosted_hf.evaluate import perplexity
 from ghosted_hf.options import PruneOptions
 
 
-def packaged_model() -> tuple[object, Callable[[], torch.nn.Module]]:
-    """The packaged SmolLM2-135M tokenizer and a loader of fresh fp32 copies (ghost_prune consumes one)."""
-    folder = assets.default_model_dir()
+def packaged_model(name: str = assets.DEFAULT_MODEL) -> tuple[object, Callable[[], torch.nn.Module]]:
+    """A packaged model's tokenizer and a loader of fresh fp32 copies (ghost_prune consumes one)."""
+    folder = assets.packaged_model_dir(name)
     return AutoTokenizer.from_pretrained(folder), lambda: AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32).eval()
 
@@ -37,7 +37,19 @@ def layer_ranges(layers: list[int]) -> str:
     return ",".join(runs)
 
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=assets.DEFAULT_MODEL, choices=list(assets.PACKAGED_MODELS),
+                        help="The packaged model to measure on.")
+
+
+def model_title(load: Callable[[], torch.nn.Module], name: str) -> tuple[str, int]:
+    """("<name> (<depth> layers, dequantized GGUF)", depth) for the tables' headers."""
+    depth = load().config.num_hidden_layers
+    return f"{name} ({depth} layers; dequantized GGUF)", depth
+
+
 def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--num-sequences", type=int, default=PruneOptions().num_sequences)
@@ -58,7 +70,7 @@ class Setup:
 
 
 def benchmark_setup(args: argparse.Namespace) -> Setup:
-    tokenizer, load = packaged_model()
+    tokenizer, load = packaged_model(args.model)
     calibration = assets.wikipedia_split("calibration")
     options = PruneOptions(num_sequences=args.num_sequences)
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)

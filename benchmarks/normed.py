@@ -25,27 +25,29 @@ from ghosted_hf.options import PruneOptions
 from ghosted_hf.recipe import statistics_plan
 from ghosted_hf.statistics import StatisticsPlan, collect_statistics
 
-from common import held_out_windows, layer_ranges, packaged_model
+from common import add_model_argument, held_out_windows, layer_ranges, model_title, packaged_model
 
 KINDS = ("ghost", "normed", "ghost-normed")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_argument(parser)
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--lambada", type=int, default=500, help="LAMBADA items to score (0: skip).")
     parser.add_argument("--eval-windows", type=int, default=16)
     args = parser.parse_args()
 
-    tokenizer, load = packaged_model()
+    tokenizer, load = packaged_model(args.model)
+    title, depth = model_title(load, args.model)
     calibration = assets.wikipedia_split("calibration")
     defaults = PruneOptions()
     data = tokenize_texts(tokenizer, calibration, defaults.seq_len, defaults.num_sequences, defaults.batch_size)
     held_out = held_out_windows(tokenizer, args.eval_windows).batches
     started = time.perf_counter()
     dense = perplexity(load(), held_out, progress=False)
-    print(f"SmolLM2-135M-Instruct, fp32. Calibration: {data.num_tokens} tokens (the default {defaults.num_sequences} x "
+    print(f"{title}, fp32. Calibration: {data.num_tokens} tokens (the default {defaults.num_sequences} x "
           f"{defaults.seq_len}); perplexity on {args.eval_windows} held-out windows of 512 tokens (dense {dense:.2f}); "
           f"LAMBADA: first {args.lambada} items. Share of ghost gain: (log plain - log ppl) / (log plain - log ghost), "
           "plain = the same block plainly removed.\n")
@@ -54,7 +56,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     records = []
     for n in args.layers:
-        plan = StatisticsPlan.union(statistics_plan(30, PruneOptions(num_layers=n, operator=kind, criterion=criterion))
+        plan = StatisticsPlan.union(statistics_plan(depth, PruneOptions(num_layers=n, operator=kind, criterion=criterion))
                                     for kind in args.kinds for criterion in ("ghost-aware", "streamline"))
         stats = collect_statistics(load(), data.batches, plan, progress=False)
         prune = lambda **options: ghost_prune(load(), tokenizer, calibration, statistics=stats, num_layers=n,  # noqa: E731
@@ -82,7 +84,7 @@ def main() -> None:
                                     gap_closed=gap_closed(ppl, streamline, dense), share_of_ghost_gain=share,
                                     lambada=lam))
                 cell = f"{lam['accuracy']:.3f} ({lam['accuracy_stderr']:.3f})" if lam else "-"
-                print(f"| {n}/30 | {kind} | {scored_by} residual | {layer_ranges(list(block))} | {residual:.4f} | "
+                print(f"| {n}/{depth} | {kind} | {scored_by} residual | {layer_ranges(list(block))} | {residual:.4f} | "
                       f"{ppl:.2f} | {gap_closed(ppl, streamline, dense):.3f} | {share:.3f} | {cell} |", flush=True)
     print(f"\nTotal {time.perf_counter() - started:.0f} s.")
     print("\n<details><summary>raw results (JSON)</summary>\n\n```json\n" + json.dumps(records, indent=1) +

@@ -1,5 +1,5 @@
-"""Plain export benchmark on the packaged SmolLM2-135M-Instruct (30 layers, tied embeddings): how much of the
-ghost operator's gain the stock-checkpoint recoveries keep.
+"""Plain export benchmark on a packaged model (default SmolLM2-135M-Instruct, `--model`): how much of the ghost
+operator's gain the stock-checkpoint recoveries keep.
 
 For each number of removed layers, the default (ghost-aware) selection picks the block; every recovery is
 fitted from the SAME calibration statistics and scored on the SAME held-out tokens. "gap closed" is the
@@ -24,7 +24,7 @@ from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.recipe import boundary_spans
 from ghosted_hf.surgery import count_parameters
 
-from common import add_setup_arguments, benchmark_setup
+from common import add_setup_arguments, benchmark_setup, model_title
 
 ROWS = [  # (row name, operator kind, needs custom code to run)
     ("no recovery", "none", False),
@@ -47,14 +47,15 @@ def main() -> None:
     tokenizer, load, calibration, held_out = setup.tokenizer, setup.load, setup.calibration, setup.held_out
     options, data, dense = setup.options, setup.data, setup.dense
     dense_parameters = count_parameters(load())
-    print(f"SmolLM2-135M-Instruct (dequantized Q4_1), fp32; dense perplexity {dense:.2f}, {dense_parameters:,} "
+    title, depth = model_title(load, args.model)
+    print(f"{title}, fp32; dense perplexity {dense:.2f}, {dense_parameters:,} "
           f"parameters. Calibration {data.num_tokens} tokens; {args.eval_windows} held-out windows of 512.\n")
     print("| removed | layers | recovery | stock checkpoint | perplexity | gap closed | ghost gain kept | parameters |")
     print("|---|---|---|---|---|---|---|---|")
     for n in args.layers:
         removed = ghost_prune(load(), tokenizer, calibration, options, num_layers=n,
                               operator="none").config.ghost_provenance["selection"]["removed"]
-        spans = boundary_spans(30, removed)
+        spans = boundary_spans(depth, removed)
         plan = StatisticsPlan.union(OPERATOR_KINDS[kind].statistics(s, e) for _, kind, _ in ROWS for s, e in spans
                                     if s >= OPERATOR_KINDS[kind].first_removable)
         stats = collect_statistics(load(), data.batches, plan, progress=False)
@@ -66,7 +67,7 @@ def main() -> None:
         plain, ghost = results["no recovery"][0], results["ghost"][0]
         for name, (ppl, parameters, custom) in results.items():
             kept = (math.log(plain) - math.log(ppl)) / (math.log(plain) - math.log(ghost))
-            print(f"| {n}/30 | {removed[0]}-{removed[-1]} | {name} | {'no' if custom else 'yes'} | {ppl:.2f} | "
+            print(f"| {n}/{depth} | {removed[0]}-{removed[-1]} | {name} | {'no' if custom else 'yes'} | {ppl:.2f} | "
                   f"{gap_closed(ppl, plain, dense):.3f} | {kept:.2f} | {parameters / 1e6:.1f} M |", flush=True)
     print(f"\nTotal {time.perf_counter() - started:.0f} s.")
 

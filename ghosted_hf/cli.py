@@ -19,7 +19,8 @@ from .options import PruneOptions, add_arguments, from_namespace, option
 
 logger = logging.getLogger("ghosted_hf")
 
-MODEL_HELP = f"Local folder or Hub id of a Llama / Qwen2 / Qwen3 causal LM (None: the packaged {assets.DEFAULT_MODEL})."
+MODEL_HELP = (f"Local folder, Hub id or packaged model ({', '.join(assets.PACKAGED_MODELS)}) of a causal LM of a supported "
+              f"family (docs/architectures.md); None: the packaged {assets.DEFAULT_MODEL}.")
 TRUST_HELP = ("Run Python code that the model folder or repository carries (its model's, tokenizer's or custom_generate/ "
               "code). Never needed for ghosted models (ghosted_hf's own classes load them) or for families transformers "
               "ships; without it no file of the folder is imported.")
@@ -84,8 +85,10 @@ class StatsMergeArgs:
 class DemoArgs:
     """Arguments of `ghosted demo` besides the `PruneOptions`."""
 
-    model: str | None = option(None, "Model folder or Hub id instead of the packaged default.")
-    output: str = option("ghosted-demo-output/smollm2-135m-ghosted", "New folder to save the ghosted model to.")
+    model: str | None = option(None, "A packaged model (" + ", ".join(assets.PACKAGED_MODELS) + "), folder or Hub id "
+                               "instead of the packaged default.")
+    output: str | None = option(None, "New folder to save the ghosted model to (None: "
+                                      "ghosted-demo-output/<model>-ghosted).")
     eval_windows: int = option(16, "Held-out 512-token windows for perplexity.")
 
 
@@ -306,9 +309,10 @@ def rank_device(device: str | None) -> str | None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """`ghosted demo`: the main job on the packaged model and corpus."""
-    from .demo import format_rows, run_demo
+    from .demo import demo_output, format_rows, run_demo
 
     run, options = from_namespace(DemoArgs, args), from_namespace(PruneOptions, args)
+    run.output = run.output or demo_output(run.model)
     check_new_output(run.output, run.model)
     rows = run_demo(run.output, options, model=run.model, eval_windows=run.eval_windows)
     config = json.loads((Path(run.output) / "config.json").read_text())
@@ -473,8 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     subcommands = [
         ("prune", "Remove layers from a model and fit the recovery operators.", [PruneArgs, PruneOptions], cmd_prune),
-        ("demo", "The main job: prune the packaged SmolLM2-135M, save it, and compare dense / plainly pruned / "
-                 "ghosted perplexity, speed and samples.", [DemoArgs, PruneOptions], cmd_demo),
+        ("demo", "The main job: prune a packaged model (SmolLM2-135M; --model gemma3-270m), save it, and compare "
+                 "dense / plainly pruned / ghosted perplexity, speed and samples.", [DemoArgs, PruneOptions], cmd_demo),
         ("eval", "Perplexity on held-out text and, optionally, zero-shot tasks.", [EvalArgs], cmd_eval),
         ("push", "Upload a saved ghosted model folder (with its card) to the Hub.", [PushArgs], cmd_push),
         ("heal", "LoRA-heal a pruned model (ghosted or stock export) on transformers' Trainer and save it merged.",

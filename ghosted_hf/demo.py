@@ -24,7 +24,13 @@ from .surgery import count_parameters, prune_layers
 logger = logging.getLogger(__name__)
 
 PROMPT = "The history of the city began"
-DEFAULT_OUTPUT = "ghosted-demo-output/smollm2-135m-ghosted"  # .gitignore covers ghosted-demo-output/
+OUTPUT_ROOT = "ghosted-demo-output"  # .gitignore covers it
+
+
+def demo_output(model: str | None) -> str:
+    """Where `ghosted demo` saves by default: ghosted-demo-output/<model name>-ghosted."""
+    name = Path(model or assets.DEFAULT_MODEL).name.replace("-instruct", "")
+    return f"{OUTPUT_ROOT}/{name.lower()}-ghosted"
 
 
 @dataclass
@@ -64,7 +70,7 @@ def sample(model: torch.nn.Module, tokenizer, max_new_tokens: int = 24) -> str:
 
 def run_demo(output: str | Path, options: PruneOptions | None = None, model: str | None = None,
              eval_windows: int = 16, eval_seq_len: int = 512) -> list[Row]:
-    """Prune `model` (default: the packaged SmolLM2-135M) with `options`, save it to `output`, and
+    """Prune `model` (a packaged model's name, a folder or Hub id; default: SmolLM2-135M) with `options`, save it to `output`, and
     measure dense, plainly pruned and ghosted models on the held-out Wikipedia articles."""
     options = options or PruneOptions()
     folder = assets.resolve_model(model)

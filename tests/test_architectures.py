@@ -6,18 +6,37 @@ layer and one the last."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from isolated import run_without_ghosted
 from safetensors.torch import save_file
+from tiny import batch, char_tokenizer, random_operator, sequences, texts, tiny_family
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-from ghosted_hf import GhostedError, prune_layers, save_with_card, to_stock_model
-from ghosted_hf.architectures import ARCHITECTURES, LAYER_FIELDS, architecture, decoder_layers, final_norm
+from ghosted_hf import (
+    GhostedError,
+    ghost_prune,
+    prune_layers,
+    save_with_card,
+    to_stock_model,
+)
+from ghosted_hf.architectures import (
+    ARCHITECTURES,
+    LAYER_FIELDS,
+    architecture,
+    decoder_layers,
+    final_norm,
+)
+from ghosted_hf.data import batch_sequences
+from ghosted_hf.healing import heal
 from ghosted_hf.remote.configuration_ghosted import expected_boundaries
 from ghosted_hf.remote.modeling_ghosted import rms_normalized
-from isolated import run_without_ghosted
-from tiny import batch, char_tokenizer, random_operator, tiny_family
+from ghosted_hf.statistics import collect_statistics, least_squares
+from ghosted_hf.statistics.layerwise import LayerwisePass
+from ghosted_hf.summary import summarize
 
 FAMILIES = sorted(ARCHITECTURES)
 REMOVALS = ([1, 2, 5], [0, 3])  # a run of two and the last layer; the first layer and a single one
@@ -109,6 +128,39 @@ def test_every_family_reloads_in_a_fresh_process_without_ghosted_hf(tmp_path: Pa
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
+def test_every_family_calibrates_layer_by_layer_selects_fits_and_heals(model_type: str, tmp_path: Path) -> None:
+    """The rest of the workflow per family: layer-by-layer statistics equal the full-model pass (computed buffers
+    such as Gemma's two rotary embeddings rebuilt), ghost-aware selection and a normed fit from real calibration
+    text, `inspect`'s summary, and LoRA healing with distillation on every linear layer of the kept decoder
+    layers (fused projections and experts' linears included)."""
+    dense = tiny_family(model_type)
+    dense.save_pretrained(tmp_path / "dense")
+    batches = batch_sequences(sequences(), 3, 0)
+    plan = least_squares(1, 3) | least_squares(4, 6)
+    full = collect_statistics(dense, batches, plan, progress=False)
+    if not architecture(dense).layerwise:  # the registry says transformers converts the stored layout on load
+        assert get_checkpoint_conversion_mapping(model_type) is not None
+        with pytest.raises(GhostedError, match="layer-by-layer calibration cannot read it"):
+            LayerwisePass(tmp_path / "dense")
+    else:
+        layerwise = collect_statistics(LayerwisePass(tmp_path / "dense"), batches, plan, progress=False)
+        for key, value in full.tensors.items():
+            torch.testing.assert_close(layerwise.tensors[key], value, rtol=1e-9, atol=1e-9 * float(value.abs().max()))
+
+    model = ghost_prune(tiny_family(model_type), char_tokenizer(), texts(8), num_layers=2, operator="normed",
+                        seq_len=32, num_sequences=8)
+    assert summarize(model.config).removed == model.config.removed_layers
+    peft_model, losses, _, _ = heal(model, char_tokenizer(), texts(8), teacher=dense, steps=2, seq_len=32,
+                                    batch_size=2, progress=False)
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    adapted = {name.split(".lora_A.")[0] for name, _ in peft_model.named_parameters() if ".lora_A." in name}
+    plain = [name for name, module in peft_model.named_modules() if isinstance(module, torch.nn.Linear)
+             and type(module).forward is torch.nn.Linear.forward  # (not a router that returns a tuple)
+             and ".layers." in name and ".lora_" not in name and not name.endswith(".base_layer")]
+    assert adapted and not plain, plain  # every linear layer of the decoder layers carries an adapter
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_stock_export_is_exact_where_the_family_folds_and_refused_with_the_reason_elsewhere(model_type: str) -> None:
     """A scaled rotation at every boundary folded into a stock checkpoint of the same family gives the ghosted
     model's logits; a family where the fold cannot be exact refuses it in one line that says why."""
@@ -151,7 +203,8 @@ def test_a_per_layer_field_re_indexed_wrongly_is_caught_before_a_model_is_built(
 
 def test_index_encoded_fields_re_index() -> None:
     """Layer types sliced, index lists renumbered, prefix counts counted, Qwen-MoE's step spelled out."""
-    pruned = prune_layers(tiny_family("qwen3_moe"), [0, 3]).config.text_config  # kept 1 2 4 5: sparse, dense, dense, sparse
+    # kept 1 2 4 5: sparse, dense, dense, sparse
+    pruned = prune_layers(tiny_family("qwen3_moe"), [0, 3]).config.text_config
     assert (pruned.decoder_sparse_step, pruned.mlp_only_layers) == (1, [1, 2])
     assert prune_layers(tiny_family("deepseek_v3"), [0]).config.text_config.first_k_dense_replace == 1
     smol = tiny_family("smollm3")

@@ -103,6 +103,22 @@ class LayerwisePass(CalibrationPass):
         self.dtype, self.offload_folder = dtype, offload_folder
         self.weights = weight_map(self.folder)
         self.observer: Callable[[int], None] | None = None
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """Refuse a checkpoint whose decoder tensors are not stored under the names the model holds them by (the
+        experts of mixture-of-experts families: transformers fuses them while it loads a whole model), which a
+        layer-by-layer load, tensor by tensor, cannot read."""
+        expected = {k for k in self._skeleton().state_dict() if layer_of(k) is not None}
+        stored = {k for k in self.weights if layer_of(k) is not None}
+        if expected - stored and stored - expected:  # (only missing tensors: a damaged file, named when loaded)
+            raise GhostedError(
+                f"{self.folder} stores decoder tensors under other names or layouts than the "
+                f"{self.config.model_type} model holds them (e.g. {min(stored - expected)} for "
+                f"{min(expected - stored)}; transformers converts them when it loads the whole model, as it does for "
+                "the experts of mixture-of-experts families): layer-by-layer calibration cannot read it. Calibrate "
+                "with the full-model pass (leave out --layerwise; set --max-memory to what the model needs)."
+            )
 
     @property
     def vocab_size(self) -> int:
