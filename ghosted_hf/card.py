@@ -12,6 +12,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .assets import NOTICE_FILE, base_model_info
+from .errors import GhostedError
 from .files import staged_folder
 from .remote.configuration_ghosted import GhostedConfig
 from .summary import summarize
@@ -103,6 +104,19 @@ def name_tokenizer_class_for_every_reader(folder: Path) -> None:
         path.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
 
 
+def check_finite(model: Any) -> None:
+    """Refuse to save a model holding NaN or Inf anywhere (a diverged heal, a damaged teacher merged in): it would
+    load and generate garbage."""
+    import torch
+
+    bad = [name for name, tensor in model.state_dict().items()
+           if tensor.is_floating_point() and tensor.device.type != "meta" and not torch.isfinite(tensor).all()]
+    if bad:
+        raise GhostedError(f"The model holds NaN or Inf values in {len(bad)} tensor(s) ({', '.join(bad[:3])}"
+                           f"{', ...' if len(bad) > 3 else ''}): nothing was saved. If it was healed, heal again with a "
+                           "lower --lr.")
+
+
 def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_id: str | None = None,
                    license: str | None = None) -> Path:
     """`save_pretrained` plus the tokenizer, the generated README.md and the score plot; the way to save a
@@ -110,6 +124,7 @@ def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_i
     interrupted save leaves the previous folder as it was and nothing of an earlier save survives."""
     config = model.config
     summarize(config)  # refuses a model that ghosted_hf did not make
+    check_finite(model)
     folder = Path(folder)
     import torch.distributed as dist
 

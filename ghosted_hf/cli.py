@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import assets
 from .errors import GhostedError
-from .files import staged_folder, verify_folder
+from .files import check_output, staged_folder, verify_folder
 from .loading import DTYPES, load_model
 from .options import PruneOptions, add_arguments, from_namespace, option
 
@@ -49,7 +49,14 @@ class MemoryArgs:
 
 
 @dataclass(kw_only=True)
-class PruneArgs(LoadArgs, MemoryArgs):
+class OutputArgs:
+    """What every command that writes shares."""
+
+    overwrite: bool = option(False, "Replace an existing --output (never one of the command's inputs).")
+
+
+@dataclass(kw_only=True)
+class PruneArgs(LoadArgs, MemoryArgs, OutputArgs):
     """Arguments of `ghosted prune` besides the `PruneOptions`."""
 
     model: str | None = option(None, MODEL_HELP, positional=True)
@@ -63,7 +70,7 @@ class PruneArgs(LoadArgs, MemoryArgs):
 
 
 @dataclass(kw_only=True)
-class StatsCollectArgs(LoadArgs, MemoryArgs):
+class StatsCollectArgs(LoadArgs, MemoryArgs, OutputArgs):
     """Arguments of `ghosted stats collect` besides the `PruneOptions`."""
 
     model: str | None = option(None, MODEL_HELP, positional=True)
@@ -74,7 +81,7 @@ class StatsCollectArgs(LoadArgs, MemoryArgs):
 
 
 @dataclass(kw_only=True)
-class StatsMergeArgs:
+class StatsMergeArgs(OutputArgs):
     """Arguments of `ghosted stats merge`."""
 
     files: list[str] = option(help="The statistics shards to merge (all N of one run, each once).")
@@ -82,7 +89,7 @@ class StatsMergeArgs:
 
 
 @dataclass(kw_only=True)
-class DemoArgs:
+class DemoArgs(OutputArgs):
     """Arguments of `ghosted demo` besides the `PruneOptions`."""
 
     model: str | None = option(None, "A packaged model (" + ", ".join(assets.PACKAGED_MODELS) + "), folder or Hub id "
@@ -119,7 +126,7 @@ class PushArgs:
 
 
 @dataclass(kw_only=True)
-class HealArgs(LoadArgs):
+class HealArgs(LoadArgs, OutputArgs):
     """Arguments of `ghosted heal` besides the `HealOptions`."""
 
     folder: str = option(help="A model ghosted_hf pruned (a ghosted model or a stock export): folder or Hub id.")
@@ -140,7 +147,7 @@ class HealArgs(LoadArgs):
 
 
 @dataclass(kw_only=True)
-class ExportArgs(LoadArgs):
+class ExportArgs(LoadArgs, OutputArgs):
     """Arguments of `ghosted export-stock` besides the `ExportOptions`."""
 
     folder: str = option(help="Saved ghosted model folder or Hub id.")
@@ -149,7 +156,7 @@ class ExportArgs(LoadArgs):
 
 
 @dataclass(kw_only=True)
-class GgufArgs(LoadArgs):
+class GgufArgs(LoadArgs, OutputArgs):
     """Arguments of `ghosted export-gguf`."""
 
     folder: str = option(help="Saved ghosted model folder or Hub id whose boundaries are all `normed` (or plain).")
@@ -169,22 +176,6 @@ class InspectArgs:
     top: int = option(8, "Selection scores to show.")
 
 
-def check_new_output(output: str | Path | None, *inputs: str | None) -> Path:
-    """An output folder that will not overwrite a file, a non-empty folder or one of the inputs."""
-    if output is None:
-        raise GhostedError("--output DIR is required.")
-    path = Path(output)
-    for source in inputs:
-        if source is not None and Path(source).exists() and Path(source).resolve() == path.resolve():
-            raise GhostedError(f"--output {path} is the input {'file' if path.is_file() else 'folder'}; name a new "
-                               "folder.")
-    if path.is_file():
-        raise GhostedError(f"--output {path} is an existing file; name a new folder.")
-    if path.is_dir() and any(path.iterdir()):
-        raise GhostedError(f"--output {path} exists and is not empty; name a new folder.")
-    return path
-
-
 def cmd_prune(args: argparse.Namespace) -> int:
     """`ghosted prune`: prune, print the summary, save with a card (rank 0 only under torchrun)."""
     from .card import save_with_card
@@ -196,7 +187,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if not run.dry_run:
         if run.output is None:
             raise GhostedError("--output DIR is required (or --dry-run to write nothing).")
-        check_new_output(run.output, run.model)
+        check_output(run.output, (run.model, run.calibration, run.statistics), overwrite=run.overwrite)
     calibration = calibration_text(run.calibration, statistics=run.statistics)
     model, tokenizer = load_for_calibration(run)
     pruned = ghost_prune(model, tokenizer, calibration, options, statistics=run.statistics)
@@ -209,16 +200,6 @@ def cmd_prune(args: argparse.Namespace) -> int:
     save_with_card(pruned, run.output, tokenizer)  # a stock checkpoint (folded kinds) saves with its card too
     print(f"\nSaved to {run.output}")
     return 0
-
-
-def check_new_file(output: str) -> Path:
-    """An output file that does not exist yet, in a folder that does (argparse makes --output required)."""
-    path = Path(output)
-    if path.exists():
-        raise GhostedError(f"--output {path} already exists; name a new file.")
-    if not path.parent.is_dir():
-        raise GhostedError(f"--output {path}: folder {path.parent} does not exist; create it first.")
-    return path
 
 
 def write_statistics(stats, path: Path) -> None:
@@ -240,7 +221,7 @@ def cmd_stats_collect(args: argparse.Namespace) -> int:
 
     run, options = from_namespace(StatsCollectArgs, args), from_namespace(PruneOptions, args)
     shard = ShardSpec.parse(run.shard)
-    path = check_new_file(run.output)
+    path = check_output(run.output, (run.model, run.calibration), overwrite=run.overwrite, file=True)
     calibration = calibration_text(run.calibration)
     model, tokenizer = load_for_calibration(run)
     stats = calibrate(model, tokenizer, calibration, options, shard=shard)
@@ -255,7 +236,7 @@ def cmd_stats_merge(args: argparse.Namespace) -> int:
     from .statistics import CalibrationStatistics
 
     run = from_namespace(StatsMergeArgs, args)
-    path = check_new_file(run.output)
+    path = check_output(run.output, tuple(run.files), overwrite=run.overwrite, file=True)
     merged = CalibrationStatistics.merge(run.files)
     write_statistics(merged, path)
     print(f"Merged {len(run.files)} shards ({merged.tokens} tokens) into {path}")
@@ -313,7 +294,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     run, options = from_namespace(DemoArgs, args), from_namespace(PruneOptions, args)
     run.output = run.output or demo_output(run.model)
-    check_new_output(run.output, run.model)
+    check_output(run.output, (run.model,), overwrite=run.overwrite)
     rows = run_demo(run.output, options, model=run.model, eval_windows=run.eval_windows)
     config = json.loads((Path(run.output) / "config.json").read_text())
     print()
@@ -369,7 +350,8 @@ def cmd_heal(args: argparse.Namespace) -> int:
     from .healing import HealOptions, base_model_reference, heal, merge
 
     run, options = from_namespace(HealArgs, args), from_namespace(HealOptions, args)
-    check_new_output(run.output, run.folder, run.data)
+    check_output(run.output, (run.folder, run.data, run.eval_data, run.teacher, run.checkpoints),
+                 overwrite=run.overwrite)
     needs_folder = options.save_every or run.resume or options.report_to != "none"
     checkpoints = run.checkpoints or (f"{run.output.rstrip('/')}.checkpoints" if needs_folder else None)
     model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
@@ -406,7 +388,7 @@ def cmd_export_stock(args: argparse.Namespace) -> int:
     from .summary import render_text, summarize
 
     run, options = from_namespace(ExportArgs, args), from_namespace(ExportOptions, args)
-    check_new_output(run.output, run.folder)
+    check_output(run.output, (run.folder, run.calibration), overwrite=run.overwrite)
     model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
                                   revision=run.revision)
     if getattr(model.config, "model_type", None) != "ghosted":
@@ -424,9 +406,7 @@ def cmd_export_gguf(args: argparse.Namespace) -> int:
     from .llamacpp import export_gguf
 
     run = from_namespace(GgufArgs, args)
-    output = Path(run.output)
-    if output.exists() and not output.is_file():
-        raise GhostedError(f"{output} exists and is not a file: pass the path of the GGUF file to write.")
+    output = check_output(run.output, (run.folder,), overwrite=run.overwrite, file=True)
     model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
                                   revision=run.revision)
     export_gguf(model, tokenizer, output, run.llama_cpp, run.outtype, run.timeout)

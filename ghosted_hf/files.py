@@ -26,6 +26,32 @@ logger = logging.getLogger(__name__)
 REMOTE_FILES = ("configuration_ghosted.py", "modeling_ghosted.py")  # copied next to the weights
 
 
+def check_output(output: str | os.PathLike | None, inputs: tuple[str | os.PathLike | None, ...] = (), *,
+                 overwrite: bool = False, file: bool = False) -> Path:
+    """The one rule for what a command may write: an existing output is replaced only with `overwrite`, and no
+    output is, lies inside or contains one of the command's inputs (whatever `overwrite` says)."""
+    if output is None:
+        raise GhostedError("--output is required.")
+    path = Path(output)
+    where = path.resolve()
+    for source in inputs:
+        if source is None or not Path(source).exists():
+            continue  # a Hub id, a packaged model's name
+        found = Path(source).resolve()
+        relation = ("is" if where == found else "lies inside" if found in where.parents
+                    else "contains" if where in found.parents else None)
+        if relation:
+            raise GhostedError(f"--output {path} {relation} the input {source}; write it somewhere else.")
+    what = "file" if file else "folder"
+    if path.exists() and (path.is_dir() if file else not path.is_dir()):
+        raise GhostedError(f"--output {path} exists and is not a {what}; name a {what}.")
+    if path.exists() and not overwrite and (file or any(path.iterdir())):
+        raise GhostedError(f"--output {path} already exists; pass --overwrite to replace it, or name a new {what}.")
+    if file and not path.parent.is_dir():
+        raise GhostedError(f"--output {path}: folder {path.parent} does not exist; create it first.")
+    return path
+
+
 @contextlib.contextmanager
 def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty sibling folder of `target` to write a whole model into; on success it replaces

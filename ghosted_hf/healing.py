@@ -39,6 +39,7 @@ from .distillation import Head, chunked_kd_loss, final_hidden_states, head_is_pl
 from .distributed import is_main_process, timeout_s
 from .architectures import lora_targets
 from .errors import GhostedError, MissingDependencyError, MissingFileError
+from .statistics.origin import config_sha256, model_fingerprint
 from .options import Options, option, positive
 from .remote.modeling_ghosted import GHOST_MODULE
 
@@ -276,10 +277,14 @@ class _Record(TrainerCallback):
 RESUMABLE_CHANGES = ("save_every", "eval_every", "report_to")
 
 
-def run_identity(options: HealOptions, sequences: TrainingSequences, processes: int) -> dict[str, Any]:
-    """What a resumed run must share with the run that wrote the checkpoint for the two to be one run."""
+def run_identity(options: HealOptions, sequences: TrainingSequences, processes: int,
+                 model: nn.Module) -> dict[str, Any]:
+    """What a resumed run must share with the run that wrote the checkpoint for the two to be one run: options,
+    data, process count and the model healed (its config and weights)."""
+    config = {k: v for k, v in model.config.to_dict().items() if k != "ghost_provenance"}  # (holds timings)
     return {"options": {k: v for k, v in options.to_dict().items() if k not in RESUMABLE_CHANGES},
-            "data_sha256": sequences.text_sha256, "processes": processes}
+            "data_sha256": sequences.text_sha256, "processes": processes, "model_config_sha256": config_sha256(config),
+            "model_weights_sha256": json.dumps(model_fingerprint(model)["weights_sha256"], sort_keys=True)}
 
 
 def check_same_run(record: dict[str, Any], run: dict[str, Any], folder: Path) -> None:
@@ -367,8 +372,17 @@ class HealingTrainer(Trainer):
         # a copy of the batch x sequence x vocabulary logits each step (benchmarks/results/healing_loop.md).
         with torch.autocast(self.args.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
             if self.teacher is None or not model.training:
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            return self._distillation_loss(model, inputs, return_outputs)
+                result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            else:
+                result = self._distillation_loss(model, inputs, return_outputs)
+        loss = result[0] if return_outputs else result
+        if model.training and not torch.isfinite(loss.detach()).all():
+            raise GhostedError(
+                f"Healing diverged at step {self.state.global_step + 1}: the training loss is {float(loss):g}. "
+                "Nothing was saved. Lower --lr (or check that the model and the teacher hold finite weights: "
+                "ghosted inspect)."
+            )
+        return result
 
     def _distillation_loss(self, model, inputs, return_outputs):
         ids = inputs["input_ids"]
@@ -489,7 +503,7 @@ def heal(
         args.max_steps = 10**9 if options.minutes else steps  # a timed run is stopped by `_Schedule`
         sequences = _training_data(tokenizer, data, eval_data, options, per_step, steps * per_step)
         budget = Budget(None if options.minutes else steps, options.minutes * 60 if options.minutes else None, clock)
-        run = run_identity(options, sequences, args.world_size)
+        run = run_identity(options, sequences, args.world_size, model)
         start = None if resume is None else resume_point(Path(output_dir), resume)
         if start is not None:
             record = verified_checkpoint(start)

@@ -96,7 +96,8 @@ def one_line_error(capsys, *argv) -> str:
     assert main([str(a) for a in argv]) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error:" in line]  # progress bars also write to stderr
-    assert len(errors) == 1 and errors[0].startswith(f"ghosted {argv[0]}: error: ") and "Traceback" not in err, err
+    command = " ".join(str(a) for a in argv[:2 if argv[0] == "stats" else 1])
+    assert len(errors) == 1 and errors[0].startswith(f"ghosted {command}: error: ") and "Traceback" not in err, err
     return errors[0]
 
 
@@ -105,11 +106,11 @@ def test_cli_errors_are_one_line(dense_folder: Path, tmp_path: Path, capsys) -> 
     assert "does not exist (and it is not a Hub id" in one_line_error(capsys, "prune", tmp_path / "nope", "--dry-run")
     (tmp_path / "file").write_text("x")
     err = one_line_error(capsys, "prune", dense_folder, *cal, "--output", tmp_path / "file")
-    assert f"--output {tmp_path / 'file'} is an existing file; name a new folder" in err
+    assert f"--output {tmp_path / 'file'} exists and is not a folder; name a folder" in err
     err = one_line_error(capsys, "prune", dense_folder, "--calibration", tmp_path, "--dry-run")
     assert f"Calibration path {tmp_path} is a folder" in err
     err = one_line_error(capsys, "prune", dense_folder, *cal, "--output", dense_folder)
-    assert f"--output {dense_folder} is the input folder; name a new folder" in err
+    assert f"--output {dense_folder} is the input {dense_folder}; write it somewhere else" in err
     err = one_line_error(capsys, "eval", dense_folder, "--limit", "4")
     assert "--limit applies to zero-shot tasks: pass --tasks too" in err
     err = one_line_error(capsys, "heal", dense_folder, "--output", tmp_path / "healed", "--steps", "1")
@@ -117,9 +118,9 @@ def test_cli_errors_are_one_line(dense_folder: Path, tmp_path: Path, capsys) -> 
     err = one_line_error(capsys, "inspect", dense_folder)
     assert "holds a 'llama' model that ghosted_hf did not make" in err
     err = one_line_error(capsys, "heal", dense_folder, "--output", dense_folder)
-    assert f"--output {dense_folder} is the input folder; name a new folder" in err
+    assert f"--output {dense_folder} is the input {dense_folder}; write it somewhere else" in err
     err = one_line_error(capsys, "demo", "--output", dense_folder)
-    assert f"--output {dense_folder} exists and is not empty" in err
+    assert f"--output {dense_folder} already exists; pass --overwrite to replace it, or name a new folder" in err
 
 
 def test_inspect_names_a_truncated_weight_file(tmp_path: Path, capsys) -> None:
@@ -193,3 +194,43 @@ def test_too_little_text_for_a_stable_fit_is_a_warning(caplog: pytest.LogCapture
         ghost_prune(build("llama"), char_tokenizer(), texts(), seq_len=8, num_sequences=24, criterion="manual",
                     layers=[2, 3])
     assert "gave 192 tokens for a 32x32 operator: fewer than 10x the 32 inputs of the fit (320)" in caplog.text
+
+
+def test_every_command_that_writes_refuses_an_existing_output_and_never_writes_into_an_input(
+        dense_folder: Path, tmp_path: Path, capsys) -> None:
+    """One rule for prune, stats collect / merge, heal, export-stock, export-gguf and demo: an existing output is
+    replaced only with --overwrite; an output that is, lies inside or contains an input is refused even then (the
+    check runs before any model is loaded, so a refused run has written and loaded nothing)."""
+    cal = tmp_path / "cal.txt"
+    fit = ["--calibration", cal, "--num-layers", "2", "--seq-len", "48", "--num-sequences", "16"]
+    assert main([str(a) for a in ["prune", dense_folder, *fit, "--output", tmp_path / "ghosted"]]) == 0
+    assert main([str(a) for a in ["stats", "collect", dense_folder, *fit, "--output", tmp_path / "s.safetensors"]]) == 0
+    ghosted, stats = tmp_path / "ghosted", tmp_path / "s.safetensors"
+    commands = {  # command -> (argv up to the output, input folder or file, the output is a file)
+        "prune": (lambda out: ["prune", dense_folder, *fit, "--output", out], dense_folder, False),
+        "stats collect": (lambda out: ["stats", "collect", dense_folder, *fit, "--output", out], dense_folder, True),
+        "stats merge": (lambda out: ["stats", "merge", stats, "--output", out], stats, True),
+        "heal": (lambda out: ["heal", ghosted, "--steps", "1", "--output", out], ghosted, False),
+        "export-stock": (lambda out: ["export-stock", ghosted, "--output", out], ghosted, False),
+        "export-gguf": (lambda out: ["export-gguf", ghosted, out, "--llama-cpp", tmp_path], ghosted, True),
+        "demo": (lambda out: ["demo", "--model", dense_folder, "--output", out], dense_folder, False),
+    }
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    (tmp_path / "taken.bin").write_text("mine")
+    for name, (argv, source, is_file) in commands.items():
+        existing = tmp_path / ("taken.bin" if is_file else "taken")
+        err = one_line_error(capsys, *argv(existing))
+        assert f"--output {existing} already exists; pass --overwrite to replace it" in err, (name, err)
+        inside = source / "model.safetensors" if is_file and source.is_dir() else (
+            source if source.is_file() else source / "sub")
+        for target in (inside, source):
+            err = one_line_error(capsys, *argv(target), "--overwrite")
+            assert f"--output {target} " in err and f"the input {source}; write it somewhere else" in err, (name, err)
+    assert (tmp_path / "taken" / "keep.txt").read_text() == (tmp_path / "taken.bin").read_text() == "mine"
+    before = (ghosted / "model.safetensors").read_bytes()
+    assert main([str(a) for a in commands["prune"][0](ghosted / "..")]) == 2  # contains the input ghosted/
+    assert (ghosted / "model.safetensors").read_bytes() == before
+    # --overwrite replaces an output that is no input, whole
+    assert main([str(a) for a in commands["prune"][0](tmp_path / "taken")] + ["--overwrite"]) == 0
+    assert not (tmp_path / "taken" / "keep.txt").exists() and (tmp_path / "taken" / "config.json").is_file()

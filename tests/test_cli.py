@@ -214,7 +214,7 @@ def test_heal_bad_input_is_one_line_naming_the_value(dense_folder: Path, tmp_pat
     (tmp_path / "empty.txt").write_text("\n\n")
     pruned = str(tmp_path / "pruned")
     cases = {
-        "same folder": (["--output", pruned], "is the input folder"),
+        "same folder": (["--output", pruned], f"is the input {pruned}"),
         "missing column": (["--data", str(tmp_path / "rows.jsonl")], "no 'text' column (columns: ['body'])"),
         "empty data": (["--data", str(tmp_path / "empty.txt")], "The training data (empty.txt) holds no text."),
         "zero budget": (["--steps", "0"], "steps must be positive, got 0"),

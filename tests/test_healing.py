@@ -10,7 +10,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from ghosted_hf import ghost_prune
+from ghosted_hf import ghost_prune, save_with_card
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.architectures import lora_targets
@@ -303,3 +303,29 @@ def test_zero3_that_cannot_gather_its_shards_is_refused_before_training() -> Non
         sharded(trainer({"stage": 3}))
     assert sharded(trainer({"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}))
     assert not sharded(trainer({"stage": 2}))
+
+
+@pytest.mark.parametrize("cause", ["learning rate", "teacher"])
+def test_a_diverged_heal_stops_with_the_step_and_saves_nothing(cause: str, tmp_path: Path) -> None:
+    """A run whose loss becomes NaN or Inf stops there with one line naming the step and the remedy; a model
+    holding NaN or Inf anywhere (not only in its operators) is never saved."""
+    teacher = None
+    options = dict(steps=3, seq_len=48, progress=False)
+    if cause == "teacher":
+        teacher = build("llama")
+        with torch.no_grad():
+            teacher.lm_head.weight[3, 5] = float("nan")
+    else:
+        options["lr"] = 1e10
+    with pytest.raises(GhostedError, match=r"Healing diverged at step \d+: the training loss is (nan|inf).*Lower --lr"):
+        heal(pruned(), char_tokenizer(), texts(), teacher=teacher, **options)
+
+    model = pruned()
+    save_with_card(model, tmp_path / "saved", char_tokenizer())
+    before = sorted(p.name for p in (tmp_path / "saved").iterdir())
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("inf")
+    with pytest.raises(GhostedError, match=r"NaN or Inf values in 1 tensor\(s\) \(model\.layers\.1\.mlp\.down_proj"):
+        save_with_card(model, tmp_path / "saved", char_tokenizer())
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == before  # the previous save is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["saved"]  # and no staging folder is left

@@ -95,6 +95,23 @@ def test_resume_refuses_a_checkpoint_of_another_run() -> None:
         check_same_run({"run": run}, other, Path("checkpoint-4"))
 
 
+def test_resume_refuses_a_checkpoint_written_while_healing_another_model(tmp_path: Path) -> None:
+    """Same shapes, options and data, other weights: the checkpoint's adapters belong to the other model."""
+    from ghosted_hf import ghost_prune
+    from ghosted_hf.healing import heal
+    from tiny import build, char_tokenizer, texts
+
+    def model(seed: int):
+        return ghost_prune(build("llama", seed=seed), char_tokenizer(), texts(), criterion="manual", layers=[2, 3],
+                           seq_len=48, num_sequences=24)
+
+    options = dict(steps=2, save_every=1, seq_len=48, checkpoints=tmp_path / "checkpoints", progress=False)
+    heal(model(0), char_tokenizer(), texts(), **options)
+    heal(model(0), char_tokenizer(), texts(), resume="last", **options)  # the same model resumes
+    with pytest.raises(GhostedError, match=r"checkpoint-\d was written by another run \(.*model_weights_sha256 .* then"):
+        heal(model(1), char_tokenizer(), texts(), resume="last", **options)
+
+
 @pytest.mark.distributed
 def test_heal_under_torchrun_and_accelerate_launch_gives_the_adapters_of_one_process(dense_folder: Path,
                                                                                      tmp_path: Path) -> None:
