@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .data import NamedTexts, add_to_text_hash, load_texts
+from .data import NamedTexts, add_to_text_hash, cut_windows, leading_token, load_texts
 from .errors import GhostedError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
@@ -124,17 +124,19 @@ class TrainingSequences:
                 "held_out_sequences": len(self.held_out)}
 
 
-def pack_rows(token_lists: Iterable[list[int]], seq_len: int, max_rows: int | None, separator: int) -> torch.Tensor:
-    """Documents joined by `separator` and cut into full rows of `seq_len` tokens (the rest is dropped: every batch
-    then holds as many tokens, however its rows are split over processes or micro-batches), at most `max_rows`.
-    Reads `token_lists` only as far as those rows need; finished rows are moved out of Python lists in blocks."""
-    blocks: list[torch.Tensor] = []
+def pack_rows(token_lists: Iterable[list[int]], seq_len: int, max_rows: int | None, separator: int,
+              prefix: int | None = None) -> torch.Tensor:
+    """Documents joined by `separator` and cut into full rows of `seq_len` tokens, each starting with `prefix` when
+    given (`data.leading_token`; the rest is dropped: every batch then holds as many tokens, however its rows are
+    split over processes or micro-batches), at most `max_rows`. Reads `token_lists` only as far as those rows
+    need; finished rows are moved out of Python lists in blocks."""
+    blocks: list[torch.Tensor] = [torch.empty(0, seq_len, dtype=torch.int32)]
     stream: list[int] = []
 
     def move_full_rows() -> None:
-        full = len(stream) // seq_len * seq_len
-        blocks.append(torch.tensor(stream[:full], dtype=torch.int32).view(-1, seq_len))
-        del stream[:full]
+        rows, used = cut_windows(stream, seq_len, prefix, partial=False)
+        blocks.append(torch.tensor(rows, dtype=torch.int32).view(-1, seq_len))
+        del stream[:used]
 
     rows = 0
     block = max(1, (1 << 20) // seq_len) * seq_len  # about a million tokens per block
@@ -184,10 +186,10 @@ def training_sequences(
                 read += 1
                 yield ids
 
-    eos = tokenizer.eos_token_id
+    eos, bos = tokenizer.eos_token_id, leading_token(tokenizer)
     documents = tokens(corpus.texts)  # one stream: the held-out documents are carved off its start
     if held_out_corpus is not None:
-        held = pack_rows(tokens(held_out_corpus.texts), seq_len, held_out, eos)
+        held = pack_rows(tokens(held_out_corpus.texts), seq_len, held_out, eos, bos)
     elif held_out:  # whole documents until `held_out` sequences are filled
         carved: list[list[int]] = []
         length = 0
@@ -196,9 +198,9 @@ def training_sequences(
             length += len(ids) + 1  # with the EOS that joins it to the next
             if length >= held_out * seq_len:
                 break
-        held = pack_rows(carved, seq_len, held_out, eos)
+        held = pack_rows(carved, seq_len, held_out, eos, bos)
     else:
         held = torch.empty(0, seq_len, dtype=torch.int32)
-    train = pack_rows(documents, seq_len, max_sequences, eos)
+    train = pack_rows(documents, seq_len, max_sequences, eos, bos)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
     return TrainingSequences(train[order], held, corpus.name, digest.hexdigest(), read)

@@ -127,14 +127,42 @@ def pad_token_id(tokenizer: Any) -> int:
     return 0
 
 
+def leading_token(tokenizer: Any) -> int | None:
+    """The token the tokenizer puts before every text (Gemma's and Llama 3's BOS), else None. Every window is
+    made to start with it: the model was trained seeing it at position 0, and a window cut from the middle of a
+    document would otherwise put an arbitrary token where the model keeps its attention sink."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return int(bos) if ids and ids[0] == bos else None
+
+
+def cut_windows(stream: list[int], seq_len: int, prefix: int | None, partial: bool) -> tuple[list[list[int]], int]:
+    """(windows of `seq_len` tokens cut from the start of `stream`, tokens of it consumed). Each window starts
+    with `prefix` (added unless the window begins with it already, at a document's start); `partial`: the last,
+    shorter window too."""
+    windows, at = [], 0
+    while at < len(stream):
+        lead = [prefix] if prefix is not None and stream[at] != prefix else []
+        take = seq_len - len(lead)
+        if at + take > len(stream) and not partial:
+            break
+        windows.append(lead + stream[at : at + take])
+        at = min(at + take, len(stream))
+    return windows, at
+
+
 def pack_tokens(
     token_lists: Iterable[list[int]],
     seq_len: int,
     max_sequences: int | None,
     separator: int | None,
+    prefix: int | None = None,
 ) -> list[list[int]]:
-    """Concatenate documents (separated by `separator`) and cut them into sequences of `seq_len`; the
-    last one may be shorter. Reads `token_lists` only as far as the sequences asked for need (it may be lazy)."""
+    """Concatenate documents (separated by `separator`) and cut them into sequences of `seq_len`, each starting
+    with `prefix` when given (`leading_token`); the last one may be shorter. Reads `token_lists` only as far as
+    the sequences asked for need (it may be lazy)."""
     needed = None if max_sequences is None else max_sequences * seq_len
     stream: list[int] = []
     for index, tokens in enumerate(token_lists):
@@ -143,7 +171,7 @@ def pack_tokens(
         stream.extend(tokens)
         if needed is not None and len(stream) >= needed:
             break
-    sequences = [stream[i : i + seq_len] for i in range(0, len(stream), seq_len)]
+    sequences, _ = cut_windows(stream, seq_len, prefix, partial=True)
     return sequences[:max_sequences] if max_sequences is not None else sequences
 
 
@@ -171,8 +199,8 @@ def tokenize_texts(
     text_column: str = "text",
     shuffle_seed: int | None = None,
 ) -> TokenBatches:
-    """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens (documents joined by EOS) and batch
-    them. Chat-formatted calibration is the caller's choice: render the texts with the tokenizer's chat
+    """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens (documents joined by EOS, every
+    sequence starting with the tokenizer's BOS where it adds one) and batch them. Chat-formatted calibration is the caller's choice: render the texts with the tokenizer's chat
     template first. `shuffle_seed`: shuffle the sequences before batching (for training: packed in order, a batch would hold one
     document's consecutive windows, and a short run would see only the first documents)."""
     if seq_len < 2 or batch_size < 1:
@@ -182,7 +210,7 @@ def tokenize_texts(
         raise GhostedError(f"The calibration text ({name}) is empty: provide at least a few paragraphs of text.")
     # Tokenized lazily: packing stops reading once it has the sequences asked for.
     token_lists = (tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts)
-    sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id)
+    sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id, leading_token(tokenizer))
     if num_sequences is not None and len(sequences) < num_sequences:
         logger.warning("Only %d sequences of %d tokens in %s (asked for %d).", len(sequences), seq_len, name, num_sequences)
     if shuffle_seed is not None:

@@ -33,7 +33,9 @@ from compat_child import CHECKS  # noqa: E402
 from compat_venvs import PINNED, default_cache, python_for  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, PAD, EOS = 128, 32, 6, 0, 1
-REMOVED = [0, 2, 3, 5]  # boundaries: -> layer 0, [2, 3] -> layer 1 (dense 4), [5] -> final norm
+REMOVED = [0, 2, 3, 5]
+FAMILIES, FAMILY_CHECK = "families", "family_logits"  # every family of the registry, one check each
+FAMILY_REMOVED = [1, 2, 5]  # boundaries: -> layer 0, [2, 3] -> layer 1 (dense 4), [5] -> final norm
 NEW_TOKENS = 8
 
 
@@ -134,10 +136,38 @@ def save_fixtures(out: Path) -> dict:
     return models
 
 
+def save_families(out: Path) -> dict:
+    """Every family of the architecture registry: a tiny dense model, its ghosted model (removals [1, 2, 5] of 6,
+    random operators) and the ghosted model's logits, saved with the current code; the operators too, for the
+    child's own skip-reference."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ghosted_hf import prune_layers
+    from ghosted_hf.architectures import ARCHITECTURES
+    from tiny import batch, random_operator, tiny_family
+
+    inputs, operators = batch(), {1: random_operator(1), 5: random_operator(5)}
+    families = {}
+    for model_type in sorted(ARCHITECTURES):
+        dense = tiny_family(model_type)
+        dense.save_pretrained(out / model_type / "dense")
+        model = prune_layers(dense, FAMILY_REMOVED, operators)
+        model.save_pretrained(out / model_type / "ghosted")
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        save_file({**inputs, "logits": logits, **{f"operator.{k}": v for k, v in operators.items()}},
+                  str(out / model_type / "reference.safetensors"))
+        families[model_type] = {"folder": str(out / model_type), "removed": FAMILY_REMOVED,
+                                "boundaries": [[1, 3], [5, 6]]}  # (operator, layer it feeds; 6 = the final norm)
+    return families
+
+
 def run_version(version: str, python: Path, models: dict, work: Path, timeout: int = 600) -> list[dict]:
     """One subprocess per version; every (model, check) gets a result, failures included."""
     spec = work / f"spec-{version}.json"
-    spec.write_text(json.dumps({"models": models, "work": str(work / f"broken-{version}")}))
+    spec.write_text(json.dumps({"models": {k: v for k, v in models.items() if k != FAMILIES},
+                                "families": models.get(FAMILIES, {}), "work": str(work / f"broken-{version}")}))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(work / f"hf_modules-{version}"),
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONNOUSERSITE": "1"}
     env.pop("PYTHONPATH", None)  # the child must not see this checkout
@@ -148,7 +178,7 @@ def run_version(version: str, python: Path, models: dict, work: Path, timeout: i
         stdout, stderr, rc = done.stdout, done.stderr, done.returncode
     except subprocess.TimeoutExpired as exc:
         stdout, stderr, rc = exc.stdout or "", f"timed out after {timeout}s", -1
-    results, seen, found = [], set(), None
+    results, seen, found, absent = [], set(), None, []
     for line in stdout.splitlines():
         try:
             row = json.loads(line)
@@ -156,13 +186,21 @@ def run_version(version: str, python: Path, models: dict, work: Path, timeout: i
             continue
         if "transformers" in row:
             found = row["transformers"]
+        elif row.get("absent"):
+            absent.append(row["family"])
+        elif "dense_fails" in row:
+            absent.append(f"{row['family']} (its dense checkpoint does not load here either: {row['dense_fails']})")
         elif "check" in row:
             results.append({"version": version, **row})
             seen.add((row["model"], row["check"]))
     crash = (stderr.strip().splitlines() or [f"exit code {rc}"])[-1][:300]
     if found is not None and found != version:
         results = [{**r, "ok": False, "error": f"child imported transformers {found}, not {version}"} for r in results]
-    for model in models:
+    for family in models.get(FAMILIES, {}):
+        if (family, FAMILY_CHECK) not in seen and not any(a.split()[0] == family for a in absent):
+            results.append({"version": version, "model": family, "check": FAMILY_CHECK, "ok": False,
+                            "error": f"no result (child exit {rc}): {crash}"})
+    for model in (m for m in models if m != FAMILIES):
         for check in CHECKS:
             if (model, check) not in seen:
                 results.append({"version": version, "model": model, "check": check, "ok": False,
@@ -170,7 +208,8 @@ def run_version(version: str, python: Path, models: dict, work: Path, timeout: i
     for row in results:
         print(json.dumps(row), flush=True)
     print(f"[compat] transformers {version}: {sum(r['ok'] for r in results)}/{len(results)} passed "
-          f"in {time.monotonic() - start:.1f}s", file=sys.stderr, flush=True)
+          f"in {time.monotonic() - start:.1f}s; families it does not have: {', '.join(absent) or 'none'}",
+          file=sys.stderr, flush=True)
     return results
 
 
@@ -183,9 +222,20 @@ def table(versions: list[str], results: list[dict]) -> str:
         error = bad[0]["error"].replace("|", "\\|")
         return f"✗ {models}: {error}"
 
-    lines = ["| transformers | " + " | ".join(CHECKS) + " |", "|---" * (len(CHECKS) + 1) + "|"]
+    def families(version: str) -> str:
+        rows = [r for r in results if r["version"] == version and r["check"] == FAMILY_CHECK]
+        bad = [r for r in rows if not r["ok"]]
+        if bad:
+            return f"✗ {','.join(r['model'] for r in bad)}: {bad[0]['error']}".replace("|", "\\|")
+        notes: dict[str, list[str]] = {}
+        for r in rows:
+            if r["error"]:
+                notes.setdefault(r["error"], []).append(r["model"])
+        return f"✓ {len(rows)}" + "".join(f" ({', '.join(names)}: {note})" for note, names in notes.items())
+
+    lines = ["| transformers | " + " | ".join(CHECKS) + " | families (logits) |", "|---" * (len(CHECKS) + 2) + "|"]
     for version in versions:
-        lines.append(f"| {version} | " + " | ".join(cell(version, c) for c in CHECKS) + " |")
+        lines.append(f"| {version} | " + " | ".join(cell(version, c) for c in CHECKS) + f" | {families(version)} |")
     return "\n".join(lines)
 
 
@@ -203,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         venvs = pool.map(lambda v: python_for(v, args.cache.expanduser(), log), args.versions)
         with tempfile.TemporaryDirectory(prefix="ghosted-compat-") as tmp:
             work = Path(tmp)
-            models = save_fixtures(work / "saved")
+            models = {**save_fixtures(work / "saved"), FAMILIES: save_families(work / "families")}
             pythons = dict(zip(args.versions, venvs))  # waits for the venvs
             log(f"[compat] venvs and fixtures ready in {time.monotonic() - start:.1f}s")
             runs = pool.map(lambda v: run_version(v, pythons[v], models, work), args.versions)

@@ -118,6 +118,23 @@ def test_packed_rows_are_the_documents_joined_and_cut_into_full_rows(max_rows: i
     assert max_rows is None or len(read) < len(docs)  # read only as far as the rows need
 
 
+def test_every_window_starts_with_the_bos_of_a_tokenizer_that_adds_one() -> None:
+    """Calibration, evaluation and training windows cut from the middle of a document start with the BOS the model
+    always saw at position 0 (Gemma, Llama 3); one already there (a document's start) is not doubled; a tokenizer
+    without a BOS (SmolLM2) gets the plain cut, as before."""
+    from ghosted_hf.data import cut_windows, leading_token, pack_tokens
+
+    stream = [2, 5, 6, 7, 1, 2, 8, 9, 10, 11, 12]
+    assert cut_windows(stream, 4, 2, partial=True) == ([[2, 5, 6, 7], [2, 1, 2, 8], [2, 9, 10, 11], [2, 12]], 11)
+    assert cut_windows(stream, 4, 2, partial=False) == ([[2, 5, 6, 7], [2, 1, 2, 8], [2, 9, 10, 11]], 10)
+    assert cut_windows(stream, 4, None, partial=False) == ([stream[0:4], stream[4:8]], 8)
+    docs = [[2, *range(10, 10 + n)] for n in (7, 30, 3, 12)]
+    rows = pack_rows(docs, 8, None, separator=1, prefix=2)
+    assert rows.shape[1] == 8 and bool((rows[:, 0] == 2).all()) and not bool((rows[:, 1] == 2).any())
+    assert all(s[0] == 2 and len(s) <= 8 for s in pack_tokens(docs, 8, None, 1, prefix=2))
+    assert leading_token(char_tokenizer()) is None
+
+
 def test_a_hub_dataset_id_reads_offline_from_the_local_cache(tmp_path: Path) -> None:
     """The real `datasets.load_dataset(id)` path, with HF_HUB_OFFLINE=1 and what a download leaves in the cache."""
     from fake_hub import cache_hub_dataset

@@ -39,6 +39,7 @@ def test_the_packaged_gemma_is_the_real_model_with_its_notice(gemma) -> None:
 def test_ghost_recovers_gemma_keeps_its_layer_pattern_and_reloads(gemma, tmp_path: Path) -> None:
     folder, tokenizer, load = gemma
     held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), 256, 4, 2).batches
+    assert all(bool((b["input_ids"][:, 0] == tokenizer.bos_token_id).all()) for b in held_out)  # BOS at position 0
     calibration = assets.wikipedia_split("calibration")
     data = dict(seq_len=256, num_sequences=24)
     ghosted = ghost_prune(load(), tokenizer, calibration, num_layers=4, **data)

@@ -406,11 +406,20 @@ class GhostedPreTrainedModel(PreTrainedModel):
             problems.append(f"tensors of the wrong shape: {mismatched}")
         problems += model.operator_value_problems(require_hashes=verify)
         if problems:
+            base_missing = [k for k in missing if f".{GHOST_MODULE}." not in k]
+            stored = info.get("unexpected_keys", ())
+            # The same layers stored in another layout (experts one by one where the model fuses them, other
+            # module names): a conversion this transformers applies to the family's own models, not to a nested one.
+            relayout = bool(base_missing) and all(
+                any(u.startswith(".".join(k.split(".")[:3]) + ".") for u in stored) for k in base_missing)
             raise ValueError(
                 "This ghosted checkpoint does not match its config.json: "
                 + "; ".join(problems)
-                + ". Re-export it with save_pretrained from the model that produced it; an operator is never "
-                "replaced by identity or random values."
+                + (". The checkpoint holds these modules in the layout the family's checkpoints use, which this "
+                   "transformers converts for the family's own models only: load it with a transformers that "
+                   "converts nested models too (4.57, or 5.10 and later)" if relayout else
+                   ". Re-export it with save_pretrained from the model that produced it; an operator is never "
+                   "replaced by identity or random values.")
             )
         return (model, info) if want_info else model
 
