@@ -30,9 +30,14 @@ GAINS = ("weight", "one-plus-weight")  # RMSNorm(x) * w, or RMSNorm(x) * (1 + w)
 @dataclass(frozen=True)
 class SubBlock:
     """One residual branch of a decoder layer: the module (the first of `modules` the layer has), the norm whose
-    output it reads (None: it reads the stream itself, post-norm), the linear layers that read that normalised
-    stream and those that write the residual stream (for a stock fold), and the norm applied to its output before
-    it is added (sandwich and post-norm families)."""
+    output it reads (None: it reads the stream itself, post-norm), the weights that read that normalised stream
+    and those that write the residual stream (for a stock fold), and the norm applied to its output before it is
+    added (sandwich and post-norm families).
+
+    A reader or writer is a Linear module's name, or a parameter's path with the axis that has the stream's width
+    (``"experts.gate_up_proj@-1"``: fused experts, router weights); a name a layer lacks is skipped (dense and
+    sparse layers of one family differ), and `stream_weights` refuses a sub-block holding a weight of the stream's
+    width that no name declares."""
 
     modules: tuple[str, ...]
     norm: str | None
@@ -84,9 +89,9 @@ class Architecture:
         if reason is None and self.centered_norm:
             reason = "its LayerNorms subtract the mean, which a rotation of the stream does not keep"
         if reason is None:
-            reason = "its fold is not implemented: " + ("a router and fused experts read the stream" if self.moe else
-                                                        "the registry does not declare every linear layer that reads "
-                                                        "the stream")
+            reason = "its fold is not implemented: " + ("its linear-attention layers' weights are not declared"
+                                                        if self.hybrid else "the registry does not declare every "
+                                                        "weight that reads the stream")
         raise GhostedError(f"Operator kind {what!r} folds into a stock checkpoint, which {self.name} cannot hold "
                            f"exactly ({reason}). Use operator 'ghost' or 'normed' (remote code), or 'none'.")
 
@@ -111,7 +116,17 @@ _POST_NORM = {
     "mlp": SubBlock(("mlp",), None, ("gate_proj", "up_proj"), ("down_proj",), output_norm="post_feedforward_layernorm"),
     "norm_placement": "post",
 }
-_MOE_MLP = SubBlock(("mlp", "block_sparse_moe"), "post_attention_layernorm")
+# The router, the fused experts (F.linear layout: [experts, out, in]), shared experts and their gate; a name a layer
+# lacks is skipped (first_k_dense_replace, mlp_only_layers: dense MLPs with Llama's names).
+_MOE_READERS = ("gate.weight@-1", "gate.wg", "router.weight@-1", "experts.gate_up_proj@-1", "gate_proj", "up_proj",
+                *(f"{shared}.{name}" for shared in ("shared_expert", "shared_experts", "shared_mlp")
+                  for name in ("gate_proj", "up_proj")), "shared_expert_gate")
+_MOE_WRITERS = ("experts.down_proj@-2", "down_proj", "shared_expert.down_proj", "shared_experts.down_proj",
+                "shared_mlp.down_proj")
+_MOE_MLP = SubBlock(("mlp", "block_sparse_moe"), "post_attention_layernorm", _MOE_READERS, _MOE_WRITERS)
+# Attention of the MoE families: Llama's names, or DeepSeek's multi-head latent attention (low-rank q and kv inputs).
+_ATTENTION = SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj", "q_a_proj",
+                                                          "kv_a_proj_with_mqa"), ("o_proj",))
 _HYBRID_ATTENTION = SubBlock(("self_attn", "linear_attn"), "input_layernorm")
 
 ENTRIES: tuple[Architecture, ...] = (
@@ -141,10 +156,14 @@ ENTRIES: tuple[Architecture, ...] = (
     Architecture(("gemma2", "gemma3_text"), **_SANDWICH, gain="one-plus-weight", real_model="gemma3-270m"),
     Architecture(("olmo2", "olmo3"), **_POST_NORM),
     # Mixture-of-experts families: the router and the experts read the normalised stream.
-    Architecture(("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "phimoe", "deepseek_v2", "deepseek_v3",
+    Architecture(("phimoe",), attention=_ATTENTION, mlp=_MOE_MLP, moe=True, centered_norm=True, layerwise=False),
+    Architecture(("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "deepseek_v2", "deepseek_v3",
                   "glm4_moe", "minimax_m2", "dots1", "hunyuan_v1_moe", "ernie4_5_moe"),
-                 attention=SubBlock(("self_attn",), "input_layernorm"), mlp=_MOE_MLP, moe=True, layerwise=False),
-    Architecture(("gpt_oss",), attention=SubBlock(("self_attn",), "input_layernorm"), mlp=_MOE_MLP, moe=True),
+                 attention=_ATTENTION, mlp=_MOE_MLP, moe=True, stock_folds=True, layerwise=False),
+    # gpt-oss: experts in the x @ W layout ([experts, in, out]) with biases, a router with a bias.
+    Architecture(("gpt_oss",), attention=_ATTENTION,
+                 mlp=SubBlock(("mlp",), "post_attention_layernorm", ("router.weight@-1", "experts.gate_up_proj@-2"),
+                              ("experts.down_proj@-1", "experts.down_proj_bias@-1")), moe=True, stock_folds=True),
     # Hybrids: some layers hold linear attention (gated DeltaNet) instead of softmax attention.
     Architecture(("qwen3_next",), attention=_HYBRID_ATTENTION, mlp=_MOE_MLP, moe=True, hybrid=True, layerwise=False),
     Architecture(("qwen3_5_text",), attention=_HYBRID_ATTENTION, mlp=SubBlock(("mlp",), "post_attention_layernorm"),
@@ -198,6 +217,47 @@ def layer_of(name: str) -> int | None:
     """The decoder layer a parameter or module name belongs to (``model.layers.<i>.``), else None."""
     match = _LAYER_NAME.match(name)
     return int(match.group(1)) if match else None
+
+
+StreamWeight = tuple[nn.Module, str, int]  # (owner module, parameter name, the axis of the stream's width)
+
+
+def stream_weights(module: nn.Module, names: Iterable[str], writes: bool) -> list[StreamWeight]:
+    """The weights of a sub-block `module` that read (`writes` False) or write the stream, as `SubBlock` names
+    them: a Linear reads along its weight's last axis and writes along its first (and its bias)."""
+    found = []
+    for name in names:
+        path, _, axis = name.partition("@")
+        owner_path, _, parameter = path.rpartition(".")
+        try:
+            target = module.get_submodule(path)
+        except AttributeError:
+            target = None
+        if isinstance(target, nn.Linear):
+            found.append((target, "weight", -2 if writes else -1))
+            if writes and target.bias is not None:
+                found.append((target, "bias", -1))
+            continue
+        try:
+            owner = module.get_submodule(owner_path) if owner_path else module
+        except AttributeError:
+            continue  # not in this layer (a dense layer of a sparse family)
+        if isinstance(getattr(owner, parameter, None), nn.Parameter):
+            found.append((owner, parameter, int(axis or -1)))
+    return found
+
+
+def check_declared(module: nn.Module, declared: Iterable[StreamWeight], width: int) -> None:
+    """Refuse a fold into a sub-block that holds a weight of the stream's width that the registry does not name:
+    folding would leave it reading or writing the old basis."""
+    covered = {(id(owner), name) for owner, name, _ in declared}
+    for owner_name, owner in module.named_modules():
+        for name, parameter in owner.named_parameters(recurse=False):
+            if (id(owner), name) not in covered and width in parameter.shape and parameter.ndim > 1:
+                raise GhostedError(f"{type(module).__name__} holds {owner_name + '.' if owner_name else ''}{name} "
+                                   f"{tuple(parameter.shape)}, of the stream's width, which the architecture registry "
+                                   "does not declare as a reader or writer: a stock fold would be wrong. Use operator "
+                                   "'ghost' or 'normed', or declare it in ghosted_hf.architectures.")
 
 
 def lora_targets(model: nn.Module) -> str:

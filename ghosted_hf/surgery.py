@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .architectures import architecture, check_layers_match, decoder, decoder_layers, layer_of, pruned_config
+from .architectures import (StreamWeight, SubBlock, architecture, check_declared, check_layers_match, decoder,
+                            decoder_layers, layer_of, pruned_config, stream_weights)
 from .errors import GhostedError, NonFiniteError
 from .remote.configuration_ghosted import (
     LAYER_TARGET,
@@ -234,9 +235,10 @@ def fold_into_down_proj(model: GhostedForCausalLM, dense_layer: int, transform: 
     family.refuse_fold("replaceme-ls")
     layer = pruned_index(dense_layer, model.config.removed_layers)
     mlp = family.mlp.module(decoder_layers(model)[layer])
-    (writer,) = family.mlp.writers
-    _map_output(mlp.get_submodule(writer), transform.detach().double())
-    return f"model.layers.{layer}.{family.mlp.modules[0]}.{writer}"
+    _, writers = _block_weights(family.mlp, mlp, model.config.hidden_size)
+    for writer in writers:
+        _map_stream(writer, transform.detach().double())
+    return f"model.layers.{layer}.{family.mlp.modules[0]}"
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -263,20 +265,22 @@ def _set_weight(module: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(value.to(device=old.device, dtype=old.dtype), requires_grad=old.requires_grad))
 
 
-def _map_input(linear: nn.Linear, m: torch.Tensor) -> None:
-    """The linear layer now reads x @ m^-1 where it read x: weight <- weight @ m."""
-    _set_weight(linear, "weight", linear.weight.double() @ m.to(linear.weight.device))
+def _map_stream(weight: StreamWeight, m: torch.Tensor) -> None:
+    """Contract the axis of the stream's width with `m`: a reader now reads x @ m^-1 where it read x (weight
+    <- weight @ m along that axis), a writer's output y becomes y @ m (weight <- m^T weight, bias <- bias @ m)."""
+    owner, name, axis = weight
+    old = getattr(owner, name).double()
+    _set_weight(owner, name, (old.movedim(axis, -1) @ m.to(old.device)).movedim(-1, axis))
 
 
-def _map_output(linear: nn.Linear, m: torch.Tensor) -> None:
-    """The linear layer's output y becomes y @ m: weight <- m^T weight, bias <- bias @ m."""
-    m = m.to(linear.weight.device)
-    _set_weight(linear, "weight", m.T @ linear.weight.double())
-    if linear.bias is not None:
-        _set_weight(linear, "bias", linear.bias.double() @ m)
+def _block_weights(block: SubBlock, module: nn.Module, width: int) -> tuple[list[StreamWeight], list[StreamWeight]]:
+    """(readers, writers) of a sub-block for a fold, refused when a weight of the stream's width is undeclared."""
+    readers, writers = stream_weights(module, block.readers, False), stream_weights(module, block.writers, True)
+    check_declared(module, readers + writers, width)
+    return readers, writers
 
 
-def _fold_norm_weight(norm: nn.Module, readers: list[nn.Linear], gain: str) -> None:
+def _fold_norm_weight(norm: nn.Module, readers: list[StreamWeight], gain: str) -> None:
     """RMSNorm(x) * g feeding `readers` == RMSNorm(x) feeding readers with g folded into their weights (g = w, or
     1 + w for a family whose gain reads so; the norm is left with gain 1)."""
     offset = 1.0 if gain == "one-plus-weight" else 0.0
@@ -284,7 +288,7 @@ def _fold_norm_weight(norm: nn.Module, readers: list[nn.Linear], gain: str) -> N
     if torch.equal(g, torch.ones_like(g)):
         return
     for reader in readers:
-        _map_input(reader, torch.diag(g))
+        _map_stream(reader, torch.diag(g))
     _set_weight(norm, "weight", torch.ones_like(g) - offset)
 
 
@@ -309,18 +313,16 @@ def fold_scaled_rotation(model: PreTrainedModel, layer: int, c: float, q: torch.
         _set_weight(embed, "weight", embed.weight.double() @ (upstream_scale * q).to(embed.weight.device))
         for decoder_layer in layers[:layer]:
             for block in blocks:
-                module = block.module(decoder_layer)
-                readers = [module.get_submodule(name) for name in block.readers]
+                readers, writers = _block_weights(block, block.module(decoder_layer), q.shape[0])
                 _fold_norm_weight(decoder_layer.get_submodule(block.norm), readers, family.gain)
-                for reader in readers:
-                    _map_input(reader, q)
-                for writer in block.writers:
-                    _map_output(module.get_submodule(writer), q)
+                for weight in readers + writers:
+                    _map_stream(weight, q)
     if upstream_scale == 1.0:
         for decoder_layer in layers[layer:]:
             for block in blocks:
-                for writer in block.writers:
-                    _map_output(block.module(decoder_layer).get_submodule(writer), torch.eye(q.shape[0], dtype=torch.float64) / c)
+                _, writers = _block_weights(block, block.module(decoder_layer), q.shape[0])
+                for writer in writers:
+                    _map_stream(writer, torch.eye(q.shape[0], dtype=torch.float64) / c)
 
 
 def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:

@@ -181,8 +181,11 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "qwen3_next": {"decoder_sparse_step": 1, "mlp_only_layers": [2], "full_attention_interval": 2},
     "qwen3_5_text": {"full_attention_interval": 2},
     "smollm3": {"no_rope_layer_interval": 2},
-    "deepseek_v2": {"num_key_value_heads": 4, "first_k_dense_replace": 2},  # MLA: one latent per head
-    "deepseek_v3": {"num_key_value_heads": 4, "head_dim": 4, "first_k_dense_replace": 2},  # head_dim: the rotary part
+    # MLA: one latent per head; head sizes whose products differ from the width (a fold's check names every weight
+    # of the stream's width: a coincidence would be a false alarm)
+    "deepseek_v2": {"num_key_value_heads": 4, "first_k_dense_replace": 2, "qk_nope_head_dim": 6, "v_head_dim": 6},
+    "deepseek_v3": {"num_key_value_heads": 4, "head_dim": 4, "first_k_dense_replace": 2,  # head_dim: the rotary part
+                    "qk_nope_head_dim": 6, "v_head_dim": 6},
     "gemma3_text": {"sliding_window_pattern": 3, "query_pre_attn_scalar": 8, "final_logit_softcapping": 5.0},
     "gemma2": {"query_pre_attn_scalar": 8, "final_logit_softcapping": 5.0, "attn_logit_softcapping": 20.0},
     "granite": {"logits_scaling": 4.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
