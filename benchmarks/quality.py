@@ -139,7 +139,7 @@ def main() -> None:
                 model = ghost_prune(load(), tokenizer, calibration, options, statistics=stats, **method)
                 result = score(model)
                 baseline = baseline or result["ppl"]
-                label = name if len(spans) > 1 or "ghost" not in name else "ghost"
+                label = "ghost" if len(spans) == 1 and name.startswith("ghost ") else name  # one boundary: one fit
                 if is_baseline and criterion not in args.selections:
                     label += " (baseline)"
                 print(row(n, criterion, removed, label, result, baseline), flush=True)

@@ -492,7 +492,6 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
                                         use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
 
 
-
 _FAMILY_CLASSES: dict[tuple[type, type], type] = {}
 
 
