@@ -1,4 +1,4 @@
-"""ghosted_hf: remove decoder layers from Llama/Qwen causal LMs and recover quality in closed form
+"""ghosted_hf: remove decoder layers from decoder-only causal LMs and recover quality in closed form
 (Ghosted Layers, arXiv 2605.15491), as first-class Hugging Face Transformers models."""
 
 import importlib.metadata

@@ -19,8 +19,8 @@ from .options import PruneOptions, add_arguments, from_namespace, option
 
 logger = logging.getLogger("ghosted_hf")
 
-MODEL_HELP = (f"Local folder, Hub id or packaged model ({', '.join(assets.PACKAGED_MODELS)}) of a causal LM of a supported "
-              f"family (docs/architectures.md); None: the packaged {assets.DEFAULT_MODEL}.")
+MODEL_HELP = (f"Local folder, Hub id or packaged model ({', '.join(assets.PACKAGED_MODELS)}) of a causal LM of a "
+              f"supported family (docs/architectures.md); None: the packaged {assets.DEFAULT_MODEL}.")
 TRUST_HELP = ("Run Python code that the model folder or repository carries (its model's, tokenizer's or custom_generate/ "
               "code). Never needed for ghosted models (ghosted_hf's own classes load them) or for families transformers "
               "ships; without it no file of the folder is imported.")
@@ -463,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("push", "Upload a saved ghosted model folder (with its card) to the Hub.", [PushArgs], cmd_push),
         ("heal", "LoRA-heal a pruned model (ghosted or stock export) on transformers' Trainer and save it merged.",
          [HealArgs, HealOptions], cmd_heal),
-        ("export-stock", "Turn a ghosted model into the best stock Llama/Qwen checkpoint: each operator refitted as a "
-                         "scaled rotation (and a down_proj transform) folded into the weights.",
+        ("export-stock", "Turn a ghosted model into the best stock checkpoint of its family: each operator refitted "
+                         "as a scaled rotation (and a down_proj transform) folded into the weights.",
          [ExportArgs, ExportOptions], cmd_export_stock),
         ("export-gguf", "Write a ghosted model whose boundaries are `normed` as one llama.cpp GGUF: each boundary a "
                         "DeciLM linear-attention block, the base converted by llama.cpp's own converter.",

@@ -40,7 +40,7 @@ class OperatorKind:
 
     name: ClassVar[str]
     summary: ClassVar[str]
-    stock: ClassVar[bool] = False  # folds into the weights: ghost_prune returns a stock Llama/Qwen checkpoint
+    stock: ClassVar[bool] = False  # folds into the weights: ghost_prune returns a stock checkpoint
     sequential: ClassVar[bool] = True  # can be refitted on the model already pruned and patched upstream
     first_removable: ClassVar[int] = 0  # the lowest layer a boundary of this kind may start at
     regressors: ClassVar[int] = 1  # inputs of the fit per output channel, in multiples of C (the token budget)
@@ -284,7 +284,7 @@ class ReplaceMeLS(OperatorKind):
 
     name = "replaceme-ls"
     summary = ("least-squares T on the MLP output of the last kept layer before the boundary, folded into its "
-               "down_proj (ReplaceMe): a stock Llama/Qwen checkpoint")
+               "down_proj (ReplaceMe): a stock checkpoint")
     stock = True
     sequential = False
     first_removable = 1  # needs a kept layer before the boundary to fold into

@@ -230,7 +230,7 @@ def prune_layers(
 
 def fold_into_down_proj(model: GhostedForCausalLM, dense_layer: int, transform: torch.Tensor) -> str:
     """Replace the MLP output m of kept dense layer `dense_layer` by m @ T (ReplaceMe's fused export);
-    returns the name of the edited module."""
+    returns the names of the edited weights (down_proj; experts' and shared experts' down projections)."""
     family = architecture(model)
     family.refuse_fold("replaceme-ls")
     layer = pruned_index(dense_layer, model.config.removed_layers)
@@ -238,7 +238,12 @@ def fold_into_down_proj(model: GhostedForCausalLM, dense_layer: int, transform: 
     _, writers = _block_weights(family.mlp, mlp, model.config.hidden_size)
     for writer in writers:
         _map_stream(writer, transform.detach().double())
-    return f"model.layers.{layer}.{family.mlp.modules[0]}"
+    names = {id(module): name for name, module in mlp.named_modules()}
+    prefix = f"model.layers.{layer}.{family.mlp.modules[0]}"
+    edited = dict.fromkeys(f"{prefix}.{names[id(owner)]}" if isinstance(owner, nn.Linear)
+                           else f"{prefix}.{names[id(owner)] + '.' if names[id(owner)] else ''}{name}"
+                           for owner, name, _ in writers)
+    return ", ".join(edited)
 
 
 def count_parameters(model: nn.Module) -> int:

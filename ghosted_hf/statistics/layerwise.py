@@ -84,7 +84,7 @@ def computed_buffers(model: nn.Module, module: nn.Module, recurse: bool = True) 
 
 
 class LayerwisePass(CalibrationPass):
-    """Calibration of a Llama/Qwen causal LM one decoder layer at a time, from its safetensors folder.
+    """Calibration of a causal LM one decoder layer at a time, from its safetensors folder.
 
     `model_for_build(removed)` reads what the build keeps, after the statistics are collected. `observer(i)` is
     called while layer `i` is the one in memory (tests count the resident parameters there).
@@ -153,7 +153,7 @@ class LayerwisePass(CalibrationPass):
     def _tensor(self, name: str) -> torch.Tensor:
         if name not in self.weights:
             raise GhostedError(f"{self.folder} has no tensor {name}; layer-by-layer calibration expects standard "
-                               "Llama/Qwen weight names.")
+                               "transformers weight names.")
         file = self.folder / self.weights[name]
         try:
             with safe_open(str(file), framework="pt") as handle:
