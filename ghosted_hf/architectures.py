@@ -213,8 +213,13 @@ def final_norm(model: nn.Module) -> nn.Module:
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def layer_prefix(index: int) -> str:
+    """The prefix of every parameter and module name of decoder layer `index` (``model.layers.<i>.``)."""
+    return f"model.layers.{index}."
+
+
 def layer_of(name: str) -> int | None:
-    """The decoder layer a parameter or module name belongs to (``model.layers.<i>.``), else None."""
+    """The decoder layer a parameter or module name belongs to (`layer_prefix`), else None."""
     match = _LAYER_NAME.match(name)
     return int(match.group(1)) if match else None
 

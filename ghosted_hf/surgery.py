@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .architectures import (StreamWeight, SubBlock, architecture, check_declared, check_layers_match, decoder,
-                            decoder_layers, layer_of, pruned_config, stream_weights)
+                            decoder_layers, layer_of, layer_prefix, pruned_config, stream_weights)
 from .errors import GhostedError, NonFiniteError
 from .remote.configuration_ghosted import (
     LAYER_TARGET,
@@ -29,6 +29,7 @@ from .remote.configuration_ghosted import (
 from .remote.modeling_ghosted import GHOST_MODULE, GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key
 
 logger = logging.getLogger(__name__)
+
 
 def as_layer_index(value: object) -> int:
     """`value` as a Python int: ints, numpy and torch integer scalars; refuses bools, floats and strings."""
@@ -86,7 +87,7 @@ def validate_operator(operator: torch.Tensor, hidden_size: int, where: str,
 def _dense_name(name: str, kept: list[int]) -> str:
     """Name in the dense model of a tensor of the pruned model."""
     layer = layer_of(name)
-    return name if layer is None else name.replace(f"model.layers.{layer}.", f"model.layers.{kept[layer]}.", 1)
+    return name if layer is None else name.replace(layer_prefix(layer), layer_prefix(kept[layer]), 1)
 
 
 def _take_tensor(pruned: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -238,11 +239,11 @@ def fold_into_down_proj(model: GhostedForCausalLM, dense_layer: int, transform: 
     _, writers = _block_weights(family.mlp, mlp, model.config.hidden_size)
     for writer in writers:
         _map_stream(writer, transform.detach().double())
-    names = {id(module): name for name, module in mlp.named_modules()}
-    prefix = f"model.layers.{layer}.{family.mlp.modules[0]}"
-    edited = dict.fromkeys(f"{prefix}.{names[id(owner)]}" if isinstance(owner, nn.Linear)
-                           else f"{prefix}.{names[id(owner)] + '.' if names[id(owner)] else ''}{name}"
-                           for owner, name, _ in writers)
+    paths = {id(module): name for name, module in mlp.named_modules()}
+    prefix = layer_prefix(layer) + family.mlp.modules[0]
+    # A Linear by its module's name (as before: "...mlp.down_proj"), a raw parameter by its own.
+    edited = dict.fromkeys(".".join(filter(None, (prefix, paths[id(owner)], None if isinstance(owner, nn.Linear)
+                                                  else name))) for owner, name, _ in writers)
     return ", ".join(edited)
 
 

@@ -315,9 +315,10 @@ def main() -> None:
     run_families(spec.get("families", {}))
 
 
-def skipped_reference(dense, removed: list[int], boundaries: list[list[int]], operators: dict, inputs: dict):
-    """The definition of a ghosted model, computed with this transformers' own dense family: the removed layers
-    pass their input through, and each operator maps the stream entering the layer (or final norm) it feeds."""
+def skipped_reference(dense, removed: list[int], maps: dict, inputs: dict):
+    """The definition of a ghosted model, computed with a dense model of its family: the `removed` layers pass
+    their input through, and `maps[fed]` (a function of the float32 stream) maps the stream entering layer `fed`
+    (`len(layers)`: the final norm). Shared with tests/test_architectures.py."""
     import torch
 
     layers, norm = dense.model.layers, dense.model.norm
@@ -326,17 +327,17 @@ def skipped_reference(dense, removed: list[int], boundaries: list[list[int]], op
         hidden = args[0] if args else kwargs["hidden_states"]
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
-    def apply(operator):
+    def apply(fn):
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
-            mapped = (hidden.float() @ operator).to(hidden.dtype)
+            mapped = fn(hidden.float()).to(hidden.dtype)
             return ((mapped, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": mapped})
         return hook
 
     handles = [layers[i].register_forward_hook(skip, with_kwargs=True) for i in removed]
-    for first, fed in boundaries:
+    for fed, fn in maps.items():
         target = layers[fed] if fed < len(layers) else norm
-        handles.append(target.register_forward_pre_hook(apply(operators[first]), with_kwargs=True))
+        handles.append(target.register_forward_pre_hook(apply(fn), with_kwargs=True))
     try:
         with torch.no_grad():
             return dense(**inputs, use_cache=False).logits
@@ -379,7 +380,8 @@ def run_families(families: dict) -> None:
             with torch.no_grad():
                 logits = model(**inputs).logits
             operators = {int(k.split(".")[1]): v for k, v in ref.items() if k.startswith("operator.")}
-            expected = skipped_reference(dense, family["removed"], family["boundaries"], operators, inputs)
+            maps = {fed: (lambda x, w=operators[first]: x @ w) for first, fed in family["boundaries"]}
+            expected = skipped_reference(dense, family["removed"], maps, inputs)
             torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
         except Exception as exc:  # noqa: BLE001 - every failure is a matrix cell
             if "converts nested models too" in str(exc):  # a clear refusal naming the versions that load it

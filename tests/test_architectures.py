@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from compat_child import skipped_reference
 from isolated import run_without_ghosted
 from safetensors.torch import save_file
 from tiny import batch, char_tokenizer, random_operator, sequences, texts, tiny_family
@@ -28,7 +29,6 @@ from ghosted_hf.architectures import (
     LAYER_FIELDS,
     architecture,
     decoder_layers,
-    final_norm,
 )
 from ghosted_hf.data import batch_sequences
 from ghosted_hf.healing import heal
@@ -52,31 +52,13 @@ def recovery(removed: list[int]) -> tuple[dict[int, torch.Tensor], dict[int, tor
 def skipped_reference_logits(dense, removed: list[int], operators, normed, inputs) -> torch.Tensor:
     """The dense model's logits with `removed` layers passing their input through and each boundary's map applied
     by a pre-hook to what it feeds: the definition of a pruned, ghosted model, built without ghosted_hf's surgery."""
-    layers, norm = decoder_layers(dense), final_norm(dense)
-
-    def skip(module, args, kwargs, output):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
-
-    def apply(operator, term):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            x = hidden.float()
-            mapped = (x @ operator + (rms_normalized(x) @ term if term is not None else 0)).to(hidden.dtype)
-            return ((mapped, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": mapped})
-        return hook
-
-    handles = [layers[i].register_forward_hook(skip, with_kwargs=True) for i in removed]
-    for boundary in expected_boundaries(len(layers), removed):
-        first, fed = boundary["removed"][0], boundary["removed"][-1] + 1
-        target = layers[fed] if fed < len(layers) else norm
-        handles.append(target.register_forward_pre_hook(apply(operators[first], normed.get(first)), with_kwargs=True))
-    try:
-        with torch.no_grad():
-            return dense(**inputs, use_cache=False).logits
-    finally:
-        for handle in handles:
-            handle.remove()
+    maps = {}
+    for boundary in expected_boundaries(len(decoder_layers(dense)), removed):
+        first = boundary["removed"][0]
+        operator, term = operators[first], normed.get(first)
+        maps[boundary["removed"][-1] + 1] = (lambda x, w=operator, t=term:
+                                             x @ w + (rms_normalized(x) @ t if t is not None else 0))
+    return skipped_reference(dense, removed, maps, inputs)
 
 
 def pruned_family(model_type: str, removed: list[int]):

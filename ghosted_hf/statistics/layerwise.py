@@ -162,8 +162,10 @@ class LayerwisePass(CalibrationPass):
             raise GhostedError(f"{file} cannot be read for tensor {name} ({type(error).__name__}: {error}): the "
                                "checkpoint is damaged or incomplete; re-download or re-save it.") from None
 
-    def _load(self, module: nn.Module, prefix: str, model: nn.Module) -> None:
+    def _load(self, module: nn.Module, model: nn.Module) -> None:
+        """Load `module` of `model` (a skeleton) from the files: the tensors under its name in the model."""
         computed_buffers(model, module)
+        prefix = next(name for name, sub in model.named_modules() if sub is module) + "."
         names = [k for k in self.weights if k.startswith(prefix)]
         try:
             module.load_state_dict({k[len(prefix):]: self._tensor(k) for k in names}, strict=True, assign=True)
@@ -262,7 +264,8 @@ class _Streams:
                           for first, fed in patch.fed(depth).items() if first in patch.operators}
                          if patch is not None else {})
         self.kwargs: list[dict] = []
-        owner._load(inner.embed_tokens, "model.embed_tokens.", self.skeleton)
+        embeddings = self.skeleton.get_input_embeddings()
+        owner._load(embeddings, self.skeleton)
         catchers = max(run, 1)
         for b, batch in enumerate(batches):
             record: dict = {}
@@ -279,16 +282,17 @@ class _Streams:
             self.kwargs.append(record)
         for i, layer in enumerate(self.layers):
             inner.layers[i] = layer
-        inner.embed_tokens.to("meta")  # freed
+        embeddings.to("meta")  # freed
 
     def advance(self, i: int, wants_mlp: bool) -> Iterable[tuple[int, torch.Tensor | None]]:
         """Run layer `i` over every batch; yields (batch, its MLP output if wanted) once both streams moved."""
         layer = self.layers[i]
-        self.owner._load(layer, f"model.layers.{i}.", self.skeleton)
+        self.owner._load(layer, self.skeleton)
         if self.owner.observer is not None:
             self.owner.observer(i)
         mlp_out: dict[int, torch.Tensor] = {}
-        hook = mlp_of(self.skeleton, layer).register_forward_hook(lambda m, a, out: mlp_out.__setitem__(0, out)) if wants_mlp else None
+        hook = (mlp_of(self.skeleton, layer).register_forward_hook(lambda m, a, out: mlp_out.__setitem__(0, out))
+                if wants_mlp else None)
         try:
             for b, kwargs in enumerate(self.kwargs):
                 with torch.no_grad():
