@@ -1,9 +1,12 @@
 """Cached virtualenvs, one per pinned transformers version, for the remote-code compatibility matrix.
 
-Each venv is made with ``--system-site-packages`` (torch comes from the system) and gets
-``transformers==X`` installed into it, pip resolving tokenizers / huggingface_hub / safetensors for that
-version. A venv counts as built only once its stamp file exists; the stamp is written last, after checking
-inside the venv that ``transformers.__version__`` is X. A half-built venv is wiped and rebuilt.
+Each venv sees the site-packages of the interpreter that runs the matrix (a ``.pth`` file naming them, after
+the venv's own), so torch comes from the running environment, whether that is a system interpreter or a
+virtual environment (``--system-site-packages`` would give the base interpreter's packages instead, which a venv
+does not share). ``transformers==X`` is installed into it, pip resolving tokenizers / huggingface_hub /
+safetensors for that version. A venv counts as built only once its stamp file exists; the stamp is written
+last, after the venv imports torch and transformers X and runs a tiny model. A stamped venv is checked the same
+way before each use and rebuilt when the check fails or it inherits from another environment.
 """
 
 from __future__ import annotations
@@ -30,14 +33,48 @@ def _venv_python(root: Path) -> Path:
     return root / "bin" / "python"
 
 
-def _installed_version(python: Path | str) -> str:
-    done = subprocess.run(
-        [str(python), "-c", "import transformers; print(transformers.__version__)"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONNOUSERSITE": "1"},
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"cannot import transformers with {python}: {done.stderr.strip().splitlines()[-1:]}")
-    return done.stdout.strip()
+# Imports what the child needs and runs one model: a venv that imports transformers but not torch is broken.
+_CHECK = """
+import sys
+sys.modules["kernels"] = None  # hidden as compat_child hides it (see there)
+import torch, transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1)
+assert torch.isfinite(LlamaForCausalLM(config)(torch.tensor([[1, 2, 3]])).logits).all()
+print(transformers.__version__)
+"""
+
+
+def inherited_paths() -> list[str]:
+    """The running interpreter's site-packages folders, which every pinned venv sees after its own."""
+    return [p for p in dict.fromkeys(sys.path) if p and Path(p).name in ("site-packages", "dist-packages")
+            and Path(p).is_dir()]
+
+
+def _working_version(python: Path | str) -> str | None:
+    """transformers version of a venv that imports torch and runs a tiny model, else None."""
+    try:
+        done = subprocess.run([str(python), "-c", _CHECK], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONNOUSERSITE": "1"})
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else None
+
+
+def _stamped(root: Path, version: str, inherits: list[str], log) -> bool:
+    """Whether `root` is a finished venv for `version` over this environment that still works."""
+    try:
+        stamp = json.loads((root / STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(stamp, dict) or stamp.get("inherits") != inherits:
+        log(f"[compat] {root} was built over another environment: rebuilding")
+        return False
+    if _working_version(_venv_python(root)) != version:
+        log(f"[compat] {root} no longer imports torch and transformers {version}: rebuilding")
+        return False
+    return True
 
 
 def ensure_venv(version: str, cache: Path, log=print) -> Path:
@@ -47,24 +84,29 @@ def ensure_venv(version: str, cache: Path, log=print) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / f".transformers-{version}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two runs never build the same venv at once
-        if stamp.exists():
+        inherits = inherited_paths()
+        if _stamped(root, version, inherits, log):
             return _venv_python(root)
         if root.exists():
-            shutil.rmtree(root)  # no stamp: an interrupted build
+            shutil.rmtree(root)  # no stamp (an interrupted build), another environment, or broken
         log(f"[compat] building venv for transformers {version} in {root}")
-        venv.EnvBuilder(system_site_packages=True, with_pip=True, symlinks=True).create(root)
+        venv.EnvBuilder(system_site_packages=False, with_pip=True, symlinks=True).create(root)
         python = _venv_python(root)
+        site_packages = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                       capture_output=True, text=True, check=True).stdout.strip()
+        (Path(site_packages) / "ghosted-compat-inherit.pth").write_text("".join(f"{p}\n" for p in inherits))
         done = subprocess.run(
             [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", f"transformers=={version}"],
             capture_output=True, text=True, timeout=1800,
         )
         if done.returncode != 0:
             raise RuntimeError(f"pip install transformers=={version} failed:\n{done.stdout}\n{done.stderr}")
-        found = _installed_version(python)
+        found = _working_version(python)
         if found != version:
-            raise RuntimeError(f"venv {root} imports transformers {found}, expected {version}")
+            raise RuntimeError(f"venv {root} does not run torch with transformers {version} (found {found})")
         freeze = subprocess.run([str(python), "-m", "pip", "freeze", "--local"], capture_output=True, text=True)
-        stamp.write_text(json.dumps({"transformers": version, "freeze": freeze.stdout.split()}, indent=1))
+        stamp.write_text(json.dumps({"transformers": version, "inherits": inherits, "freeze": freeze.stdout.split()},
+                                    indent=1))
         return python
 
 

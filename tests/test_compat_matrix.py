@@ -5,6 +5,7 @@ Builds cached venvs on first use (pip needs PyPI); set GHOSTED_SKIP_COMPAT=1 to 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,12 +13,36 @@ from pathlib import Path
 
 import pytest
 
+import compat_venvs
 from compat_venvs import PINNED
 
 SCRIPT = Path(__file__).with_name("compat_matrix.py")
-pytestmark = pytest.mark.compat
 
 
+def test_a_stamped_venv_is_reused_only_while_it_runs_torch_over_this_environment(tmp_path: Path) -> None:
+    """A venv that imports transformers but not torch (built over another environment) is rebuilt, not reused."""
+    root = tmp_path / "transformers-0.0"
+    (root / "bin").mkdir(parents=True)
+    python = root / "bin" / "python"
+    python.symlink_to(sys.executable)
+    inherits = compat_venvs.inherited_paths()
+    assert any(Path(p, "torch").is_dir() for p in inherits), inherits  # torch comes from what runs the tests
+    stamp = root / compat_venvs.STAMP
+    import transformers
+
+    stamp.write_text(json.dumps({"transformers": transformers.__version__, "inherits": inherits}))
+    assert compat_venvs._stamped(root, transformers.__version__, inherits, log=lambda _: None)
+    assert not compat_venvs._stamped(root, "0.0", inherits, log=lambda _: None)  # another transformers
+    assert not compat_venvs._stamped(root, transformers.__version__, ["/elsewhere"], log=lambda _: None)
+    python.unlink()
+    python.write_text("#!/bin/sh\necho 'No module named torch' >&2\nexit 1\n")
+    python.chmod(0o755)
+    assert not compat_venvs._stamped(root, transformers.__version__, inherits, log=lambda _: None)
+    stamp.write_text("[1, 2")
+    assert not compat_venvs._stamped(root, transformers.__version__, inherits, log=lambda _: None)
+
+
+@pytest.mark.compat
 @pytest.mark.skipif(os.environ.get("GHOSTED_SKIP_COMPAT") == "1",
                     reason="GHOSTED_SKIP_COMPAT=1: transformers compatibility matrix skipped")
 def test_remote_code_on_every_pinned_transformers(tmp_path: Path) -> None:
