@@ -93,13 +93,18 @@ def check_agreement(claims: Mapping[str, str]) -> None:
     if world == 1:
         return
     gathered: list[dict[str, str] | None] = [None] * world
-    dist.all_gather_object(gathered, dict(claims))
+    try:
+        dist.all_gather_object(gathered, dict(claims))
+    except (RuntimeError, TimeoutError) as error:  # a peer stopped before it got here, or never answered
+        raise GhostedError(f"Process {rank} of {world}: the other processes did not report their model, data and "
+                           f"options within {timeout_s():.0f} s ({str(error).splitlines()[0][:200]}); see their "
+                           "errors, or raise GHOSTED_DISTRIBUTED_TIMEOUT.") from None
     for other, theirs in enumerate(gathered):
         differing = sorted(k for k in set(gathered[0]) | set(theirs) if gathered[0].get(k) != theirs.get(k))
         if differing:
             raise GhostedError(f"Process {other} of {world} has another {', '.join(differing)} than process 0 "
-                               f"(this is process {rank}): start every process with the same model, calibration "
-                               "text and options.")
+                               f"(this is process {rank}): start every process with the same model, data and "
+                               "options.")
 
 
 def all_reduce_sums(tensors: Mapping[str, torch.Tensor], tokens: int) -> tuple[dict[str, torch.Tensor], int]:

@@ -36,10 +36,11 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from .assets import file_sha256
 from .corpus import TrainingSequences, read_corpus, training_sequences
 from .distillation import Head, chunked_kd_loss, final_hidden_states, head_is_plain, shifted_labels
-from .distributed import is_main_process, timeout_s
+from .distributed import check_agreement, is_main_process, timeout_s
 from .architectures import lora_targets
 from .errors import GhostedError, MissingDependencyError, MissingFileError
 from .statistics.origin import config_sha256, model_fingerprint
+from .statistics.store import tensor_sha256
 from .options import Options, option, positive
 from .remote.modeling_ghosted import GHOST_MODULE
 
@@ -287,6 +288,19 @@ def run_identity(options: HealOptions, sequences: TrainingSequences, processes: 
             "model_weights_sha256": json.dumps(model_fingerprint(model)["weights_sha256"], sort_keys=True)}
 
 
+def agreement_claims(options: HealOptions, sequences: TrainingSequences, run: dict[str, Any],
+                     teacher: nn.Module | None) -> dict[str, str]:
+    """What every process of a data-parallel run must share (`distributed.check_agreement`): every option (the
+    ones a resume may change too: each process saves and evaluates in the same steps), the token sequences each
+    process draws its share from, the model healed and the teacher."""
+    claims = {name: repr(value) for name, value in options.to_dict().items()}
+    claims.update({"training data": tensor_sha256(sequences.train), "held-out data": tensor_sha256(sequences.held_out),
+                   "model config": run["model_config_sha256"], "model weights": run["model_weights_sha256"]})
+    if teacher is not None:
+        claims["teacher"] = json.dumps(model_fingerprint(teacher), sort_keys=True)
+    return claims
+
+
 def check_same_run(record: dict[str, Any], run: dict[str, Any], folder: Path) -> None:
     """Refuse to resume a checkpoint with other options, data or process count than the run that wrote it."""
     def flat(identity: dict[str, Any]) -> dict[str, Any]:
@@ -504,6 +518,7 @@ def heal(
         sequences = _training_data(tokenizer, data, eval_data, options, per_step, steps * per_step)
         budget = Budget(None if options.minutes else steps, options.minutes * 60 if options.minutes else None, clock)
         run = run_identity(options, sequences, args.world_size, model)
+        check_agreement(agreement_claims(options, sequences, run, teacher))  # before any collective of training
         start = None if resume is None else resume_point(Path(output_dir), resume)
         if start is not None:
             record = verified_checkpoint(start)

@@ -230,3 +230,43 @@ def test_an_fsdp_config_on_cpu_processes_warns_that_they_train_data_parallel(den
                          timeout=300, env=ENV)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stderr.count("these 2 CPU processes train data-parallel") == 1, two.stderr[-3000:]
+
+
+def run_disagreeing_healer(rank: int, world: int, port: int, out: str, differs: str) -> None:
+    """Rank 1 heals with another option, other data or another model than rank 0 (each on its own CPU process)."""
+    torch.set_num_threads(1)
+    from ghosted_hf import ghost_prune
+    from ghosted_hf.healing import heal
+    from tiny import build, char_tokenizer, texts
+
+    other = rank == 1
+    dense = build("llama", seed=int(other and differs == "model weights"),
+                  **({"num_hidden_layers": 5} if other and differs == "model config" else {}))
+    model = ghost_prune(dense, char_tokenizer(), texts(), criterion="manual", layers=[2], seq_len=32, num_sequences=8)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), GHOSTED_DISTRIBUTED_TIMEOUT="60")  # after pruning: one process each
+    options = dict(steps=2 + int(other and differs == "steps"), lr=1e-3 * (1 + int(other and differs == "lr")),
+                   seq_len=32, batch_size=2, eval_sequences=0, progress=False)
+    try:
+        heal(model, char_tokenizer(), texts(seed=int(other and differs == "training data")), **options)
+        message = "no error"
+    except GhostedError as error:
+        message = str(error)
+    Path(out, f"rank{rank}.txt").write_text(message)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("differs", ["lr", "steps", "training data", "model weights", "model config"])
+def test_a_healing_rank_that_differs_fails_every_rank_before_the_first_step(differs: str, tmp_path: Path) -> None:
+    """Other options would train diverging replicas, other steps hang in a collective, another depth fails inside
+    DDP: every process checks the run identity of every other first, and each ends with one line."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(run_disagreeing_healer, args=(2, free_port(), str(tmp_path), differs), nprocs=2,
+                                 start_method="spawn", join=False)
+    for process in context.processes:
+        process.join(timeout=240)
+    for rank in range(2):
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        named = message.removeprefix("Process 1 of 2 has another ").partition(" than process 0")[0].split(", ")
+        assert message.startswith("Process 1 of 2 has another") and differs in named, (rank, message)
