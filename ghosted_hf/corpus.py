@@ -17,6 +17,7 @@ import torch
 
 from .data import NamedTexts, add_to_text_hash, cut_windows, leading_token, load_texts
 from .errors import GhostedError, MissingDependencyError
+from .network import HUB_TIMEOUT_S, bounded_network
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,31 @@ def open_dataset(source: str, split: str | None = None, streaming: bool = False)
         return datasets.load_dataset(str(path), split=split or "train", streaming=streaming)
     if path.suffix.lower() in BUILDERS or source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise GhostedError(f"Training data {source} does not exist (a file, a datasets folder or a Hub dataset id).")
+    check_hub_dataset(source, HUB_TIMEOUT_S)
     try:
-        return datasets.load_dataset(source, split=split or "train", streaming=streaming)
+        with bounded_network(HUB_TIMEOUT_S):
+            return datasets.load_dataset(source, split=split or "train", streaming=streaming)
     except (FileNotFoundError, ConnectionError, ValueError) as error:  # the Hub's and datasets' "not found"
         raise GhostedError(f"Could not open the dataset {source!r} (split {split or 'train'!r}): {error}") from None
+
+
+def check_hub_dataset(source: str, timeout: float) -> None:
+    """One bounded request for the dataset's Hub page before `datasets` starts its own, which it retries file by
+    file for minutes when the endpoint does not answer. Offline, the local cache answers instead."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return
+    try:
+        HfApi().dataset_info(source, timeout=timeout)
+    except RepositoryNotFoundError:
+        raise GhostedError(f"There is no dataset {source!r} at {constants.ENDPOINT} (or it is private: log in with "
+                           "`hf auth login`); pass --data PATH to train on a local file or folder.") from None
+    except Exception as error:  # the HTTP client's own error types (timeouts, refused connections, HTTP statuses)
+        raise GhostedError(f"Cannot open the Hub dataset {source!r}: {constants.ENDPOINT} did not answer within "
+                           f"{timeout:g} s ({type(error).__name__}: {str(error)[:200]}); check the network, HF_ENDPOINT "
+                           "and HF_HUB_OFFLINE, or pass --data PATH to train on a local file or folder.") from None
 
 
 def _column(dataset: Any, text_column: str) -> Iterator[str]:

@@ -9,14 +9,12 @@ waits at most `timeout` seconds for an answer. Pulling needs no code of ours:
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import json
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, 
 from .card import PLOT_FILE, build_card, save_with_card
 from .errors import GhostedError
 from .files import REMOTE_FILES, verify_folder
+from .network import bounded_network
 from .remote.configuration_ghosted import GhostedConfig
 
 logger = logging.getLogger(__name__)
@@ -104,22 +103,6 @@ def _pinned_card(folder: Path, repo_id: str, commit: str) -> str:
     license = ModelCard.load(folder / "README.md").data.license
     plot = PLOT_FILE if (folder / PLOT_FILE).is_file() else None
     return str(build_card(config, repo_id=repo_id, license=license, plot=plot, revision=commit))
-
-
-@contextlib.contextmanager
-def bounded_network(timeout: float) -> Iterator[None]:
-    """huggingface_hub's HTTP client, within the context, gives up on a connection that does not answer for
-    `timeout` seconds (its default waits for ever)."""
-    def factory():
-        client = huggingface_hub.utils._http.default_client_factory()
-        client.timeout = timeout
-        return client
-
-    huggingface_hub.set_client_factory(factory)
-    try:
-        yield
-    finally:
-        huggingface_hub.set_client_factory(huggingface_hub.utils._http.default_client_factory)
 
 
 def push_to_hub(

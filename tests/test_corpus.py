@@ -149,3 +149,30 @@ def test_a_hub_dataset_id_reads_offline_from_the_local_cache(tmp_path: Path) -> 
                          timeout=120)
     assert run.stdout.split() == ["6", "6"], run.stderr[-2000:]
     assert "GhostedError: Could not open the dataset 'someone/other'" in run.stderr
+
+
+def test_a_hub_dataset_on_an_endpoint_that_never_answers_ends_with_one_line(monkeypatch) -> None:
+    """An endpoint that accepts connections and never answers: one bounded request, then a line naming the id,
+    the endpoint and the local alternative (`datasets` alone retried file after file for minutes)."""
+    import socket
+    import time
+
+    import huggingface_hub.constants
+
+    import ghosted_hf.corpus
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)  # the kernel accepts the connections; nobody ever answers them
+        endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+        monkeypatch.setattr(ghosted_hf.corpus, "HUB_TIMEOUT_S", 1.0)
+        start = time.monotonic()
+        with pytest.raises(GhostedError) as raised:
+            read_corpus("org/name")
+    message = str(raised.value)
+    assert time.monotonic() - start < 30, "the wait was not bounded"
+    assert message.startswith(f"Cannot open the Hub dataset 'org/name': {endpoint} did not answer within 1 s")
+    assert "--data PATH" in message and "\n" not in message
