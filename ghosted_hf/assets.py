@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -120,7 +119,9 @@ def packaged_model_dir(name: str = DEFAULT_MODEL) -> Path:
                            f"{model_info.sha256}; reinstall: {model_info.install}")
     logger.warning("Converting the packaged %s GGUF to safetensors in %s (once, ~20 s).", name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    from .remote.modeling_ghosted import readable_as_made, scratch_folder
+
+    staging = scratch_folder(target.parent, f".{target.name}.converting-")
     try:
         gguf = chunks[0]
         if len(chunks) > 1:  # assemble the chunks beside the output; removed with the staging folder
@@ -143,6 +144,7 @@ def packaged_model_dir(name: str = DEFAULT_MODEL) -> Path:
         (folder / SOURCE_FILE).write_text(json.dumps(source, indent=1))  # read by the model card
         if model_info.notice:
             (folder / NOTICE_FILE).write_text(model_info.notice)
+        readable_as_made(folder)
         folder.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -11,15 +11,14 @@ import contextlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import index_weight_map
 from .errors import GhostedError, MissingFileError
-from .remote.modeling_ghosted import check_sizes_against_weights, ghost_tensor_keys, operator_sha256, replace_folder
+from .remote.modeling_ghosted import check_sizes_against_weights, ghost_tensor_keys, operator_sha256
+from .remote.modeling_ghosted import staged_folder as remote_staged_folder
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +54,12 @@ def check_output(output: str | os.PathLike | None, inputs: tuple[str | os.PathLi
 @contextlib.contextmanager
 def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty sibling folder of `target` to write a whole model into; on success it replaces
-    `target`, on any error it is removed and `target` is left as it was."""
+    `target`, on any error it is removed and `target` is left as it was (the remote save's own staging)."""
     target = Path(target)
     if target.exists() and not target.is_dir():
         raise GhostedError(f"{target} is an existing file; save to a folder.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.saving-"))
-    try:
+    with remote_staged_folder(target) as staging:
         yield staging
-        replace_folder(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:

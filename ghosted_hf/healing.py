@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -42,7 +43,7 @@ from .errors import GhostedError, MissingDependencyError, MissingFileError
 from .statistics.origin import config_sha256, model_fingerprint
 from .statistics.store import tensor_sha256
 from .options import Options, option, positive
-from .remote.modeling_ghosted import GHOST_MODULE
+from .remote.modeling_ghosted import GHOST_MODULE, scratch_folder
 
 logger = logging.getLogger(__name__)
 
@@ -447,6 +448,20 @@ class HealResult(NamedTuple):
     evaluations: list[dict[str, float]]
 
 
+@contextlib.contextmanager
+def _checkpoint_folder(checkpoints: str | os.PathLike | None) -> Iterator[Path]:
+    """The Trainer's output folder: the user's checkpoints folder, or a scratch folder in the temp folder (removed
+    afterwards; one that a killed run left is removed by the next run)."""
+    if checkpoints is not None:
+        yield Path(checkpoints)
+        return
+    scratch = scratch_folder(Path(tempfile.gettempdir()), "ghosted-heal-")
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _lora(model: PreTrainedModel, options: HealOptions) -> PeftModel:
     torch.manual_seed(options.seed)
     config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0, target_modules=lora_targets(model),
@@ -506,8 +521,7 @@ def heal(
     if (options.save_every or resume is not None or options.report_to != "none") and checkpoints is None:
         raise GhostedError("save_every, resume and report_to need the checkpoints folder (the run's checkpoints, and "
                            "its logs under runs/).")
-    scratch = tempfile.TemporaryDirectory(prefix="ghosted-heal-") if checkpoints is None else contextlib.nullcontext(checkpoints)
-    with scratch as output_dir:
+    with _checkpoint_folder(checkpoints) as output_dir:
         # Building the arguments joins the launcher's process group: the world size is known from here on.
         args = _arguments(options, str(output_dir))
         device = args.device

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from .architectures import ARCHITECTURES, architecture
 from .errors import GhostedError
 from .remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
-from .remote.modeling_ghosted import GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key
+from .remote.modeling_ghosted import GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key, scratch_folder
 from .surgery import adopt_tensors
 
 logger = logging.getLogger(__name__)
@@ -190,17 +190,20 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
                     "is that small.", eps, NORMED_EPS, eps - NORMED_EPS)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as scratch:
-        folder = Path(scratch) / "base"
+    scratch = scratch_folder(output.parent, f".{output.name}.writing-")  # removes what a killed export left
+    try:
+        folder = scratch / "base"
         base = pruned_base(model)
         base.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         from .card import name_tokenizer_class_for_every_reader
 
         name_tokenizer_class_for_every_reader(folder)
-        convert(folder, Path(llama_cpp), Path(scratch) / "base.gguf", outtype, timeout)
-        staged = Path(scratch) / output.name
-        layers = rewrite_as_deci(Path(scratch) / "base.gguf", staged, blocks, outtype)
+        convert(folder, Path(llama_cpp), scratch / "base.gguf", outtype, timeout)
+        staged = scratch / output.name
+        layers = rewrite_as_deci(scratch / "base.gguf", staged, blocks, outtype)
         staged.replace(output)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     logger.info("Wrote %s: %d layers, %d of them linear-attention blocks.", output, layers, len(blocks))
     return output

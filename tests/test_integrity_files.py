@@ -53,6 +53,10 @@ def test_save_killed_while_writing_the_weights_keeps_the_previous_folder(tmp_pat
     assert done.returncode == -9, done.stderr
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(folder)), logits(old))
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".model.saving-")]
+    assert len(left) == 1, sorted(p.name for p in tmp_path.iterdir())  # what the kill left
+    save_with_card(old, folder, char_tokenizer())  # the next save to the same folder removes it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["killed_save.py", "model"]
 
 
 def test_sharded_resave_over_an_unsharded_save_loads_the_new_weights(tmp_path: Path) -> None:
@@ -102,3 +106,94 @@ def test_an_index_cannot_point_outside_its_folder(name: str, tmp_path: Path) -> 
     for read in (verify_folder, LayerwisePass):
         with pytest.raises(GhostedError, match="names files that are not plain safetensors files of"):
             read(tmp_path / "model")
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def plant(parent: Path, stem: str) -> dict[str, Path]:
+    """Scratch folders named as a killed process of this host, a running one, and another host's process left them."""
+    import os
+    import socket
+
+    host = socket.gethostname()
+    owners = {"killed": f"{host}~{dead_pid()}", "running": f"{host}~{os.getpid()}", "elsewhere": f"other-host~{dead_pid()}"}
+    planted = {}
+    for what, owner in owners.items():
+        planted[what] = parent / f"{stem}{owner}-abc123"
+        planted[what].mkdir(parents=True)
+        (planted[what] / "model.safetensors").write_bytes(b"x" * 100)
+    return planted
+
+
+def test_a_write_removes_what_killed_writes_to_its_target_left_and_nothing_else(tmp_path: Path, caplog) -> None:
+    """Every scratch path carries its host and process: the next write to the same target removes the leftovers
+    of processes that are gone (and says so), never those of a running process or of another machine."""
+    from ghosted_hf.healing import heal
+
+    model = ghosted()
+    writers = {  # stem of the scratch path -> a write that makes one
+        ".model.saving-": lambda: save_with_card(model, tmp_path / "model", char_tokenizer()),
+        ".plain.saving-": lambda: model.save_pretrained(tmp_path / "plain"),
+        "ghosted-heal-": lambda: heal(model, char_tokenizer(), texts(), steps=1, seq_len=16, batch_size=1,
+                                      eval_sequences=0, progress=False),
+    }
+    for stem, write in writers.items():
+        planted = plant(tmp_path, stem)
+        with caplog.at_level("WARNING"):
+            write()
+        assert not planted["killed"].exists(), stem
+        assert planted["running"].exists() and planted["elsewhere"].exists(), stem
+        assert f"Removed {planted['killed']}, left by a killed process." in caplog.text, stem
+    assert not [p for p in tmp_path.iterdir() if "ghosted-heal-" in p.name and "other-host" not in p.name
+                and str(__import__("os").getpid()) not in p.name]  # heal's own scratch folder is gone too
+
+
+@pytest.fixture(autouse=True)
+def _scratch_in_tmp(tmp_path: Path, monkeypatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # heal's scratch folder goes under the test's folder
+
+
+def test_a_save_killed_between_its_renames_is_restored_by_the_next(tmp_path: Path) -> None:
+    """The previous folder is renamed aside before the new one moves in: a kill between the two renames leaves it
+    aside, and the next write to that target moves it back before anything else."""
+    from ghosted_hf.files import staged_folder
+
+    save_with_card(ghosted(seed=1), tmp_path / "model", char_tokenizer())
+    before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()}
+    aside = plant(tmp_path, ".model.previous-")["killed"]
+    for item in aside.iterdir():
+        item.unlink()
+    (tmp_path / "model").rename(aside / "x")
+    (aside / "x").rename(tmp_path / "moved")
+    aside.rmdir()
+    (tmp_path / "moved").rename(aside)  # the killed save's state: the model aside, no folder at the target
+    with pytest.raises(RuntimeError), staged_folder(tmp_path / "model"):
+        raise RuntimeError("this save fails too")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()} == before
+
+
+def test_saved_folders_are_readable_as_any_folder_the_user_makes_and_links_stay_links(tmp_path: Path) -> None:
+    """A saved model gets the caller's umask permissions (a serving container reads it), and a save through a
+    symlinked folder writes where the link points and leaves no folder aside."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        (tmp_path / "real").mkdir()
+        (tmp_path / "link").symlink_to(tmp_path / "real")
+        for folder in (save_with_card(ghosted(), tmp_path / "model", char_tokenizer()),
+                       save_with_card(ghosted(), tmp_path / "link", char_tokenizer())):
+            assert stat.S_IMODE(folder.stat().st_mode) == 0o755, folder
+            assert stat.S_IMODE((folder / "model.safetensors").stat().st_mode) == 0o644, folder
+    finally:
+        os.umask(old)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "model", "real"]

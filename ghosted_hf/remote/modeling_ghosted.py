@@ -15,13 +15,18 @@ tensor's sha256 and the format version (docs/reference/format.md).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
+import socket
 import struct
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,8 @@ from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, LlamaForCausalLM, PreTrainedModel
 
 from .configuration_ghosted import LAYER_TARGET, NORMED_EPS, OPERATOR_DTYPES, GhostedConfig, required_format_version
+
+logger = logging.getLogger(__name__)
 
 # Oldest transformers this file is tested on. Support is decided by the features below, never by the version.
 MIN_TRANSFORMERS = "4.57"
@@ -88,12 +95,79 @@ MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.inde
                "generation_config.json", "*.py")
 
 
+def _owner() -> str:
+    """Who made a scratch path: the host and process, so that a later write can tell a leftover of a killed process
+    from the work of a running one."""
+    return f"{socket.gethostname()}~{os.getpid()}"
+
+
+def _gone(owner: str) -> bool:
+    host, _, pid = owner.rpartition("~")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False  # another machine's (a shared disk), or not ours: never touched
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
+def scratch_folder(parent: Path, stem: str) -> Path:
+    """A new folder `parent/<stem><host>~<pid>-XXXX`, readable as any folder the caller makes (the umask's
+    permissions, not mkdtemp's 0700: the folder becomes the saved model). Leftovers of `stem` whose process is
+    gone are removed first."""
+    parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(parent, stem)
+    path = Path(tempfile.mkdtemp(dir=parent, prefix=f"{stem}{_owner()}-"))
+    os.chmod(path, 0o777 & ~_umask())
+    return path
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def readable_as_made(folder: Path) -> None:
+    """Give what a save wrote the permissions a file the caller makes gets (safetensors writes its files 0600 and
+    mkdtemp makes 0700 folders; a serving container or another user must be able to read a saved model)."""
+    umask = _umask()
+    for root, folders, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o666 & ~umask)
+
+
+def remove_leftovers(parent: Path, stem: str, restore_to: Path | None = None) -> None:
+    """Remove what a killed process left under `parent` with `stem` (its owner tag names a process of this host that
+    is gone), and say so. With `restore_to` missing, a leftover is the previous folder a kill caught between its two
+    renames: it is moved back instead of removed."""
+    for entry in sorted(parent.glob(glob.escape(stem) + "*")):
+        if not _gone(entry.name[len(stem):].rpartition("-")[0]):
+            continue
+        if restore_to is not None and not os.path.lexists(restore_to):
+            os.rename(entry, restore_to)
+            logger.warning("Restored %s from %s, which a killed save left.", restore_to, entry.name)
+            continue
+        # with the scratch paths of a save into it (a model saved into a staging folder stages beside it)
+        for item in (entry, *parent.glob(f".{glob.escape(entry.name)}.*")):
+            if item.is_dir() and not item.is_symlink():
+                shutil.rmtree(item, ignore_errors=True)
+            else:
+                item.unlink(missing_ok=True)
+            logger.warning("Removed %s, left by a killed process.", item)
+
+
 def replace_folder(staging: Path, target: Path) -> None:
     """Move the complete folder `staging` to `target`. The previous `target` is renamed aside first and removed
     only once the new folder is in place, so it is never partly overwritten."""
     backup = None
     if target.exists():
-        backup = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.previous-"))
+        backup = scratch_folder(target.parent, f".{target.name}.previous-")
         os.rmdir(backup)
         os.rename(target, backup)
     try:
@@ -104,6 +178,23 @@ def replace_folder(staging: Path, target: Path) -> None:
         raise
     if backup is not None:
         shutil.rmtree(backup, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_folder(target: Path) -> Iterator[Path]:
+    """Yield an empty sibling folder of `target` to write a whole folder into; on success it replaces `target`, on
+    any error it is removed and `target` is left as it was. A symlinked `target` is written where it points (the
+    link keeps naming the saved folder); leftovers of killed saves to `target` are cleaned up first."""
+    target = target.resolve() if target.is_symlink() else target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(target.parent, f".{target.name}.previous-", restore_to=target)
+    staging = scratch_folder(target.parent, f".{target.name}.saving-")
+    try:
+        yield staging
+        readable_as_made(staging)
+        replace_folder(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _carry_over(folder: Path, staging: Path) -> None:
@@ -366,16 +457,10 @@ class GhostedPreTrainedModel(PreTrainedModel):
         target = Path(save_directory)
         if kwargs.get("push_to_hub") or not kwargs.get("is_main_process", True) or target.is_file():
             return super().save_pretrained(save_directory, *args, **kwargs)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.saving-"))
-        try:
+        with staged_folder(target) as staging:
             if target.is_dir():
                 _carry_over(target, staging)
-            result = super().save_pretrained(staging, *args, **kwargs)
-            replace_folder(staging, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return result
+            return super().save_pretrained(staging, *args, **kwargs)
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any):
