@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import assets
 from .errors import GhostedError
-from .files import check_output, staged_folder, verify_folder
+from .files import check_output, relation, staged_folder, verify_folder
 from .loading import DTYPES, load_model
 from .options import PruneOptions, add_arguments, from_namespace, option
 
@@ -354,6 +354,10 @@ def cmd_heal(args: argparse.Namespace) -> int:
                  overwrite=run.overwrite)
     needs_folder = options.save_every or run.resume or options.report_to != "none"
     checkpoints = run.checkpoints or (f"{run.output.rstrip('/')}.checkpoints" if needs_folder else None)
+    for folder, what in ((run.output, "the output folder"), (run.folder, "the model folder")):
+        if checkpoints is not None and relation(checkpoints, folder) in ("is", "lies inside"):
+            raise GhostedError(f"--checkpoints {checkpoints} {relation(checkpoints, folder)} {what} {folder}: "
+                               "checkpoints would be written into a model; name a folder outside it.")
     model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
                                   revision=run.revision)
     teacher = None

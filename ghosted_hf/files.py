@@ -32,15 +32,11 @@ def check_output(output: str | os.PathLike | None, inputs: tuple[str | os.PathLi
     if output is None:
         raise GhostedError("--output is required.")
     path = Path(output)
-    where = path.resolve()
     for source in inputs:
         if source is None or not Path(source).exists():
             continue  # a Hub id, a packaged model's name
-        found = Path(source).resolve()
-        relation = ("is" if where == found else "lies inside" if found in where.parents
-                    else "contains" if where in found.parents else None)
-        if relation:
-            raise GhostedError(f"--output {path} {relation} the input {source}; write it somewhere else.")
+        if relation(path, source):
+            raise GhostedError(f"--output {path} {relation(path, source)} the input {source}; write it somewhere else.")
     what = "file" if file else "folder"
     if path.exists() and (path.is_dir() if file else not path.is_dir()):
         raise GhostedError(f"--output {path} exists and is not a {what}; name a {what}.")
@@ -49,6 +45,14 @@ def check_output(output: str | os.PathLike | None, inputs: tuple[str | os.PathLi
     if file and not path.parent.is_dir():
         raise GhostedError(f"--output {path}: folder {path.parent} does not exist; create it first.")
     return path
+
+
+def relation(path: str | os.PathLike, other: str | os.PathLike) -> str | None:
+    """How `path` stands to `other` on the disk ("is", "lies inside", "contains"), None when apart (links resolved;
+    neither needs to exist)."""
+    where, found = Path(path).resolve(), Path(other).resolve()
+    return ("is" if where == found else "lies inside" if found in where.parents
+            else "contains" if where in found.parents else None)
 
 
 @contextlib.contextmanager

@@ -39,11 +39,13 @@ from .corpus import TrainingSequences, read_corpus, training_sequences
 from .distillation import Head, chunked_kd_loss, final_hidden_states, head_is_plain, shifted_labels
 from .distributed import check_agreement, is_main_process, timeout_s
 from .architectures import lora_targets
+from .diskio import atomic_write_text, read_json_object
+from .files import relation
 from .errors import GhostedError, MissingDependencyError, MissingFileError
 from .statistics.origin import config_sha256, model_fingerprint
 from .statistics.store import tensor_sha256
 from .options import Options, option, positive
-from .remote.modeling_ghosted import GHOST_MODULE, scratch_folder
+from .remote.modeling_ghosted import GHOST_MODULE, process_gone, process_tag, scratch_folder
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ SCHEDULES = ("constant", "linear")
 PRECISIONS = ("auto", "fp32", "bf16")
 REPORTERS = ("none", "tensorboard", "wandb")
 CHECKPOINT_RECORD = "ghosted_checkpoint.json"  # written last: a checkpoint without it is incomplete
+RUN_RECORD = "ghosted_run.json"  # which run (and process) a checkpoints folder belongs to
 
 
 @dataclass
@@ -269,10 +272,8 @@ class _Record(TrainerCallback):
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         files = {p.relative_to(folder).as_posix(): file_sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
-        staged = folder / f".{CHECKPOINT_RECORD}.tmp"
-        staged.write_text(json.dumps({"step": state.global_step, "seconds_spent": self.budget.spent, "run": self.run,
-                                      "files": files}))
-        os.replace(staged, folder / CHECKPOINT_RECORD)
+        atomic_write_text(folder / CHECKPOINT_RECORD, json.dumps({"step": state.global_step, "run": self.run,
+                                                                 "seconds_spent": self.budget.spent, "files": files}))
 
 
 # What may change when a run is resumed: how often it saves and evaluates, and where it reports.
@@ -305,9 +306,11 @@ def agreement_claims(options: HealOptions, sequences: TrainingSequences, run: di
 def check_same_run(record: dict[str, Any], run: dict[str, Any], folder: Path) -> None:
     """Refuse to resume a checkpoint with other options, data or process count than the run that wrote it."""
     def flat(identity: dict[str, Any]) -> dict[str, Any]:
-        return {**identity.get("options", {}), **{k: v for k, v in identity.items() if k != "options"}}
+        options = identity.get("options")
+        return {**(options if isinstance(options, dict) else {"options": options}),
+                **{k: v for k, v in identity.items() if k != "options"}}
 
-    then, now = flat(record.get("run", {})), flat(run)
+    then, now = flat(record["run"]), flat(run)
     changed = sorted(k for k in then.keys() | now.keys() if then.get(k) != now.get(k))
     if changed:
         details = ", ".join(f"{k} {then.get(k)!r} then, {now.get(k)!r} now" for k in changed)
@@ -315,15 +318,41 @@ def check_same_run(record: dict[str, Any], run: dict[str, Any], folder: Path) ->
                            "data of that run, or start a new one.")
 
 
+def claim_checkpoint_folder(folder: Path, model: nn.Module, resuming: bool) -> None:
+    """Make `folder` this run's: refuse one inside the healed model's own folder, one a running heal uses, and,
+    unless resuming, one that holds checkpoints (rotation would delete another run's, or this run's would be mixed
+    with them; a resumed run is checked against its checkpoint's record). Records this process in RUN_RECORD."""
+    source = getattr(model.config, "_name_or_path", "") or ""
+    if source and Path(source).is_dir() and relation(folder, source) in ("is", "lies inside"):
+        raise GhostedError(f"The checkpoints folder {folder} lies inside the model folder {source}: checkpoints would "
+                           "be written into the model; name a folder outside it.")
+    folder.mkdir(parents=True, exist_ok=True)
+    record_path = folder / RUN_RECORD
+    if record_path.exists():
+        owner = read_json_object(record_path, "the checkpoints folder's run record", {"process": str})["process"]
+        if owner != process_tag() and not process_gone(owner):
+            raise GhostedError(f"The checkpoints folder {folder} is in use by a running heal (process {owner}): "
+                               "give each run its own folder.")
+    if not resuming and any(folder.glob("checkpoint-*")):
+        raise GhostedError(f"The checkpoints folder {folder} already holds checkpoints: continue that run with "
+                           "--resume last (resume=\"last\"), or name an empty folder.")
+    atomic_write_text(record_path, json.dumps({"process": process_tag()}))  # a resumed run checks its checkpoint's
+
+
 def verified_checkpoint(folder: Path) -> dict[str, Any]:
     """The record of a complete checkpoint whose every file still has the recorded sha256."""
     path = folder / CHECKPOINT_RECORD
+    if not folder.is_dir():
+        raise MissingFileError(f"Checkpoint {folder} does not exist (or is not a folder): name a checkpoint-N folder "
+                               "of the run, or resume='last'.")
     if not path.is_file():
         raise GhostedError(f"Checkpoint {folder} is incomplete (no {CHECKPOINT_RECORD}: the run was stopped while it "
                            "was written); resume from an earlier one.")
-    record = json.loads(path.read_text())
+    record = read_json_object(path, "checkpoint record", {"step": int, "seconds_spent": (int, float), "run": dict,
+                                                          "files": dict})
     for name, digest in record["files"].items():
-        if not (folder / name).is_file() or file_sha256(folder / name) != digest:
+        inside = not Path(name).is_absolute() and ".." not in Path(name).parts
+        if not inside or not (folder / name).is_file() or file_sha256(folder / name) != digest:
             raise GhostedError(f"Checkpoint file {folder / name} is missing or not what the checkpoint recorded; "
                                "resume from another checkpoint.")
     return record
@@ -533,6 +562,8 @@ def heal(
         budget = Budget(None if options.minutes else steps, options.minutes * 60 if options.minutes else None, clock)
         run = run_identity(options, sequences, args.world_size, model)
         check_agreement(agreement_claims(options, sequences, run, teacher))  # before any collective of training
+        if checkpoints is not None and is_main_process():
+            claim_checkpoint_folder(Path(output_dir), model, resuming=resume is not None)
         start = None if resume is None else resume_point(Path(output_dir), resume)
         if start is not None:
             record = verified_checkpoint(start)

@@ -74,7 +74,8 @@ def test_resume_takes_the_newest_complete_checkpoint_and_checks_its_files(tmp_pa
     for step in (2, 4):  # checkpoint-6 was being written when the run was killed: it has no record
         folder = tmp_path / f"checkpoint-{step}"
         files = {"adapter_model.safetensors": hashlib.sha256(b"weights %d" % step).hexdigest()}
-        (folder / CHECKPOINT_RECORD).write_text(json.dumps({"step": step, "seconds_spent": 1.0, "files": files}))
+        (folder / CHECKPOINT_RECORD).write_text(json.dumps({"step": step, "seconds_spent": 1.0, "run": {},
+                                                                  "files": files}))
     assert resume_point(tmp_path, "last") == tmp_path / "checkpoint-4"
     assert verified_checkpoint(tmp_path / "checkpoint-4")["step"] == 4
     with pytest.raises(GhostedError, match="checkpoint-6 is incomplete"):
@@ -110,6 +111,48 @@ def test_resume_refuses_a_checkpoint_written_while_healing_another_model(tmp_pat
     heal(model(0), char_tokenizer(), texts(), resume="last", **options)  # the same model resumes
     with pytest.raises(GhostedError, match=r"checkpoint-\d was written by another run \(.*model_weights_sha256 .* then"):
         heal(model(1), char_tokenizer(), texts(), resume="last", **options)
+
+
+def test_a_checkpoints_folder_belongs_to_one_run_and_never_to_a_model(tmp_path: Path) -> None:
+    """Rotation deletes the oldest checkpoints of the folder: a second run there (or a run while another uses it)
+    is refused, and checkpoints are never written into a model folder."""
+    from ghosted_hf import ghost_prune, save_with_card
+    from ghosted_hf.cli import main
+    from ghosted_hf.healing import RUN_RECORD, heal
+    from tiny import build, char_tokenizer, texts
+
+    def model():  # heal wraps the model it trains: each run gets a fresh one
+        return ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], seq_len=48,
+                           num_sequences=24)
+
+    options = dict(steps=2, save_every=1, seq_len=48, eval_sequences=0, checkpoints=tmp_path / "ck", progress=False)
+    heal(model(), char_tokenizer(), texts(), **options)
+    with pytest.raises(GhostedError, match=r"ck already holds checkpoints: continue that run with --resume last"):
+        heal(model(), char_tokenizer(), texts(), **{**options, "lr": 1e-3})
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        import socket
+
+        (tmp_path / "ck" / RUN_RECORD).write_text(json.dumps({"process": f"{socket.gethostname()}~{sleeper.pid}"}))
+        with pytest.raises(GhostedError, match=rf"ck is in use by a running heal \(process .*~{sleeper.pid}\)"):
+            heal(model(), char_tokenizer(), texts(), resume="last", **options)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    heal(model(), char_tokenizer(), texts(), resume="last", **options)  # its process is gone: the folder is free
+    folder = save_with_card(model(), tmp_path / "model", char_tokenizer())
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    saved = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(GhostedError, match=r"lies inside the model folder"):
+        heal(loaded, char_tokenizer(), texts(), **{**options, "checkpoints": folder / "ck"})
+    assert sorted(p.name for p in folder.iterdir()) == saved
+    (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
+    for checkpoints in (tmp_path / "out" / "ck", folder / "ck"):
+        code = main(["heal", str(folder), "--data", str(tmp_path / "cal.txt"), "--output", str(tmp_path / "out"),
+                     "--checkpoints", str(checkpoints), "--save-every", "1", "--steps", "1"])
+        assert code == 2 and not checkpoints.exists()
 
 
 @pytest.mark.distributed

@@ -95,13 +95,14 @@ MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.inde
                "generation_config.json", "*.py")
 
 
-def _owner() -> str:
+def process_tag() -> str:
     """Who made a scratch path: the host and process, so that a later write can tell a leftover of a killed process
     from the work of a running one."""
     return f"{socket.gethostname()}~{os.getpid()}"
 
 
-def _gone(owner: str) -> bool:
+def process_gone(owner: str) -> bool:
+    """Whether the process a `process_tag` names has ended (only ever true for a process of this host)."""
     host, _, pid = owner.rpartition("~")
     if host != socket.gethostname() or not pid.isdigit():
         return False  # another machine's (a shared disk), or not ours: never touched
@@ -120,7 +121,7 @@ def scratch_folder(parent: Path, stem: str) -> Path:
     gone are removed first."""
     parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(parent, stem)
-    path = Path(tempfile.mkdtemp(dir=parent, prefix=f"{stem}{_owner()}-"))
+    path = Path(tempfile.mkdtemp(dir=parent, prefix=f"{stem}{process_tag()}-"))
     os.chmod(path, 0o777 & ~_umask())
     return path
 
@@ -147,7 +148,7 @@ def remove_leftovers(parent: Path, stem: str, restore_to: Path | None = None) ->
     is gone), and say so. With `restore_to` missing, a leftover is the previous folder a kill caught between its two
     renames: it is moved back instead of removed."""
     for entry in sorted(parent.glob(glob.escape(stem) + "*")):
-        if not _gone(entry.name[len(stem):].rpartition("-")[0]):
+        if not process_gone(entry.name[len(stem):].rpartition("-")[0]):
             continue
         if restore_to is not None and not os.path.lexists(restore_to):
             os.rename(entry, restore_to)
