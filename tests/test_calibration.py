@@ -3,6 +3,8 @@ files."""
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -207,6 +209,82 @@ def test_statistics_files_refuse_damage(tmp_path: Path) -> None:
     save_file({"gram.1": torch.zeros(32, 32, dtype=torch.float64)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(GhostedError, match="is not a ghosted_hf statistics file"):
         CalibrationStatistics.load(tmp_path / "other.safetensors")
+
+
+def rewritten(path: Path, out: Path, metadata: dict | None = None, tensors: dict | None = None,
+              rehash: bool = False) -> Path:
+    """`path` written again with changed metadata or tensors (the integrity hash recomputed only with `rehash`)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from ghosted_hf.statistics.store import metadata_sha256
+
+    with safe_open(str(path), framework="pt") as handle:
+        meta = dict(handle.metadata())
+    meta.update(metadata or {})
+    meta = {k: v for k, v in meta.items() if v is not None}
+    if rehash:
+        meta["integrity"] = metadata_sha256(meta)
+    save_file({**load_file(str(path)), **(tensors or {})}, str(out), metadata=meta)
+    return out
+
+
+@pytest.mark.parametrize("change", [{"tokens": "0"}, {"tokens": "-5"}, {"rotation_kind": "sideways"},
+                                    {"origin": "{}"}, {"origin": None}, {"depth": "1"}, {"hidden_size": "31"}])
+def test_statistics_metadata_is_under_the_integrity_hash_and_range_checked(change: dict, tmp_path: Path) -> None:
+    """A relabelled shard, a removed model hash, a zero token count: the integrity hash refuses any edit, and a
+    file whose hash was forged to match is still refused field by field."""
+    stats = collect_statistics(build("llama"), batch_sequences(sequences(), 2, PAD), least_squares(1, 3),
+                               progress=False)
+    stats.origin = {"model": {"config_sha256": "c", "weights_sha256": {"tensors": "w"}}, "shard": "1/2"}
+    path = tmp_path / "stats.safetensors"
+    stats.save(path)
+    assert CalibrationStatistics.load(path).origin == stats.origin
+    with pytest.raises(GhostedError, match="does not match its integrity hash: a field was changed"):
+        CalibrationStatistics.load_header(rewritten(path, tmp_path / "edited.safetensors", change))
+    forged = rewritten(path, tmp_path / "forged.safetensors", change, rehash=True)
+    if change.get("origin") is not None:  # a consistent file of whole statistics without a model: valid on its own
+        assert CalibrationStatistics.load_header(forged).origin == {}
+        return
+    with pytest.raises(GhostedError, match=r"stats.safetensors|forged.safetensors") as raised:
+        CalibrationStatistics.load(forged)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_statistics_gram_that_is_no_gram_matrix_is_refused(tmp_path: Path) -> None:
+    stats = collect_statistics(build("llama"), batch_sequences(sequences(), 2, PAD), least_squares(1, 3),
+                               progress=False)
+    path = tmp_path / "stats.safetensors"
+    stats.save(path)
+    gram = stats.gram(1).clone()
+    for name, damaged in {"asymmetric": gram + torch.triu(torch.ones_like(gram)),
+                          "negative diagonal": gram - 2 * torch.diag(torch.diagonal(gram)),
+                          "beyond Cauchy-Schwarz": gram + 10 * gram.abs().max() * (1 - torch.eye(len(gram)))}.items():
+        from ghosted_hf.statistics.store import tensor_sha256
+
+        hashes = json.loads(__import__("safetensors").safe_open(str(path), "pt").metadata()["sha256"])
+        out = rewritten(path, tmp_path / "bad.safetensors", {"sha256": json.dumps({**hashes, "gram.1": tensor_sha256(
+            damaged)}, sort_keys=True)}, {"gram.1": damaged}, rehash=True)
+        with pytest.raises(GhostedError, match="gram.1 is not a Gram matrix"):
+            CalibrationStatistics.load(out)
+        assert name
+
+
+def test_the_same_weights_saved_again_are_the_same_model(tmp_path: Path) -> None:
+    """Weights are identified by their tensors: a re-save (other shards, other header order) is the same model,
+    one changed value is another."""
+    from ghosted_hf.statistics import model_fingerprint
+
+    model = build("llama")
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    one, sharded = model_fingerprint(model, tmp_path / "one"), model_fingerprint(model, tmp_path / "sharded")
+    assert one == sharded
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1
+    model.save_pretrained(tmp_path / "changed")
+    assert model_fingerprint(model, tmp_path / "changed")["weights_sha256"] != one["weights_sha256"]
 
 
 def test_calibration_runs_in_eval_mode_and_restores_the_mode() -> None:

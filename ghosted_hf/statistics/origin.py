@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..assets import file_sha256
 from ..errors import GhostedError
 from .store import CalibrationStatistics
 
@@ -25,28 +25,43 @@ def config_sha256(config: Any) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def weight_hashes(folder: str | Path) -> dict[str, str]:
-    """sha256 of every safetensors weight file of a model folder."""
-    return {p.name: file_sha256(p) for p in sorted(Path(folder).glob("*.safetensors"))}
+def weights_sha256(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """One hash of named tensors (names, dtypes, shapes and values, in name order): the same weights give the same
+    hash however their files were written (shards, header order, metadata)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def folder_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a model folder's safetensors files, one at a time."""
+    from safetensors import safe_open
+
+    from ..checkpoint import weight_map
+
+    names = weight_map(folder)
+    for file in sorted(set(names.values())):
+        with safe_open(str(folder / file), framework="pt") as handle:
+            for key in handle.keys():
+                yield key, handle.get_tensor(key)
 
 
 def model_fingerprint(model: nn.Module | None = None, folder: str | Path | None = None,
                       config: Any = None) -> dict[str, Any]:
-    """The config hash and the weight files' hashes (the in-memory weights' hash for a model without a folder)."""
+    """The config hash and the weights' hash: of the folder's tensors when the model was loaded from one (what the
+    files hold, before any dtype the load chose), else of the model's state dict."""
     config = config if config is not None else model.config
     if folder is None:
         candidate = getattr(config, "_name_or_path", "") or ""
         folder = candidate if candidate and Path(candidate).is_dir() and any(Path(candidate).glob("*.safetensors")) \
             else None
     if folder is not None:
-        weights = weight_hashes(folder)
+        weights = {"tensors": weights_sha256(folder_tensors(Path(folder)))}
     else:
-        digest = hashlib.sha256()
-        for name, tensor in sorted(model.state_dict().items()):
-            if tensor.device.type != "meta":
-                digest.update(name.encode())
-                digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        weights = {"in-memory": digest.hexdigest()}
+        weights = {"in-memory": weights_sha256((name, tensor) for name, tensor in model.state_dict().items()
+                                               if tensor.device.type != "meta")}
     return {"config_sha256": config_sha256(config), "weights_sha256": weights}
 
 

@@ -3,7 +3,8 @@
 A file is a safetensors file of float64 tensors named by their entries (``gram.3``, ``cross.3.7``) with
 metadata: the format and its version, depth, hidden size, token count, the rotation of rotated sums, the
 sha256 of every tensor, and the origin (model fingerprint, calibration-data hash, plan, shard) that merge
-and `ghost_prune(statistics=...)` check.
+and `ghost_prune(statistics=...)` check. Version 2 adds ``integrity``, one sha256 over every other metadata
+field (the tensors' hashes among them): no field can be changed, added or removed unseen.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,8 @@ from .declarations import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, 
 from .plan import StatisticsPlan
 
 FORMAT = "ghosted-statistics"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+ROTATION_KINDS = re.compile(r"none|hadamard|random-orthogonal\(seed=-?\d+\)")
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,7 @@ class CalibrationStatistics:
             "origin": json.dumps(self.origin, sort_keys=True),
             "sha256": json.dumps({k: tensor_sha256(v) for k, v in tensors.items()}, sort_keys=True),
         }
+        metadata["integrity"] = metadata_sha256(metadata)
         save_file(tensors, str(path), metadata=metadata)
 
     @classmethod
@@ -162,6 +167,7 @@ class CalibrationStatistics:
             if tensor_sha256(tensor) != hashes.get(key):
                 raise GhostedError(f"{path}: tensor {key} does not match the sha256 recorded for it: the file was "
                                    "altered or damaged; collect the statistics again.")
+            check_sums(key, tensor, path)
         return dataclasses.replace(header, tensors=tensors)
 
     @classmethod
@@ -194,9 +200,15 @@ class CalibrationStatistics:
         return merged
 
 
+def metadata_sha256(metadata: Mapping[str, str]) -> str:
+    """One hash over every metadata field but itself (the tensors' sha256 map is one of them)."""
+    fields = {k: v for k, v in metadata.items() if k != "integrity"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
 def _read_header(path: str | Path) -> tuple[CalibrationStatistics, dict[str, str]]:
     if not Path(path).is_file():
-        raise MissingFileError(f"Statistics file {path} does not exist.")
+        raise MissingFileError(f"Statistics file {path} does not exist (or is not a file).")
     try:
         with safe_open(str(path), framework="pt") as handle:
             meta, keys = handle.metadata() or {}, list(handle.keys())
@@ -206,19 +218,60 @@ def _read_header(path: str | Path) -> tuple[CalibrationStatistics, dict[str, str
     if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise GhostedError(f"{path} is not a ghosted_hf statistics file of version {FORMAT_VERSION} (format "
                            f"{meta.get('format')!r}, version {meta.get('version')!r}): collect the statistics again.")
-    try:
-        for key in keys:
-            parse_key(key)
-        header = CalibrationStatistics(tensors=dict.fromkeys(keys), depth=int(meta["depth"]),
-                                       hidden_size=int(meta["hidden_size"]), tokens=int(meta["tokens"]),
-                                       rotation_kind=meta["rotation_kind"], origin=json.loads(meta["origin"]))
-        hashes = json.loads(meta["sha256"])
-    except (KeyError, ValueError) as error:
-        raise GhostedError(f"{path}: damaged statistics metadata ({error}): collect the statistics again.") from None
+    if meta.get("integrity") != metadata_sha256(meta):
+        raise GhostedError(f"{path}: the metadata does not match its integrity hash: a field was changed, added or "
+                           "removed after the file was written; collect the statistics again.")
+
+    def field(name: str, parse: Callable[[str], Any], valid: Callable[[Any], bool], what: str) -> Any:
+        try:
+            value = parse(meta[name])
+        except (KeyError, ValueError, TypeError, RecursionError):
+            value = None
+        if value is None or not valid(value):
+            raise GhostedError(f"{path}: metadata field {name!r} should hold {what}, and holds {meta.get(name)!r}: the "
+                               "file is damaged; collect the statistics again.")
+        return value
+
+    positive_int = (int, lambda v: v >= 1, "a positive integer")
+    depth, hidden_size, tokens = (field(name, *positive_int) for name in ("depth", "hidden_size", "tokens"))
+    rotation_kind = field("rotation_kind", str, ROTATION_KINDS.fullmatch, "none, hadamard or random-orthogonal(seed=N)")
+    origin = field("origin", json.loads, lambda v: isinstance(v, dict), "a JSON object")
+    hashes = field("sha256", json.loads, lambda v: isinstance(v, dict) and all(isinstance(h, str) for h in v.values()),
+                   "a JSON object of tensor sha256s")
+    if "shard" in origin:
+        field("origin", lambda text: ShardSpec.parse(json.loads(text)["shard"]), bool, "a shard of the form I/N")
+    for key in keys:
+        try:
+            entry = parse_key(key)
+        except GhostedError as error:
+            raise GhostedError(f"{path}: {error}") from None
+        if max(entry.index, default=0) > depth:
+            raise GhostedError(f"{path}: tensor {key} names a layer beyond the depth {depth} the file records: the "
+                               "file is damaged; collect the statistics again.")
     missing = sorted(set(keys) - set(hashes))
     if missing:
         raise GhostedError(f"{path}: no sha256 recorded for {missing}: the file was altered; collect it again.")
+    header = CalibrationStatistics(tensors=dict.fromkeys(keys), depth=depth, hidden_size=hidden_size, tokens=tokens,
+                                   rotation_kind=rotation_kind, origin=origin)
     return header, hashes
+
+
+def check_sums(key: str, tensor: torch.Tensor, path: str | Path) -> None:
+    """What every sum of calibration tokens satisfies: finite, and a Gram matrix symmetric with a nonnegative
+    diagonal and no entry beyond the Cauchy-Schwarz bound sqrt(G_ii G_jj) (necessary for positive
+    semidefiniteness, checked in O(C^2) rather than an eigendecomposition)."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise GhostedError(f"{path}: tensor {key} holds NaN or Inf: collect the statistics again.")
+    if parse_key(key).statistic not in (GRAM, MLP_GRAM, NORMED_GRAM):
+        return
+    diagonal = torch.diagonal(tensor)
+    bound = torch.sqrt(diagonal.clamp(min=0)[:, None] * diagonal.clamp(min=0)[None, :])
+    scale = float(diagonal.abs().max()) if diagonal.numel() else 0.0
+    tolerance = 1e-9 * scale + math.ulp(1.0)
+    if (bool((diagonal < 0).any()) or float((tensor - tensor.T).abs().max()) > tolerance
+            or bool((tensor.abs() > bound + tolerance).any())):
+        raise GhostedError(f"{path}: tensor {key} is not a Gram matrix (not symmetric, a negative diagonal, or an "
+                           "entry beyond sqrt(G_ii G_jj)): the file is damaged; collect the statistics again.")
 
 
 def check_shards(shards: list[CalibrationStatistics], names: list[str]) -> int:
