@@ -1,4 +1,5 @@
-"""Reading a safetensors checkpoint's layout without loading it: which file holds which tensor.
+"""Reading a safetensors checkpoint's layout without loading it: which file holds which tensor, and whether the
+config describes those tensors (`check_folder`, run before any model is built).
 
 Every file name an index lists must be a plain safetensors file name inside the folder: an index cannot
 send a reader elsewhere on the disk.
@@ -8,7 +9,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+from .architectures import layer_of
+from .diskio import read_json_object
 from .errors import GhostedError, MissingFileError
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -43,10 +47,64 @@ def weight_map(folder: Path) -> dict[str, str]:
         with safe_open(str(single), framework="pt") as handle:
             return {k: single.name for k in handle.keys()}
     except Exception as error:  # safetensors' own error types
-        raise GhostedError(f"{single} cannot be read ({type(error).__name__}: {error}): the checkpoint is damaged "
-                           "or incomplete; re-download or re-save it.") from None
+        raise GhostedError(f"{single} is damaged or truncated ({type(error).__name__}: {error}); re-download or "
+                           "re-save the model.") from None
 
 
 def _plain_file_name(name: object) -> bool:
     return isinstance(name, str) and name.endswith(".safetensors") and Path(name).name == name and name not in (
         ".", "..")
+
+
+def _shapes(folder: Path, names: dict[str, str], wanted: tuple[str, ...]) -> dict[str, list[int]]:
+    """The shapes of the `wanted` tensors that the folder holds, read from the safetensors headers only."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for key in wanted:
+        if key in names:
+            try:
+                with safe_open(str(folder / names[key]), framework="pt") as handle:
+                    shapes[key] = list(handle.get_slice(key).get_shape())
+            except Exception as error:  # safetensors' own error types
+                raise GhostedError(f"{folder / names[key]} is damaged or truncated ({type(error).__name__}: {error}); "
+                                   "re-download or re-save the model.") from None
+    return shapes
+
+
+def check_folder(folder: str | Path) -> dict[str, Any]:
+    """Refuse a model folder whose config.json does not describe its weight files, from the index and the headers
+    alone (seconds, whatever the model's size), before any model of the claimed size is built: a config that is
+    no JSON object, index entries that are not plain files of the folder or are missing, fewer decoder layers
+    than claimed (or, for a model ghosted_hf made, another number), another vocabulary, hidden or MLP size than
+    the embedding and the first MLP hold. Returns the config."""
+    folder = Path(folder)
+    config = read_json_object(folder / "config.json", "model config")
+    names = weight_map(folder)
+    for file in sorted(set(names.values())):
+        if not (folder / file).is_file():
+            raise MissingFileError(f"{file} is listed in the safetensors index of {folder} but missing (or not a "
+                                   "file); re-download or re-save the model.")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    ours = config.get("model_type") == "ghosted" or "ghost_provenance" in config
+    claimed = text.get("num_hidden_layers")
+    if claimed is not None:
+        if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed < 1:
+            raise GhostedError(f"{folder / 'config.json'}: num_hidden_layers should be a positive integer, and is "
+                               f"{claimed!r}; the config is damaged.")
+        held = {layer_of(name) for name in names} - {None}
+        complete = held >= set(range(claimed)) and (not ours or len(held) == claimed)
+        if not complete:
+            raise GhostedError(f"{folder / 'config.json'} claims {claimed} decoder layers, but the weight files hold "
+                               f"{len(held)}: the config does not belong to these weights; re-save the model.")
+    embedding, down = "model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"
+    shapes = _shapes(folder, names, (embedding, down))
+    expected = {embedding: ([text.get("vocab_size"), text.get("hidden_size")], "vocab_size, hidden_size"),
+                down: ([text.get("hidden_size"), text.get("intermediate_size")], "hidden_size, intermediate_size")}
+    for key, shape in shapes.items():
+        sizes, fields = expected[key]
+        if all(isinstance(v, int) for v in sizes) and shape != sizes:
+            raise GhostedError(f"{folder / 'config.json'} claims ({fields}) = {tuple(sizes)}, but {key} in the weight "
+                               f"files is {tuple(shape)}: the config does not belong to these weights; re-save the "
+                               "model.")
+    return config

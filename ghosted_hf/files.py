@@ -8,14 +8,13 @@ earlier save survives into the new one. `verify_folder` reads every weight file 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import index_weight_map
+from .checkpoint import check_folder, index_weight_map
 from .errors import GhostedError, MissingFileError
 from .remote.modeling_ghosted import check_sizes_against_weights, ghost_tensor_keys, operator_sha256
 from .remote.modeling_ghosted import staged_folder as remote_staged_folder
@@ -83,13 +82,9 @@ def verify_folder(folder: str | os.PathLike) -> dict[str, Any]:
     from safetensors import safe_open
 
     folder = Path(folder)
-    config_path = folder / "config.json"
-    if not config_path.is_file():
+    if not (folder / "config.json").is_file():
         raise MissingFileError(f"{folder} is not a saved model folder (no config.json).")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise GhostedError(f"{config_path} is not valid JSON ({error}); the folder is damaged: save it again.") from None
+    config = check_folder(folder)  # sizes against the headers first: seconds, before reading every byte
     files, weight_map = weight_files(folder)
     found: dict[str, str] = {}
     tensors: dict[str, Any] = {}

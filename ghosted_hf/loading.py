@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from . import assets
+from .checkpoint import check_folder
 from .errors import GhostedError, MissingFileError
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ref = resolve(ref)
+    if Path(ref).is_dir():
+        check_folder(ref)  # a config that does not describe its weights is refused before a model is built
     # No Python file of the folder runs unless the user trusts it: not the model's (ghosted_hf's own classes are
     # registered with the Auto classes, so a ghosted model needs none), not a tokenizer's, not custom_generate/.
     # Always a bool: None makes transformers prompt on stdin for code it has no local class for.

@@ -234,3 +234,39 @@ def test_every_command_that_writes_refuses_an_existing_output_and_never_writes_i
     # --overwrite replaces an output that is no input, whole
     assert main([str(a) for a in commands["prune"][0](tmp_path / "taken")] + ["--overwrite"]) == 0
     assert not (tmp_path / "taken" / "keep.txt").exists() and (tmp_path / "taken" / "config.json").is_file()
+
+
+def test_a_folder_whose_config_does_not_describe_its_weights_is_refused_by_every_command_before_any_build(
+        dense_folder: Path, tmp_path: Path, capsys) -> None:
+    """A config claiming 10^6 layers, another MLP width, or a stock export one layer short: every command that
+    reads a model folder runs the same header-level check (the one inspect runs) before anything is built, so the
+    refusal takes a second whatever the claim."""
+    import json
+    import shutil
+    import time
+
+    cal = tmp_path / "cal.txt"
+    cases = {"10^6 layers": ({"num_hidden_layers": 10**6}, "claims 1000000 decoder layers, but the weight files hold 6"),
+             "another MLP width": ({"intermediate_size": 65}, "claims (hidden_size, intermediate_size) = (32, 65)"),
+             "a string depth": ({"num_hidden_layers": "6"}, "num_hidden_layers should be a positive integer")}
+    for name, (change, message) in cases.items():
+        folder = tmp_path / name.replace(" ", "_").replace("^", "")
+        shutil.copytree(dense_folder, folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        for argv in (["eval", folder, "--windows", "1"], ["prune", folder, "--calibration", cal, "--num-layers", "1",
+                                                        "--output", tmp_path / "out"],
+                     ["prune", folder, "--calibration", cal, "--num-layers", "1", "--layerwise", "--output",
+                      tmp_path / "out"], ["stats", "collect", folder, "--calibration", cal, "--output",
+                                          tmp_path / "s.safetensors"], ["inspect", folder]):
+            start = time.monotonic()
+            err = one_line_error(capsys, *argv)
+            assert message in err, (name, argv[0], err)
+            assert time.monotonic() - start < 30, (name, argv[0])
+    # a stock checkpoint ghosted_hf made must hold exactly the layers it claims (inspect passed one short)
+    stock = tmp_path / "stock"
+    shutil.copytree(dense_folder, stock)
+    config = json.loads((stock / "config.json").read_text())
+    (stock / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5, "ghost_provenance": {}}))
+    for argv in (["inspect", stock], ["eval", stock, "--windows", "1"]):
+        assert "claims 5 decoder layers, but the weight files hold 6" in one_line_error(capsys, *argv), argv

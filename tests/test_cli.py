@@ -172,7 +172,7 @@ def test_inspect_refuses_what_from_pretrained_refuses(tmp_path: Path, capsys) ->
     for name, edit, message in [
         ("version", lambda c: c.update(ghost_format_version="2.0"), "Ghosted format 2.0, newer than this code reads"),
         ("depth", lambda c: (c["text_config"].update(num_hidden_layers=3), c.update(original_num_hidden_layers=5)),
-         "claims 3 decoder layers (text_config.num_hidden_layers), but the weight files hold 4"),
+         "config.json claims 3 decoder layers, but the weight files hold 4"),
         ("boundaries", lambda c: c.update(removed_layers=[1, 2], ghost_boundaries=[]), "do not match removed_layers")]:
         folder = tmp_path / name
         shutil.copytree(tmp_path / "ok", folder)

@@ -98,12 +98,13 @@ def test_an_index_cannot_point_outside_its_folder(name: str, tmp_path: Path) -> 
 
     from ghosted_hf.errors import GhostedError
     from ghosted_hf.files import verify_folder
+    from ghosted_hf.loading import load_model
     from ghosted_hf.statistics import LayerwisePass
 
     ghosted(seed=1).save_pretrained(tmp_path / "model")
     index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": name}}
     (tmp_path / "model" / "model.safetensors.index.json").write_text(json.dumps(index))
-    for read in (verify_folder, LayerwisePass):
+    for read in (verify_folder, LayerwisePass, load_model):  # inspect and push, layer-wise calibration, every load
         with pytest.raises(GhostedError, match="names files that are not plain safetensors files of"):
             read(tmp_path / "model")
 

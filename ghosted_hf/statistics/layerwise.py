@@ -22,7 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..architectures import decoder, decoder_layers, layer_of
-from ..checkpoint import weight_map
+from ..checkpoint import check_folder, weight_map
 from ..errors import GhostedError, MissingFileError, NonFiniteError
 from .accumulate import StatisticsAccumulator
 from .capture import Patch, apply_matrix, mlp_of, release_freed_memory
@@ -98,6 +98,7 @@ class LayerwisePass(CalibrationPass):
         if not (self.folder / "config.json").is_file():
             raise MissingFileError(f"{self.folder} holds no config.json: layer-by-layer calibration needs a local model "
                                    "folder with safetensors weights.")
+        check_folder(self.folder)  # the config describes the weights: nothing of another size is built
         self.config = AutoConfig.from_pretrained(self.folder, trust_remote_code=False)
         self.config._name_or_path = str(self.folder)
         self.dtype, self.offload_folder = dtype, offload_folder
