@@ -7,7 +7,6 @@ send a reader elsewhere on the disk.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,7 @@ def index_weight_map(folder: Path) -> dict[str, str] | None:
     indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"))
     if not indexes:
         return None
-    try:
-        weight_map = json.loads(indexes[0].read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise GhostedError(f"{indexes[0]} is not a safetensors index ({error}); save the model again.") from None
+    weight_map = read_json_object(indexes[0], "safetensors index", {"weight_map": dict})["weight_map"]
     outside = sorted({name for name in weight_map.values() if not _plain_file_name(name)})
     if outside:
         raise GhostedError(f"{indexes[0]} names files that are not plain safetensors files of {folder}: {outside}.")
@@ -39,6 +35,8 @@ def weight_map(folder: Path) -> dict[str, str]:
     if from_index is not None:
         return from_index
     single = folder / "model.safetensors"
+    if single.exists() and not single.is_file():
+        raise GhostedError(f"{single} is not a regular file (a folder, a FIFO or a device): re-save the model.")
     if not single.is_file():
         raise MissingFileError(f"{folder} holds no model.safetensors and no safetensors index: save the model first.")
     from safetensors import safe_open

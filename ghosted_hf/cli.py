@@ -14,6 +14,7 @@ from pathlib import Path
 from . import assets
 from .errors import GhostedError
 from .files import check_output, relation, staged_folder, verify_folder
+from .network import check_timeout
 from .loading import DTYPES, load_model
 from .options import PruneOptions, add_arguments, from_namespace, option
 
@@ -203,14 +204,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def write_statistics(stats, path: Path) -> None:
-    """Write on the main process only, through a temporary file renamed into place (never half a file)."""
+    """Write on the main process only (`CalibrationStatistics.save` writes all or nothing)."""
     from .distributed import is_main_process
 
-    if not is_main_process():
-        return
-    partial = path.with_name(f".{path.name}.partial")
-    stats.save(partial)
-    partial.replace(path)
+    if is_main_process():
+        stats.save(path)
 
 
 def cmd_stats_collect(args: argparse.Namespace) -> int:
@@ -411,6 +409,7 @@ def cmd_export_gguf(args: argparse.Namespace) -> int:
 
     run = from_namespace(GgufArgs, args)
     output = check_output(run.output, (run.folder,), overwrite=run.overwrite, file=True)
+    check_timeout(run.timeout)  # before the model loads
     model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
                                   revision=run.revision)
     export_gguf(model, tokenizer, output, run.llama_cpp, run.outtype, run.timeout)
@@ -429,8 +428,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .summary import render_text, summarize
 
     run = from_namespace(InspectArgs, args)
+    if run.top < 0:
+        raise GhostedError(f"--top must be 0 or more (selection scores to show), got {run.top}.")
     folder = Path(run.folder)
     config_path = folder / "config.json"
+    if not folder.is_dir():
+        raise GhostedError(f"inspect reads a local model folder, and {folder} is none (for a Hub id, download it first: "
+                           f"hf download {folder} --local-dir DIR).")
     if not config_path.is_file():
         raise GhostedError(f"{folder} has no config.json: it is not a saved model folder.")
     raw = verify_folder(folder)  # a truncated or altered weight file is named here, not deep in a load

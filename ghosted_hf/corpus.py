@@ -4,8 +4,10 @@ that the training never sees."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
+import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -47,28 +49,70 @@ def _one_split(loaded: Any, split: str | None, where: str) -> Any:
     return loaded[split]
 
 
-def open_dataset(source: str, split: str | None = None, streaming: bool = False) -> Any:
+def open_dataset(source: str, split: str | None = None, streaming: bool = False, what: str = "Training data") -> Any:
     """A `datasets` dataset from a data file, a folder (saved with `save_to_disk`, or of data files) or a Hub id;
     `split` defaults to "train" for data files and Hub ids."""
     datasets = _datasets()
     path = Path(source)
+    if path.exists() and not (path.is_file() or path.is_dir()):
+        raise GhostedError(f"{what} {source} is neither a regular file nor a folder (a FIFO or a device?): pass a "
+                           "data file, a datasets folder or a Hub dataset id.")
     if path.is_file():
         builder = BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise GhostedError(f"{path} is neither text nor one of {sorted(BUILDERS)}.")
-        return datasets.load_dataset(builder, data_files=str(path), split=split or "train", streaming=streaming)
+        if path.stat().st_size == 0:
+            raise GhostedError(f"{what} {path} is empty: give a file that holds text.")
+        with reading(source):
+            return datasets.load_dataset(builder, data_files=str(path), split=split or "train", streaming=streaming)
     if path.is_dir():
-        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
-            return _one_split(datasets.load_from_disk(str(path)), split, str(path))
-        return datasets.load_dataset(str(path), split=split or "train", streaming=streaming)
+        with reading(source):
+            if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+                return _one_split(datasets.load_from_disk(str(path)), split, str(path))
+            return datasets.load_dataset(str(path), split=split or "train", streaming=streaming)
     if path.suffix.lower() in BUILDERS or source.startswith((".", "/", "~")) or source.count("/") > 1:
-        raise GhostedError(f"Training data {source} does not exist (a file, a datasets folder or a Hub dataset id).")
+        raise GhostedError(f"{what} {source} does not exist (a file, a datasets folder or a Hub dataset id).")
     check_hub_dataset(source, HUB_TIMEOUT_S)
     try:
         with bounded_network(HUB_TIMEOUT_S):
             return datasets.load_dataset(source, split=split or "train", streaming=streaming)
     except (FileNotFoundError, ConnectionError, ValueError) as error:  # the Hub's and datasets' "not found"
         raise GhostedError(f"Could not open the dataset {source!r} (split {split or 'train'!r}): {error}") from None
+
+
+@contextlib.contextmanager
+def reading(source: str) -> Iterator[None]:
+    """What `datasets` and pyarrow raise about a file's content (their own error types, ValueError, even a bare
+    StopIteration for an empty JSON-lines file) as one line naming the file and, for JSON lines, the first bad
+    line."""
+    try:
+        yield
+    except GhostedError:
+        raise
+    except Exception as error:  # datasets' and pyarrow's own error types, none shared
+        cause = error
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        reason = next((str(e).splitlines()[0][:200] for e in (cause, error) if str(e).strip()), type(error).__name__)
+        where = _bad_json_line(Path(source)) if Path(source).suffix.lower() == ".jsonl" else None
+        raise GhostedError(f"Cannot read the data {source}{where or ''}: {reason}. Give a file of the format its "
+                           "suffix names (one JSON object a line for .jsonl) with a text column.") from None
+
+
+def _bad_json_line(path: Path) -> str | None:
+    """", line N (what is wrong)" for the first line of a JSON-lines file that is no JSON object."""
+    try:
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if line.strip():
+                    try:
+                        if not isinstance(json.loads(line), dict):
+                            return f", line {number} (not a JSON object)"
+                    except ValueError:
+                        return f", line {number} (not valid JSON)"
+    except (OSError, UnicodeDecodeError) as error:
+        return f" ({type(error).__name__})"
+    return None
 
 
 def check_hub_dataset(source: str, timeout: float) -> None:
@@ -90,17 +134,28 @@ def check_hub_dataset(source: str, timeout: float) -> None:
                            "and HF_HUB_OFFLINE, or pass --data PATH to train on a local file or folder.") from None
 
 
-def _column(dataset: Any, text_column: str) -> Iterator[str]:
+def _column(dataset: Any, text_column: str, source: str = "the dataset") -> Iterator[str]:
     names = dataset.column_names
     if names is not None and text_column not in names:
         raise GhostedError(f"The dataset has no {text_column!r} column (columns: {names}); pass --text-column NAME.")
-    for row in dataset:
+    with reading(source):  # a streamed file is parsed while it is iterated
+        rows = iter(dataset)
+    for row in _rows(rows, source):
         text = row[text_column]
         if not isinstance(text, str):
             raise GhostedError(f"Column {text_column!r} holds {type(text).__name__} values, not text; name a text "
                                "column with --text-column.")
         if text.strip():
             yield text
+
+
+def _rows(rows: Iterator[Any], source: str) -> Iterator[Any]:
+    while True:
+        with reading(source):
+            row = next(rows, None)
+        if row is None:
+            return
+        yield row
 
 
 @dataclass
@@ -112,19 +167,22 @@ class Corpus:
 
 
 def read_corpus(source: Any, *, split: str | None = None, text_column: str = "text",
-                streaming: bool = False) -> Corpus:
+                streaming: bool = False, what: str = "Training data") -> Corpus:
     """Documents from any source `heal` accepts. A plain text file (one document per blank-line-separated block),
     a list of strings and an in-memory `datasets.Dataset` read as calibration text does; data files, folders and
     Hub ids go through `datasets` (streamed with `streaming`: read only as far as needed)."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         is_text = path.is_file() and path.suffix.lower() not in BUILDERS
+        if is_text and (split is not None or text_column != "text"):
+            raise GhostedError(f"{what} {path} is a text file (one document per blank-line-separated block): split "
+                               "and text_column apply to datasets; leave them out.")
         if not is_text:
-            dataset = open_dataset(str(source), split, streaming)
-            return Corpus(_column(dataset, text_column), str(source))
+            dataset = open_dataset(str(source), split, streaming, what)
+            return Corpus(_column(dataset, text_column, str(source)), str(source))
     if hasattr(source, "column_names") and not hasattr(source, "__len__"):  # an IterableDataset
         return Corpus(_column(source, text_column), type(source).__name__)
-    texts, name = load_texts(source, text_column)
+    texts, name = load_texts(source, text_column, what)
     return Corpus(NamedTexts(texts, name), name)
 
 

@@ -61,23 +61,25 @@ class NamedTexts(list):
         self.name = name
 
 
-def _read_text_file(path: Path) -> list[str]:
+def _read_text_file(path: Path, what: str = "Calibration") -> list[str]:
     if path.is_dir():
-        raise MissingFileError(f"Calibration path {path} is a folder; pass a text file (documents separated by blank "
+        raise MissingFileError(f"{what} path {path} is a folder; pass a text file (documents separated by blank "
                                "lines), a list of strings or a datasets.Dataset.")
+    if path.exists() and not path.is_file():
+        raise GhostedError(f"{what} file {path} is not a regular file (a FIFO or a device?); pass a text file.")
     if not path.is_file():
-        raise MissingFileError(f"Calibration file {path} does not exist (pass a text file, a list of strings or a Dataset).")
+        raise MissingFileError(f"{what} file {path} does not exist (pass a text file, a list of strings or a Dataset).")
     try:
         content = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise GhostedError(f"Calibration file {path} is not UTF-8 text ({error.reason} at byte {error.start}); "
+        raise GhostedError(f"{what} file {path} is not UTF-8 text ({error.reason} at byte {error.start}); "
                            "convert it to UTF-8.") from None
     return [b for b in (block.strip() for block in content.split("\n\n")) if b]
 
 
-def load_texts(text: TextSource, text_column: str = "text") -> tuple[list[str], str]:
+def load_texts(text: TextSource, text_column: str = "text", what: str = "Calibration") -> tuple[list[str], str]:
     """Texts and a display name from a text file (one document per blank-line-separated block), a list
-    of strings, or a `datasets.Dataset` with a text column."""
+    of strings, or a `datasets.Dataset` with a text column; `what` the text is for, in messages."""
     if isinstance(text, str) and ("\n" in text or len(text) > 255):  # longer than any file name
         raise GhostedError(
             f"The calibration text is one string of {len(text)} characters that is not a file path: pass a "
@@ -85,7 +87,7 @@ def load_texts(text: TextSource, text_column: str = "text") -> tuple[list[str], 
         )
     if isinstance(text, (str, os.PathLike)):
         path = Path(text)
-        return _read_text_file(path), path.name
+        return _read_text_file(path, what), path.name
     if isinstance(text, (bytes, Mapping)) or not isinstance(text, Iterable):
         raise GhostedError(
             f"Calibration text must be a list of strings, a text file path or a datasets.Dataset, got a "

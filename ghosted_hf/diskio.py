@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .errors import GhostedError
-from .remote.modeling_ghosted import process_tag
+from .remote.modeling_ghosted import process_tag, remove_leftovers
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write `data` to a sibling file of `path` and move it into place: a kill leaves the previous file whole."""
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Have `write` write a sibling file of `path`, then move it into place: a kill or a full disk leaves the
+    previous file whole (and the sibling is removed, or by the next write if the process was killed)."""
     path = Path(path)
-    staged = path.with_name(f".{path.name}.writing-{process_tag()}")
+    remove_leftovers(path.parent, f".{path.name}.writing-")
+    staged = path.with_name(f".{path.name}.writing-{process_tag()}-{os.urandom(4).hex()}")
     try:
-        with open(staged, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        write(staged)
+        with open(staged, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(staged, path)
     except OSError as error:
@@ -31,8 +33,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """`atomic_write_bytes` of `text` in UTF-8."""
-    return atomic_write_bytes(path, text.encode())
+    """`atomic_write` of `text` in UTF-8."""
+    return atomic_write(path, lambda staged: staged.write_bytes(text.encode()))
 
 
 def read_json(path: str | os.PathLike, what: str) -> Any:
@@ -48,32 +50,63 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
                            "again.") from None
 
 
-def read_json_object(path: str | os.PathLike, what: str, fields: dict[str, type | tuple[type, ...]] | None = None,
-                     ) -> dict[str, Any]:
-    """A JSON object from `path` whose `fields` (name -> accepted types) are present with those types."""
-    value = read_json(path, what)
-    if not isinstance(value, dict):
-        raise GhostedError(f"{what.capitalize()} {path} holds a JSON {type(value).__name__}, not an object; it is "
-                           "damaged: write it again.")
-    for name, types in (fields or {}).items():
-        check_field(value, name, types, f"{what} {path}")
-    return value
-
-
-def check_field(record: dict[str, Any], name: str, types: type | tuple[type, ...], where: str) -> Any:
-    """`record[name]`, refused with a line naming `where`, the field and the expected type unless it has one of
-    `types` (a bool is not an int here)."""
-    types = types if isinstance(types, tuple) else (types,)
-    value = record.get(name, _MISSING)
-    wrong_bool = isinstance(value, bool) and bool not in types
-    if value is _MISSING or not isinstance(value, types) or wrong_bool:
-        expected = " or ".join(_JSON_NAMES.get(t, t.__name__) for t in types)
-        found = "nothing" if value is _MISSING else f"a {_JSON_NAMES.get(type(value), type(value).__name__)}"
-        raise GhostedError(f"{where[0].upper()}{where[1:]}: field {name!r} should hold {expected}, and holds {found}; "
-                           "it is damaged: write it again.")
-    return value
+def read_json_object(path: str | os.PathLike, what: str, fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A JSON object from `path` with the shape `fields` describes (a `check_shape` object schema)."""
+    return check_shape(read_json(path, what), fields or {}, f"{what.capitalize()} {path}")
 
 
 _MISSING = object()
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
                bool: "true or false", type(None): "null"}
+
+
+class _Optional:
+    def __init__(self, schema: Any) -> None:
+        self.schema = schema
+
+
+def optional(schema: Any) -> Any:
+    """A field of a `check_shape` object schema that may be absent (or null)."""
+    return _Optional(schema)
+
+
+def check_shape(value: Any, schema: Any, where: str) -> Any:
+    """`value` if it has the shape `schema` describes, else one line naming `where` (the file and field path) and
+    what the field should hold. A schema is a type or tuple of types, a dict of field -> schema (fields wrapped in
+    `optional` may be missing or null; other fields are not checked), or a one-item list: a list of that."""
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            raise _wrong(where, "an object", value)
+        for name, inner in schema.items():
+            optional = isinstance(inner, _Optional)
+            inner = inner.schema if optional else inner
+            if name not in value or value[name] is None:
+                if not optional:
+                    raise _wrong(f"{where}.{name}", _describe(inner), _MISSING)
+                continue
+            check_shape(value[name], inner, f"{where}.{name}")
+        return value
+    if isinstance(schema, list):
+        if not isinstance(value, list):
+            raise _wrong(where, f"a list of {_describe(schema[0])}", value)
+        for index, item in enumerate(value):
+            check_shape(item, schema[0], f"{where}[{index}]")
+        return value
+    types = schema if isinstance(schema, tuple) else (schema,)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise _wrong(where, _describe(schema), value)
+    return value
+
+
+def _describe(schema: Any) -> str:
+    if isinstance(schema, dict):
+        return "an object"
+    if isinstance(schema, list):
+        return f"a list of {_describe(schema[0])}"
+    types = schema if isinstance(schema, tuple) else (schema,)
+    return " or ".join(_JSON_NAMES.get(t, t.__name__) for t in types)
+
+
+def _wrong(where: str, expected: str, value: Any) -> GhostedError:
+    found = "nothing" if value is _MISSING else _JSON_NAMES.get(type(value), f"a {type(value).__name__}")
+    return GhostedError(f"{where} should hold {expected}, and holds {found}: the file is damaged; write it again.")

@@ -35,9 +35,17 @@ def timeout_s() -> float:
 def launcher_process(environ: Mapping[str, str] | None = None) -> tuple[int, int, int]:
     """(rank, world size, local rank) that the launcher gave this process; (0, 1, 0) when none did."""
     environ = os.environ if environ is None else environ
-    for rank, world, local in LAUNCHER_VARIABLES:
-        if environ.get(world):
-            return int(environ.get(rank, "0")), int(environ[world]), int(environ.get(local, "0"))
+    for names in LAUNCHER_VARIABLES:
+        if environ.get(names[1]):
+            values = [environ.get(name, "0").strip() for name in names]
+            valid = all(v.isdigit() for v in values) and 0 <= int(values[0]) < int(values[1])
+            if not valid:
+                given = ", ".join(f"{name}={value!r}" for name, value in zip(names, values))
+                raise GhostedError(f"The launcher's environment is inconsistent ({given}): rank, world size and local "
+                                   "rank must be integers with 0 <= rank < world size; start the processes with "
+                                   "torchrun or accelerate launch.")
+            rank, world, local = map(int, values)
+            return rank, world, local
     return 0, 1, 0
 
 

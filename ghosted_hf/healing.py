@@ -81,8 +81,8 @@ class HealOptions(Options):
     gradient_accumulation: int = option(1, "Micro-batches per optimizer step.")
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass: less memory, about a "
                                                  "third more compute.")
-    kd_weight: float = option(1.0, "With a teacher: the weight of KL(teacher || student); the rest, 1 - kd_weight, "
-                                   "goes to the next-token loss.")
+    kd_weight: float | None = option(None, "With a teacher: the weight of KL(teacher || student); the rest, "
+                                           "1 - kd_weight, goes to the next-token loss (None: 1).")
     kl_chunk: int = option(1024, "With a teacher: token positions per chunk of the KL (memory: chunk x vocabulary).")
     eval_every: int | None = option(None, "Also evaluate held-out perplexity every N steps (it is always evaluated at "
                                           "the end when there is held-out text).")
@@ -97,6 +97,14 @@ class HealOptions(Options):
 
     def check(self) -> None:
         positive(self, "rank", "alpha", "steps", "seq_len", "batch_size", "gradient_accumulation", "kl_chunk")
+        if self.seq_len < 2:
+            raise GhostedError(f"seq_len must be at least 2 (a token and the next to predict), got {self.seq_len}.")
+        if not 0 <= self.seed < 2**32:
+            raise GhostedError(f"seed must be between 0 and 2^32 - 1, got {self.seed}.")
+        if self.minutes is not None and not math.isfinite(self.minutes * 60):
+            raise GhostedError(f"minutes must be a finite number, got {self.minutes}.")
+        if not math.isfinite(self.lr):
+            raise GhostedError(f"lr must be a finite number, got {self.lr}.")
         for name in ("tokens", "eval_every", "save_every"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise GhostedError(f"{name} must be positive (or left out), got {getattr(self, name)}.")
@@ -104,7 +112,7 @@ class HealOptions(Options):
             raise GhostedError(f"minutes must be positive (or left out to train for `steps` steps), got {self.minutes}.")
         if not self.lr > 0:
             raise GhostedError(f"lr must be positive, got {self.lr}.")
-        if not 0 <= self.kd_weight <= 1:
+        if self.kd_weight is not None and not 0 <= self.kd_weight <= 1:
             raise GhostedError(f"kd_weight must be between 0 and 1, got {self.kd_weight}.")
         if self.eval_sequences < 0:
             raise GhostedError(f"eval_sequences must be 0 or more, got {self.eval_sequences}.")
@@ -126,6 +134,29 @@ def healed_kind(model: Any) -> str:
     raise GhostedError(f"heal expects a model pruned by ghosted_hf, and this {type(model).__name__} records no pruning "
                        "(no ghost_provenance in its config): healing a dense model is fine-tuning. Prune it first "
                        "(ghosted prune / ghost_prune).")
+
+
+def check_meaningful(options: HealOptions, model: nn.Module, teacher: nn.Module | None, data: Any,
+                     eval_data: Any) -> None:
+    """Refuse options that would mean nothing for this model and data (before any text is read): adapters wider
+    than the stream, positions the model has none for, a distillation weight without a teacher, a held-out set that
+    is the training set."""
+    config = getattr(model.config, "text_config", None) or model.config
+    hidden, positions = getattr(config, "hidden_size", None), getattr(config, "max_position_embeddings", None)
+    if isinstance(hidden, int) and options.rank > hidden:
+        raise GhostedError(f"rank {options.rank} is above the model's hidden size {hidden}: a LoRA update of that rank "
+                           "adds nothing over a full one; use a rank of at most a few dozen.")
+    if isinstance(positions, int) and options.seq_len > positions:
+        raise GhostedError(f"seq_len {options.seq_len} is beyond the model's {positions} positions "
+                           "(max_position_embeddings); use at most that.")
+    if teacher is None and options.kd_weight is not None:
+        raise GhostedError("kd_weight weighs the distillation loss: pass a teacher (--teacher base or a folder), or "
+                           "leave kd_weight out.")
+    if isinstance(data, (str, os.PathLike)) and isinstance(eval_data, (str, os.PathLike)) and (
+            str(data) == str(eval_data) or (Path(data).exists() and relation(data, eval_data) == "is")):
+        raise GhostedError(f"The evaluation data is the training data ({data}): held-out perplexity on text the run "
+                           "trains on says nothing; leave eval_data out (whole documents are then held out of the "
+                           "data) or give other text.")
 
 
 def check_same_vocabulary(student: nn.Module, teacher: nn.Module) -> None:
@@ -539,10 +570,12 @@ def heal(
     Under FSDP or DeepSpeed ZeRO-3 `model` is consumed (sharded in place); the result's model is the healed model
     gathered on the main process, None on the others."""
     options = HealOptions.build(options, **overrides)
+    kd_weight = 1.0 if options.kd_weight is None else options.kd_weight
     kind, model_class = healed_kind(model), type(model)  # FSDP2 swaps the class of the modules it shards
     if options.train_operators and kind == "stock":
         raise GhostedError("train_operators needs a ghosted model: a stock checkpoint has its operators folded into "
                            "its weights, and LoRA already trains those.")
+    check_meaningful(options, model, teacher, data, eval_data)
     plain_heads = True
     if teacher is not None:
         check_same_vocabulary(model, teacher)
@@ -575,7 +608,7 @@ def heal(
             eval_dataset=_SequenceDataset(sequences.held_out) if len(sequences.held_out) else None,
             callbacks=[_Schedule(budget), _Record(budget, run), _Progress(budget, per_step * options.seq_len, progress),
                        *callbacks],
-            teacher=teacher, kd_weight=options.kd_weight, kl_chunk=options.kl_chunk, budget=budget,
+            teacher=teacher, kd_weight=kd_weight, kl_chunk=options.kl_chunk, budget=budget,
             schedule=options.schedule, precision=precision, plain_heads=plain_heads)
         gather = sharded(trainer)
         fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
@@ -599,9 +632,11 @@ def heal(
     evaluations = [{"step": e["step"], "loss": e["eval_loss"], "perplexity": e["eval_perplexity"]}
                    for e in history if "eval_loss" in e]
     logger.info("Healing loss %.4f -> %.4f over %d steps.", losses[0], losses[-1], len(losses))
-    record = {**options.to_dict(), "precision": precision,
+    distillation = ("kd_weight", "kl_chunk")  # recorded only where they applied
+    record = {**{k: v for k, v in options.to_dict().items() if teacher is not None or k not in distillation},
+              "precision": precision, "kd_weight": kd_weight if teacher is not None else None,
               "loss": ("KL to the teacher's logits" if teacher is not None else "next-token cross-entropy")
-              + (f", {1 - options.kd_weight:g} x next-token" if teacher is not None and options.kd_weight < 1 else ""),
+              + (f", {1 - kd_weight:g} x next-token" if teacher is not None and kd_weight < 1 else ""),
               "teacher": getattr(getattr(teacher, "config", None), "_name_or_path", None) if teacher is not None else None,
               "steps": trainer.state.global_step, "tokens": trainer.state.global_step * per_step * options.seq_len,
               "processes": args.world_size, "data": sequences.describe()}
@@ -664,7 +699,8 @@ def _training_data(tokenizer: Any, data: Any, eval_data: Any, options: HealOptio
     no held-out text was left to evaluate on. The training set is cut to whole steps of `per_step` sequences:
     every step then has as many tokens, however the sequences are split over processes."""
     corpus = read_corpus(data, split=options.split, text_column=options.text_column, streaming=options.streaming)
-    held_out = None if eval_data is None else read_corpus(eval_data, text_column=options.text_column)
+    held_out = None if eval_data is None else read_corpus(eval_data, text_column=options.text_column,
+                                                          what="Evaluation data")
     # A streamed corpus is read only as far as the step budget needs (a timed run cycles over that).
     sequences = training_sequences(tokenizer, corpus, options.seq_len, held_out=options.eval_sequences,
                                    held_out_corpus=held_out, max_sequences=needed if options.streaming else None,

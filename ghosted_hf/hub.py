@@ -23,9 +23,10 @@ from huggingface_hub import HfApi, ModelCard, get_token
 from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .card import PLOT_FILE, build_card, save_with_card
+from .diskio import check_shape
 from .errors import GhostedError
 from .files import REMOTE_FILES, verify_folder
-from .network import bounded_network
+from .network import bounded_network, check_timeout
 from .remote.configuration_ghosted import GhostedConfig
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ def check_ghosted_folder(folder: Path) -> dict[str, Any]:
         raise GhostedError(f"{folder} lacks {missing}; save it with ghosted_hf.save_with_card(model, folder).")
     if "auto_map" not in config:
         raise GhostedError(f"{folder}/config.json has no auto_map: it would not load with trust_remote_code.")
+    check_shape(config["auto_map"], {"AutoConfig": str, "AutoModelForCausalLM": str}, f"{folder}/config.json: auto_map")
     return config
 
 
@@ -123,8 +125,7 @@ def push_to_hub(
     token = token or get_token()
     if not token:
         raise GhostedError("No Hugging Face token: run `hf auth login`, set HF_TOKEN, or pass token=...")
-    if not timeout > 0:
-        raise GhostedError(f"timeout must be a positive number of seconds, got {timeout}.")
+    check_timeout(timeout)
     api = HfApi(endpoint=endpoint, token=token)
     with tempfile.TemporaryDirectory() as staging:
         folder = Path(staging) / "model"

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from .architectures import ARCHITECTURES, architecture
 from .errors import GhostedError
+from .network import check_timeout
 from .remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
 from .remote.modeling_ghosted import GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key, scratch_folder
 from .surgery import adopt_tensors
@@ -174,6 +175,7 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
     llama.cpp's converter at `llama_cpp`. Written beside `output` and moved into place when complete."""
     if outtype not in OUTTYPES:
         raise GhostedError(f"outtype must be one of {OUTTYPES}, got {outtype!r} (quantize with llama-quantize).")
+    check_timeout(timeout)
     if getattr(model.config, "model_type", None) != "ghosted":
         raise GhostedError("export-gguf takes a ghosted model; convert a stock checkpoint with llama.cpp's converter.")
     family = architecture(model)

@@ -36,6 +36,7 @@ def resolve(ref: str | None) -> str:
 def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | None = None,
                trust_remote_code: bool = False, revision: str | None = None) -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) from a folder or Hub id."""
+    from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate their fields with it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ref = resolve(ref)
@@ -49,6 +50,6 @@ def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | Non
                                                      revision=revision, trust_remote_code=bool(trust_remote_code))
         tokenizer = AutoTokenizer.from_pretrained(ref, revision=revision,
                                                   trust_remote_code=bool(trust_remote_code))
-    except (ValueError, ImportError) as error:  # transformers' and the remote code's refusals of a checkpoint
-        raise GhostedError(f"{ref} cannot be loaded: {error}") from error
+    except (ValueError, ImportError, StrictDataclassError) as error:  # transformers' and the remote code's refusals
+        raise GhostedError(f"{ref} cannot be loaded: {' '.join(str(error).split())[:500]}") from error
     return model.eval(), tokenizer

@@ -148,12 +148,20 @@ class PruneOptions(Options):
             raise GhostedError(f"criterion {self.criterion!r} needs the layer indices to remove (layers=[...]).")
         if self.layers and not takes_layers:
             raise GhostedError(f"layers=[...] is only used with criterion='manual', not {self.criterion!r}.")
-        positive(self, "seq_len", "num_sequences", "batch_size")
-        if self.seq_len < 2:
-            raise GhostedError(f"seq_len must be at least 2, got {self.seq_len}.")
-        if self.ridge < 0:
-            raise GhostedError(f"ridge must be >= 0, got {self.ridge}.")
-        check_device(self.stats_device)
+        check_calibration(self)
+
+
+def check_calibration(options: PruneOptions | ExportOptions) -> None:
+    """The calibration options `prune` and `export-stock` share, refused alike."""
+    positive(options, "seq_len", "num_sequences", "batch_size")
+    if options.seq_len < 2:
+        raise GhostedError(f"seq_len must be at least 2 (a token and the next), got {options.seq_len}.")
+    # The ridge is relative to the mean diagonal of X^T X: at 1 or more it outweighs the average token's energy and
+    # pulls every fit towards no correction at all, whatever the text.
+    if not 0 <= options.ridge < 1:
+        raise GhostedError(f"ridge must be at least 0 and below 1 (relative to the mean diagonal of X^T X; the default "
+                           f"is 1e-6), got {options.ridge}.")
+    check_device(options.stats_device)
 
 
 def check_device(name: str | None) -> None:
@@ -167,6 +175,8 @@ def check_device(name: str | None) -> None:
     except (RuntimeError, ValueError) as error:
         raise GhostedError(f"stats_device {name!r} is not a device torch knows ({error}); use e.g. cpu, cuda, "
                            "cuda:1.") from None
+    if device.type == "meta":
+        raise GhostedError(f"stats_device {name!r} holds no values: the sums need a real device (cpu, cuda, ...).")
     if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
         raise GhostedError(f"stats_device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s).")
 
@@ -188,10 +198,7 @@ class ExportOptions(Options):
     stats_device: str | None = same_as(PruneOptions, "stats_device")
 
     def check(self) -> None:
-        positive(self, "seq_len", "num_sequences", "batch_size")
-        if self.ridge < 0:
-            raise GhostedError(f"ridge must be >= 0, got {self.ridge}.")
-        check_device(self.stats_device)
+        check_calibration(self)
 
 
 # ---------------------------------------------------------------- command line

@@ -8,6 +8,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from .diskio import check_shape, optional
 from .errors import GhostedError
 from .remote.configuration_ghosted import LAYER_TARGET, GhostedConfig
 from .selection import candidate_layers
@@ -57,13 +58,32 @@ class ModelSummary:
     normed: bool = False  # some boundary adds n(x) @ A (format 1.1)
 
 
+NUMBER = (int, float)
+BOUNDARY = {"removed": [int], "target": str, "operator": str, "layer": optional(int), "original_layer": optional(int),
+            "fit": optional(dict), "fused_into": optional(str)}
+# What `summarize` reads of a config's ghost_provenance: checked first, so a damaged field is named, not a crash.
+PROVENANCE = {
+    "base_model": optional(str), "operator": optional(str), "fitting": optional(str),
+    "parameters": optional({"dense": int, "pruned": int, "operators": int}),
+    "selection": optional({"criterion": optional(str), "better": optional(str), "scores": optional(dict)}),
+    "calibration": optional(dict), "solver": optional(dict), "versions": optional(dict), "healing": optional(dict),
+    "evaluation": optional([dict]),
+    "stock_export": optional({"original_num_hidden_layers": int, "removed_layers": [int], "boundaries": [BOUNDARY],
+                              "untied_embeddings": optional(bool)}),
+}
+
+
 def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
     """The summary of a ghosted model's config, or of a stock export's (whose provenance keeps the layout)."""
-    prov = getattr(config, "ghost_provenance", None) or {}
+    prov = check_shape(getattr(config, "ghost_provenance", None) or {}, PROVENANCE, "config.json: ghost_provenance")
+    scores = (prov.get("selection") or {}).get("scores") or {}
+    for name, score in scores.items():
+        check_shape(score, NUMBER, f"config.json: ghost_provenance.selection.scores.{name}")
     stock = prov.get("stock_export")
     if getattr(config, "model_type", None) == "ghosted":
         text, depth, removed_layers = config.text_config, config.original_num_hidden_layers, config.removed_layers
         boundaries, storage = config.ghost_boundaries, config.operator_dtype
+        check_shape(boundaries, [BOUNDARY], "config.json: ghost_boundaries")
     elif stock:
         text, depth, removed_layers = config, stock["original_num_hidden_layers"], stock["removed_layers"]
         boundaries, storage = stock["boundaries"], "folded into the weights"

@@ -49,7 +49,7 @@ def test_numpy_and_torch_integer_layer_indices_are_accepted() -> None:
         (lambda: prune(ridge="1e-6"), r"ridge must be a number, got '1e-6' \(str\)"),
         (lambda: prune(ridge=math.nan), r"ridge must be a finite number, got nan"),
         (lambda: prune(ridge=math.inf), r"ridge must be a finite number, got inf"),
-        (lambda: prune(ridge=-1.0), r"ridge must be >= 0, got -1.0"),
+        (lambda: prune(ridge=-1.0), r"ridge must be at least 0 and below 1 .*, got -1.0"),
         (lambda: ghost_prune(build("llama"), char_tokenizer(), " ".join(texts(4)), **FAST),
          r"one string of \d+ characters that is not a file path: pass a list of strings"),
         (lambda: ghost_prune(build("llama"), char_tokenizer(), {"text": texts()}, **FAST),
@@ -270,3 +270,45 @@ def test_a_folder_whose_config_does_not_describe_its_weights_is_refused_by_every
     (stock / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5, "ghost_provenance": {}}))
     for argv in (["inspect", stock], ["eval", stock, "--windows", "1"]):
         assert "claims 5 decoder layers, but the weight files hold 6" in one_line_error(capsys, *argv), argv
+
+
+def test_options_that_mean_nothing_and_misleading_inputs_get_one_line_that_points_the_right_way(
+        dense_folder: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Values that parse but mean nothing (a one-token window, adapters wider than the stream, a ridge that makes
+    every fit the identity, a timeout of zero) and inputs whose message used to send the user elsewhere."""
+    import os
+
+    cal = tmp_path / "cal.txt"
+    ghosted = tmp_path / "ghosted"
+    assert main([str(a) for a in ["prune", dense_folder, "--calibration", cal, "--num-layers", "2", "--seq-len", "48",
+                                  "--num-sequences", "16", "--output", ghosted]]) == 0
+    os.mkfifo(tmp_path / "fifo")
+    heal = ["heal", ghosted, "--output", tmp_path / "healed", "--steps", "1"]
+    cases = [
+        ([*heal, "--seq-len", "1"], "seq_len must be at least 2"),
+        ([*heal, "--seq-len", "100000"], "seq_len 100000 is beyond the model's"),
+        ([*heal, "--rank", "1000"], "rank 1000 is above the model's hidden size 32"),
+        ([*heal, "--kd-weight", "0.5"], "kd_weight weighs the distillation loss: pass a teacher"),
+        ([*heal, "--data", cal, "--eval-data", cal], "The evaluation data is the training data"),
+        ([*heal, "--data", cal, "--text-column", "body"], "is a text file (one document per blank-line-separated block)"),
+        ([*heal, "--data", cal, "--split", "test"], "split and text_column apply to datasets"),
+        ([*heal, "--data", tmp_path / "fifo"], "is neither a regular file nor a folder (a FIFO or a device?)"),
+        ([*heal, "--eval-data", tmp_path / "none.txt"], "Evaluation data "),
+        ([*heal, "--seed", "-1"], "seed must be between 0 and 2^32 - 1"),
+        ([*heal, "--minutes", "1e308"], "minutes must be a finite number"),
+        ([*heal, "--resume", tmp_path / "nowhere", "--checkpoints", tmp_path / "ck"], "nowhere does not exist"),
+        (["export-gguf", ghosted, tmp_path / "m.gguf", "--llama-cpp", tmp_path, "--timeout", "0"],
+         "timeout must be a positive, finite number of seconds, got 0.0"),
+        (["export-gguf", ghosted, tmp_path / "m.gguf", "--llama-cpp", tmp_path, "--timeout", "nan"],
+         "timeout must be a positive, finite number"),
+        (["inspect", ghosted, "--top", "-1"], "--top must be 0 or more"),
+        (["prune", dense_folder, "--calibration", cal, "--ridge", "1e300", "--dry-run"], "ridge must be at least 0 and "
+                                                                                         "below 1"),
+        (["export-stock", ghosted, "--ridge", "1e300", "--output", tmp_path / "stock"], "ridge must be at least 0"),
+        (["prune", dense_folder, "--calibration", cal, "--stats-device", "meta", "--dry-run"], "holds no values"),
+    ]
+    for argv, message in cases:
+        assert message in one_line_error(capsys, *argv), (argv, message)
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    err = one_line_error(capsys, "prune", dense_folder, "--calibration", cal, "--num-layers", "2", "--dry-run")
+    assert "The launcher's environment is inconsistent (RANK='0', WORLD_SIZE='abc'" in err

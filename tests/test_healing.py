@@ -22,8 +22,8 @@ from tiny import batch, build, char_tokenizer, kl_to_dense, texts
 FAST = dict(seq_len=48, num_sequences=24)
 
 
-def pruned():
-    return ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], **FAST)
+def pruned(**overrides):
+    return ghost_prune(build("llama", **overrides), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], **FAST)
 
 
 def mean_lm_loss(model, batches) -> float:
@@ -85,7 +85,7 @@ def test_timed_healing_stops_once_the_budget_is_spent() -> None:
 
 @pytest.mark.parametrize("seq_len, during", [(48, "eager"), (EAGER_MAX_LEN + 1, "sdpa")])
 def test_short_training_sequences_use_eager_attention_on_cpu_then_the_models_own(seq_len: int, during: str) -> None:
-    model = pruned()
+    model = pruned(max_position_embeddings=1024)
     model.set_attn_implementation("sdpa")
     seen: list[str] = []
 

@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from ..diskio import atomic_write
 from ..errors import GhostedError, MissingFileError
 from .declarations import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, NORMED_CROSS,
                            NORMED_GRAM, NORMED_SOURCE, ROTATED_ABS, Entry, parse_key)
@@ -143,7 +144,8 @@ class CalibrationStatistics:
     # ------------------------------------------------------------ files
 
     def save(self, path: str | Path) -> None:
-        """Write to a safetensors file, to try other selections or operators without another pass."""
+        """Write to a safetensors file (all or nothing), to try other selections or operators without another
+        pass."""
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}
         metadata = {
             "format": FORMAT, "version": FORMAT_VERSION, "depth": str(self.depth),
@@ -152,7 +154,7 @@ class CalibrationStatistics:
             "sha256": json.dumps({k: tensor_sha256(v) for k, v in tensors.items()}, sort_keys=True),
         }
         metadata["integrity"] = metadata_sha256(metadata)
-        save_file(tensors, str(path), metadata=metadata)
+        atomic_write(path, lambda staged: save_file(tensors, str(staged), metadata=metadata))
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> CalibrationStatistics:
