@@ -136,7 +136,11 @@ def push_to_hub(
             shutil.copytree(model_or_folder, folder)  # the bytes verified below are the bytes sent
         else:
             save_with_card(model_or_folder, folder, tokenizer=tokenizer, repo_id=repo_id)
-        check_ghosted_folder(folder)
+        try:
+            check_ghosted_folder(folder)
+        except GhostedError as error:  # name what the user gave, not the staging copy that is gone afterwards
+            source = str(model_or_folder) if isinstance(model_or_folder, (str, Path)) else "the model"
+            raise GhostedError(str(error).replace(str(folder), source)) from None
         try:
             with bounded_network(timeout):
                 return _upload(api, folder, repo_id, private, revision, commit_message, overwrite_other_model)

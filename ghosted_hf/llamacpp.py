@@ -45,10 +45,16 @@ def normed_blocks(model: GhostedForCausalLM) -> dict[int, torch.Tensor]:
     for boundary in model.config.ghost_boundaries:
         operator = model.get_parameter(ghost_tensor_key(boundary)).detach()
         if not torch.equal(operator, torch.eye(operator.shape[0], dtype=operator.dtype, device=operator.device)):
+            healing = (getattr(model.config, "ghost_provenance", None) or {}).get("healing") or {}
+            trained = bool(healing.get("trained_operators"))  # healed with --train-operators: W moved off I
+            remedy = ("It was trained away from the identity (heal with --train-operators): heal the pruned folder "
+                      "without --train-operators to export it" if trained else
+                      "Prune with --operator normed (x + n(x) A, which llama.cpp runs as a DeciLM linear-attention "
+                      "block)")
             raise GhostedError(
                 f"The boundary after removed layers {boundary['removed']} is a {boundary.get('operator')!r} operator "
-                "x @ W: llama.cpp has no block for it. Prune with --operator normed (x + n(x) A, which llama.cpp runs "
-                "as a DeciLM linear-attention block), or use export-stock for a folded Llama checkpoint."
+                f"whose x @ W is not the identity: llama.cpp has no block for it. {remedy}, or use export-stock for a "
+                "folded stock checkpoint."
             )
         if boundary.get("normed"):
             at = boundary["layer"] if boundary["target"] == LAYER_TARGET else model.config.text_config.num_hidden_layers
@@ -76,6 +82,9 @@ def convert(folder: Path, llama_cpp: Path, outfile: Path, outtype: str, timeout:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise GhostedError(f"llama.cpp's converter did not finish in {timeout:.0f} s; raise the timeout.") from None
+    if done.returncode < 0:  # killed by a signal: the out-of-memory killer, a user, a time limit
+        raise GhostedError(f"llama.cpp's converter was killed by signal {-done.returncode} while converting the pruned "
+                           "base (out of memory?); free memory or convert a smaller outtype, then export again.")
     if done.returncode != 0:
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
         raise GhostedError(f"llama.cpp's converter failed on the pruned base ({tail}). It needs its own requirements "

@@ -132,8 +132,16 @@ def test_a_healed_normed_model_still_exports_unless_its_operators_were_trained()
     assert sorted(normed_blocks(frozen)) == [2]
     assert not torch.equal(frozen.get_parameter("model.layers.2.self_attn.q_proj.weight"),
                            prune_layers(build("llama"), [2, 3]).get_parameter("model.layers.2.self_attn.q_proj.weight"))
-    with pytest.raises(GhostedError, match="llama.cpp has no block for it"):
+    with pytest.raises(GhostedError, match="llama.cpp has no block for it. It was trained away from the identity "
+                                           r"\(heal with --train-operators\)"):
         normed_blocks(healed(train_operators=True))
+
+
+def test_a_converter_killed_by_a_signal_is_named_as_such(tmp_path: Path) -> None:
+    """Not blamed on missing requirements: the out-of-memory killer is the usual cause."""
+    (tmp_path / "convert_hf_to_gguf.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    with pytest.raises(GhostedError, match="converter was killed by signal 9 while converting the pruned base"):
+        convert(tmp_path, tmp_path, tmp_path / "out.gguf", "f16", timeout=60)
 
 
 LLAMA_CPP = os.environ.get("GHOSTED_LLAMA_CPP")

@@ -80,8 +80,9 @@ def test_push_refuses_a_truncated_or_altered_folder(ghosted, tmp_path: Path) -> 
     intact = weights.read_bytes()
     with FakeHub() as hub:
         weights.write_bytes(intact[: len(intact) // 2])  # a save killed while writing the weights
-        with pytest.raises(GhostedError, match=r"model.safetensors is damaged or truncated"):
+        with pytest.raises(GhostedError, match=r"model.safetensors is damaged or truncated") as raised:
             push_to_hub(folder, "tester/broken", token=hub.token, endpoint=hub.url)
+        assert str(folder / "model.safetensors") in str(raised.value)  # the user's folder, not the staging copy
         config = json.loads((folder / "config.json").read_text())
         key = ghost_tensor_key(config["ghost_boundaries"][0])
         weights.write_bytes(intact)
