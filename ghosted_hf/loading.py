@@ -37,7 +37,7 @@ def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | Non
                trust_remote_code: bool = False, revision: str | None = None) -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) from a folder or Hub id."""
     from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate their fields with it
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     ref = resolve(ref)
     if Path(ref).is_dir():
@@ -45,6 +45,13 @@ def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | Non
     # No Python file of the folder runs unless the user trusts it: not the model's (ghosted_hf's own classes are
     # registered with the Auto classes, so a ghosted model needs none), not a tokenizer's, not custom_generate/.
     # Always a bool: None makes transformers prompt on stdin for code it has no local class for.
+    try:  # the config alone first: what transformers raises about a field is the file's fault, not a bug here
+        AutoConfig.from_pretrained(ref, revision=revision, trust_remote_code=bool(trust_remote_code))
+    except (OSError, ImportError):
+        raise
+    except Exception as error:
+        raise GhostedError(f"The config.json of {ref} cannot be read by transformers: "
+                           f"{' '.join(str(error).split())[:300] or type(error).__name__}") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPES[dtype], device_map=device_map,
                                                      revision=revision, trust_remote_code=bool(trust_remote_code))

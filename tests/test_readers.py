@@ -16,7 +16,9 @@ from ghosted_hf.errors import GhostedError
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False)
                     | st.text(max_size=8), lambda inner: st.lists(inner, max_size=4)
                     | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Derandomized: CI runs the same 60 shapes per reader every time (run with --hypothesis-seed=N to explore others).
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def refused_in_one_line(read, *args) -> None:
@@ -83,11 +85,9 @@ def test_any_shape_in_a_saved_folders_config(data, folder: Path, tmp_path: Path)
     refused_in_one_line(check_ghosted_folder, copy)
 
     def summary() -> None:
-        from huggingface_hub.errors import StrictDataclassError
-
         try:
             loaded = GhostedConfig.from_dict(edited)
-        except (ValueError, TypeError, KeyError, AttributeError, StrictDataclassError):  # refused by verify_folder
+        except Exception:  # noqa: BLE001 - refused in one line by verify_folder before inspect summarizes (above)
             return
         summarize(loaded)
 
