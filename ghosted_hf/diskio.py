@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
 from .errors import GhostedError
 from .remote.modeling_ghosted import process_tag, remove_leftovers
 
@@ -24,9 +26,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
         with open(staged, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(staged, path)
-    except OSError as error:
-        raise GhostedError(f"Cannot write {path} ({error.strerror or error}); check the disk space and the folder's "
-                           "permissions.") from None
+    except (OSError, SafetensorError) as error:  # safetensors reports its I/O errors as its own type
+        reason = getattr(error, "strerror", None) or str(error).splitlines()[0][:200]
+        raise GhostedError(f"Cannot write {path} ({reason}); check the disk space and the folder's permissions.") \
+            from None
     finally:
         staged.unlink(missing_ok=True)
     return path

@@ -43,6 +43,10 @@ def check_output(output: str | os.PathLike | None, inputs: tuple[str | os.PathLi
         raise GhostedError(f"--output {path} already exists; pass --overwrite to replace it, or name a new {what}.")
     if file and not path.parent.is_dir():
         raise GhostedError(f"--output {path}: folder {path.parent} does not exist; create it first.")
+    writable = next((p for p in (path, *path.parents) if p.exists()), None)
+    if writable is not None and not os.access(writable if writable != path else path.parent, os.W_OK):
+        raise GhostedError(f"--output {path}: {writable if writable != path else path.parent} is not writable; name a "
+                           "folder you can write to.")  # said now, not after the calibration pass
     return path
 
 

@@ -312,3 +312,13 @@ def test_options_that_mean_nothing_and_misleading_inputs_get_one_line_that_point
     monkeypatch.setenv("WORLD_SIZE", "abc")
     err = one_line_error(capsys, "prune", dense_folder, "--calibration", cal, "--num-layers", "2", "--dry-run")
     assert "The launcher's environment is inconsistent (RANK='0', WORLD_SIZE='abc'" in err
+
+
+def test_a_statistics_file_that_cannot_be_written_is_one_line_and_leaves_nothing(dense_folder: Path,
+                                                                                 tmp_path: Path, capsys) -> None:
+    """/proc refuses new files even to root (a read-only or full disk, as a test can make one): the write of the
+    statistics fails with one line, not an internal error, and no partial file is left anywhere."""
+    err = one_line_error(capsys, "stats", "collect", dense_folder, "--calibration", tmp_path / "cal.txt",
+                         "--num-layers", "2", "--seq-len", "48", "--num-sequences", "8", "--output",
+                         "/proc/ghosted-stats.safetensors")
+    assert "Cannot write /proc/ghosted-stats.safetensors" in err and "check the disk space" in err
