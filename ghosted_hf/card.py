@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import re
 import logging
 from pathlib import Path
 from typing import Any
@@ -59,15 +60,16 @@ def write_score_plot(config: GhostedConfig, folder: Path) -> str | None:
 
 
 def build_card(config: GhostedConfig, repo_id: str | None = None, license: str | None = None,
-               plot: str | None = None, revision: str | None = None) -> ModelCard:
+               plot: str | None = None, revision: str | None = None, local_path: str | None = None) -> ModelCard:
     """The card of `config`'s model; `revision` (the commit the files were pushed as) is pinned in the
-    code sample."""
+    code sample. Without a `repo_id`, the sample loads `local_path` (the folder as it was saved)."""
     prov = config.ghost_provenance or {}
     summary = summarize(config)
     base = base_model_info(prov.get("base_model"))
     hub_id = base.hub_id
-    repo_id = repo_id or "path/to/this-model"
-    model_name = repo_id.split("/")[-1]
+    local = repo_id is None
+    repo_id = repo_id or local_path or "path/to/this-model"
+    model_name = repo_id.rstrip("/").split("/")[-1]
     card_data = ModelCardData(
         base_model=hub_id,
         library_name="transformers",
@@ -78,11 +80,12 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
         eval_results=eval_results(config) or None,
     )
     template = importlib.resources.files("ghosted_hf.model_cards") / "ghosted_model_card.md"
-    return ModelCard.from_template(
+    card = ModelCard.from_template(
         card_data,
         template_str=template.read_text(encoding="utf-8"),
         model_name=model_name,
         repo_id=repo_id,
+        local=local,
         revision=revision,
         base_description=f"[{hub_id}](https://huggingface.co/{hub_id})" if hub_id else "A causal language model",
         summary=summary,
@@ -90,6 +93,7 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
         ghosted_version=(prov.get("versions") or {}).get("ghosted_hf", ""),
         notice=prov.get("base_model_notice"),
     )
+    return ModelCard(re.sub(r"\n{3,}", "\n\n", card.content))  # sections left out leave no runs of blank lines
 
 
 def name_tokenizer_class_for_every_reader(folder: Path) -> None:
@@ -139,5 +143,6 @@ def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_i
         notice = (config.ghost_provenance or {}).get("base_model_notice")
         if notice:  # the base's terms ask every derivative to ship it (Gemma: "a 'Notice' text file")
             (staging / NOTICE_FILE).write_text(notice)
-        build_card(config, repo_id=repo_id or folder.name, license=license, plot=plot).save(staging / "README.md")
+        build_card(config, repo_id=repo_id, license=license, plot=plot, local_path=str(folder)).save(
+            staging / "README.md")
     return folder

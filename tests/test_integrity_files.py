@@ -186,15 +186,17 @@ def test_saved_folders_are_readable_as_any_folder_the_user_makes_and_links_stay_
     import os
     import stat
 
-    old = os.umask(0o022)
-    try:
-        (tmp_path / "real").mkdir()
-        (tmp_path / "link").symlink_to(tmp_path / "real")
-        for folder in (save_with_card(ghosted(), tmp_path / "model", char_tokenizer()),
-                       save_with_card(ghosted(), tmp_path / "link", char_tokenizer())):
-            assert stat.S_IMODE(folder.stat().st_mode) == 0o755, folder
-            assert stat.S_IMODE((folder / "model.safetensors").stat().st_mode) == 0o644, folder
-    finally:
-        os.umask(old)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    for umask, folder_mode, file_mode in ((0o022, 0o755, 0o644), (0o077, 0o700, 0o600)):
+        old = os.umask(umask)
+        try:
+            for folder in (save_with_card(ghosted(), tmp_path / "model", char_tokenizer()),
+                           save_with_card(ghosted(), tmp_path / "link", char_tokenizer())):
+                assert stat.S_IMODE(folder.stat().st_mode) == folder_mode, (oct(umask), folder)
+                assert stat.S_IMODE((folder / "model.safetensors").stat().st_mode) == file_mode, (oct(umask), folder)
+                assert stat.S_IMODE((folder / "config.json").stat().st_mode) == file_mode, (oct(umask), folder)
+        finally:
+            os.umask(old)
     assert (tmp_path / "link").is_symlink() and (tmp_path / "real" / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "model", "real"]

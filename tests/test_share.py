@@ -225,3 +225,22 @@ def test_push_refuses_links_that_leave_the_folder_and_lists_extra_files(ghosted,
     assert "Uploading 3 file(s) besides the model's own: alias.txt, notes.txt, sub/data.txt" in caplog.text
     arrived = hub.repos["tester/ok"]["branches"]["main"]
     assert arrived["alias.txt"] == b"how it was made" and "sub/data.txt" in arrived
+
+
+def test_a_saved_cards_snippet_loads_the_model_it_describes(ghosted, tmp_path: Path, monkeypatch) -> None:
+    """The card of a folder saved locally loads that folder (its path, not its last name) in a fresh process, and
+    renders no run of blank lines where the chart would go when there is none."""
+    import ghosted_hf.card
+
+    monkeypatch.setattr(ghosted_hf.card, "write_score_plot", lambda config, folder: None)  # as without matplotlib
+    folder = save_with_card(ghosted, tmp_path / "models" / "mine", char_tokenizer())
+    card = (folder / "README.md").read_text()
+    assert "\n\n\n" not in card and "pypi.org" not in card
+    snippet = card.split("```python\n")[1].split("```")[0]
+    assert f'from_pretrained("{folder}"' in snippet
+    script = snippet + "\nprint(type(model).__name__, model.config.removed_layers)\n"
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    name, _, removed = done.stdout.strip().splitlines()[-1].partition(" ")
+    assert name == "GhostedForCausalLM" and json.loads(removed) == ghosted.config.removed_layers, done.stdout
