@@ -181,7 +181,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     """`ghosted prune`: prune, print the summary, save with a card (rank 0 only under torchrun)."""
     from .card import save_with_card
     from .distributed import is_main_process
-    from .recipe import ghost_prune
+    from .loading import load_config
+    from .recipe import check_request, ghost_prune
     from .summary import render_text, summarize
 
     run, options = from_namespace(PruneArgs, args), from_namespace(PruneOptions, args)
@@ -190,7 +191,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
             raise GhostedError("--output DIR is required (or --dry-run to write nothing).")
         check_output(run.output, (run.model, run.calibration, run.statistics), overwrite=run.overwrite)
     calibration = calibration_text(run.calibration, statistics=run.statistics)
-    model, tokenizer = load_for_calibration(run)
+    check_request(load_config(run.model, trust_remote_code=run.trust_remote_code, revision=run.revision), options)
+    model, tokenizer = load_for_calibration(run)  # only once everything the config can tell was checked
     pruned = ghost_prune(model, tokenizer, calibration, options, statistics=run.statistics)
     if not is_main_process():
         return 0  # every process fitted the same operators; the main one reports and writes
@@ -244,10 +246,11 @@ def cmd_stats_merge(args: argparse.Namespace) -> int:
 def calibration_text(path: str | None, statistics: str | None = None):
     """The calibration file, read once here so that a missing, unreadable or non-UTF-8 one fails before the
     model loads; else the packaged corpus (none when precomputed statistics are given)."""
-    from .data import load_texts
+    from .data import check_not_empty, load_texts
 
     if path is not None:
-        load_texts(path)
+        texts, name = load_texts(path)
+        check_not_empty(texts, name)
         return path
     return None if statistics is not None else assets.wikipedia_split("calibration")
 
@@ -501,10 +504,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(verbose: bool) -> None:
+    """ghosted_hf's own messages on stderr. Not a root handler: huggingface_hub and transformers print theirs
+    themselves, and a root handler repeated each of their lines."""
+    package = logging.getLogger("ghosted_hf")
+    package.setLevel(logging.INFO if verbose else logging.WARNING)
+    if not any(isinstance(h, _StderrHandler) for h in package.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        package.addHandler(handler)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted (`main` may run again with stderr replaced)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; bad input ends in one line (exit 2), a bug in a traceback with a hint to report it (exit 1)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.verbose)
     command = args.command + (f" {args.action}" if getattr(args, "action", None) else "")
     try:
         return args.handler(args)

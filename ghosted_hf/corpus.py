@@ -129,8 +129,8 @@ def check_hub_dataset(source: str, timeout: float) -> None:
         raise GhostedError(f"There is no dataset {source!r} at {constants.ENDPOINT} (or it is private: log in with "
                            "`hf auth login`); pass --data PATH to train on a local file or folder.") from None
     except Exception as error:  # the HTTP client's own error types (timeouts, refused connections, HTTP statuses)
-        raise GhostedError(f"Cannot open the Hub dataset {source!r}: {constants.ENDPOINT} did not answer within "
-                           f"{timeout:g} s ({type(error).__name__}: {str(error)[:200]}); check the network, HF_ENDPOINT "
+        raise GhostedError(f"Cannot open the Hub dataset {source!r}: {constants.ENDPOINT} could not be reached or did "
+                           f"not answer within {timeout:g} s ({type(error).__name__}: {str(error)[:200]}); check the network, HF_ENDPOINT "
                            "and HF_HUB_OFFLINE, or pass --data PATH to train on a local file or folder.") from None
 
 

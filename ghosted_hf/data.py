@@ -107,6 +107,12 @@ def load_texts(text: TextSource, text_column: str = "text", what: str = "Calibra
     return [t for t in texts if t.strip()], name
 
 
+def check_not_empty(texts: list[str], name: str) -> None:
+    """Refuse calibration text that holds no text at all."""
+    if not texts:
+        raise GhostedError(f"The calibration text ({name}) is empty: provide at least a few paragraphs of text.")
+
+
 def add_to_text_hash(digest: Any, text: str) -> None:
     """One text more in a `text_hash` digest (for texts hashed as they are read)."""
     digest.update(text.encode("utf-8"))
@@ -208,8 +214,7 @@ def tokenize_texts(
     if seq_len < 2 or batch_size < 1:
         raise GhostedError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}.")
     texts, name = load_texts(text, text_column)
-    if not texts:
-        raise GhostedError(f"The calibration text ({name}) is empty: provide at least a few paragraphs of text.")
+    check_not_empty(texts, name)
     # Tokenized lazily: packing stops reading once it has the sequences asked for.
     token_lists = (tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts)
     sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id, leading_token(tokenizer))

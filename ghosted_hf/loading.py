@@ -12,6 +12,7 @@ import torch
 from . import assets
 from .checkpoint import check_folder
 from .errors import GhostedError, MissingFileError
+from .network import HUB_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -33,25 +34,61 @@ def resolve(ref: str | None) -> str:
     return resolved
 
 
-def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | None = None,
-               trust_remote_code: bool = False, revision: str | None = None) -> tuple[Any, Any]:
-    """(model in eval mode, tokenizer) from a folder or Hub id."""
-    from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate their fields with it
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load_config(ref: str | None, *, trust_remote_code: bool = False, revision: str | None = None) -> Any:
+    """The config of a folder or Hub id, read before any weight: a local folder's config is checked against its
+    weight files first; a Hub id gets one bounded request (offline, the local cache answers); what transformers
+    raises about a field is the file's fault, not a bug here."""
+    from transformers import AutoConfig
 
     ref = resolve(ref)
     if Path(ref).is_dir():
         check_folder(ref)  # a config that does not describe its weights is refused before a model is built
+    else:
+        check_hub_model(ref, revision, HUB_TIMEOUT_S)
+    try:
+        return AutoConfig.from_pretrained(ref, revision=revision, trust_remote_code=bool(trust_remote_code))
+    except ImportError:
+        raise
+    except OSError as error:  # transformers' "not found / cannot connect", offline and not in the cache included
+        raise GhostedError(f"{ref} is not a local folder and cannot be read from the Hub or its local cache "
+                           f"({' '.join(str(error).split())[:200]}); download it (hf download {ref} --local-dir DIR) "
+                           "and pass the folder instead.") from None
+    except Exception as error:  # transformers' config classes' own errors about a field
+        raise GhostedError(f"The config.json of {ref} cannot be read by transformers: "
+                           f"{' '.join(str(error).split())[:300] or type(error).__name__}") from None
+
+
+def check_hub_model(ref: str, revision: str | None, timeout: float) -> None:
+    """One bounded request for a Hub model before transformers starts its own (which retry for minutes when the
+    endpoint does not answer); offline, the local cache answers instead."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        return
+    try:
+        HfApi().model_info(ref, revision=revision, timeout=timeout)
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise GhostedError(f"There is no model {ref!r}{f' at revision {revision}' if revision else ''} at "
+                           f"{constants.ENDPOINT} (or it is private: log in with `hf auth login`); pass a local "
+                           "folder instead.") from None
+    except Exception as error:  # the HTTP client's own error types (timeouts, refused connections, HTTP statuses)
+        raise GhostedError(f"Cannot read the Hub model {ref!r}: {constants.ENDPOINT} could not be reached or did not "
+                           f"answer within {timeout:g} s ({type(error).__name__}); check the network, HF_ENDPOINT and "
+                           "HF_HUB_OFFLINE, or pass a local folder instead.") from None
+
+
+def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | None = None,
+               trust_remote_code: bool = False, revision: str | None = None) -> tuple[Any, Any]:
+    """(model in eval mode, tokenizer) from a folder or Hub id, its config checked first (`load_config`)."""
+    from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate their fields with it
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ref = resolve(ref)
     # No Python file of the folder runs unless the user trusts it: not the model's (ghosted_hf's own classes are
     # registered with the Auto classes, so a ghosted model needs none), not a tokenizer's, not custom_generate/.
     # Always a bool: None makes transformers prompt on stdin for code it has no local class for.
-    try:  # the config alone first: what transformers raises about a field is the file's fault, not a bug here
-        AutoConfig.from_pretrained(ref, revision=revision, trust_remote_code=bool(trust_remote_code))
-    except (OSError, ImportError):
-        raise
-    except Exception as error:
-        raise GhostedError(f"The config.json of {ref} cannot be read by transformers: "
-                           f"{' '.join(str(error).split())[:300] or type(error).__name__}") from None
+    load_config(ref, trust_remote_code=trust_remote_code, revision=revision)
     try:
         model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPES[dtype], device_map=device_map,
                                                      revision=revision, trust_remote_code=bool(trust_remote_code))

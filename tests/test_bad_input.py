@@ -322,3 +322,44 @@ def test_a_statistics_file_that_cannot_be_written_is_one_line_and_leaves_nothing
                          "--num-layers", "2", "--seq-len", "48", "--num-sequences", "8", "--output",
                          "/proc/ghosted-stats.safetensors")
     assert "Cannot write /proc/ghosted-stats.safetensors" in err and "check the disk space" in err
+
+
+def test_what_the_config_and_the_arguments_can_tell_is_refused_before_any_weight_is_read(
+        dense_folder: Path, tmp_path: Path, capfd, monkeypatch) -> None:
+    """A layer count the model does not have, empty calibration text, a Hub id that is neither cached (offline)
+    nor reachable: one line each, and no "Loading weights" bar before it (minutes for a large model)."""
+    import socket
+    import time
+
+    import huggingface_hub.constants
+
+    import ghosted_hf.loading
+
+    (tmp_path / "empty.txt").write_text("\n\n  \n")
+    for argv, message in [(["--num-layers", "40"], "num_layers must be between 1 and 5 for a model with 6 layers"),
+                          (["--num-layers", "0"], "num_layers must be between 1 and 5"),
+                          (["--calibration", tmp_path / "empty.txt"], "The calibration text (empty.txt) is empty")]:
+        args = ["prune", dense_folder, "--calibration", tmp_path / "cal.txt", "--num-layers", "2", *argv, "--dry-run"]
+        assert main([str(a) for a in args]) == 2
+        err = capfd.readouterr().err
+        assert message in err and "Loading weights" not in err, (argv, err)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["prune", "someone/not-cached", "--calibration", str(tmp_path / "cal.txt"), "--dry-run"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "someone/not-cached is not a local folder and cannot be read from the Hub or its local " \
+                             "cache" in err[0] and "pass the folder instead" in err[0], err
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with socket.socket() as server:  # accepts connections, never answers
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(ghosted_hf.loading, "HUB_TIMEOUT_S", 1.0)
+        start = time.monotonic()
+        assert main(["prune", "someone/model", "--calibration", str(tmp_path / "cal.txt"), "--dry-run"]) == 2
+    assert time.monotonic() - start < 30
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"Cannot read the Hub model 'someone/model': {endpoint} could not be reached or did not " \
+                             "answer within 1 s" in err[0] and "pass a local folder instead" in err[0], err

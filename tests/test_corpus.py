@@ -174,5 +174,6 @@ def test_a_hub_dataset_on_an_endpoint_that_never_answers_ends_with_one_line(monk
             read_corpus("org/name")
     message = str(raised.value)
     assert time.monotonic() - start < 30, "the wait was not bounded"
-    assert message.startswith(f"Cannot open the Hub dataset 'org/name': {endpoint} did not answer within 1 s")
+    assert message.startswith(f"Cannot open the Hub dataset 'org/name': {endpoint} could not be reached or did not "
+                              "answer within 1 s")
     assert "--data PATH" in message and "\n" not in message
