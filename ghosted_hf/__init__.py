@@ -7,6 +7,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .remote.configuration_ghosted import GhostedConfig
 from .remote.modeling_ghosted import GhostedForCausalLM, GhostedModel, GhostOperator
+from .assets import default_model_dir, wikipedia_split
 from .card import save_with_card
 from .errors import GhostedError
 from .export import export_stock
@@ -49,6 +50,7 @@ __all__ = [
     "__version__",
     "calibrate",
     "collect_statistics",
+    "default_model_dir",
     "export_stock",
     "ghost_prune",
     "heal",
@@ -57,4 +59,5 @@ __all__ = [
     "push_to_hub",
     "save_with_card",
     "to_stock_model",
+    "wikipedia_split",
 ]

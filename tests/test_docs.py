@@ -59,3 +59,16 @@ def test_removed_kinds_and_heal_options_are_gone() -> None:
 
     assert not {"ghost-affine", "folded-cq"} & set(OPERATOR_KINDS)
     assert not {"scope", "train_norms", "lr_ratio"} & set(HealOptions.__dataclass_fields__)
+
+
+@pytest.mark.real_model
+def test_the_readme_python_quickstart_runs_offline_as_written(tmp_path: Path) -> None:
+    """The first Python block of the README, executed as a user would paste it, offline, in an empty folder."""
+    import os
+
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("## Python quickstart")[1].split("```python\n")[1].split("```")[0]
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "my-ghosted-model" / "model.safetensors").is_file() and "'removed': [" in done.stdout
