@@ -59,3 +59,14 @@ def test_remote_code_imports_only_torch_transformers_and_the_standard_library() 
         roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
         assert roots <= {"torch", "transformers", "__future__"} | set(sys.stdlib_module_names), (path.name, roots)
+
+
+def test_the_linter_finds_nothing() -> None:
+    """ruff with the project's rules (pyproject.toml): unused imports and undefined names fail like a test."""
+    import subprocess
+    import sys
+
+    root = PACKAGE.parent
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "ghosted_hf", "tests", "benchmarks", "examples",
+                           "docs"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
