@@ -371,10 +371,12 @@ def cmd_heal(args: argparse.Namespace) -> int:
                   eval_data=run.eval_data, checkpoints=checkpoints, resume=run.resume)
     if not is_main_process():
         return 0
-    losses = healed.losses
-    print(f"loss: first 5 steps {sum(losses[:5]) / len(losses[:5]):.4f}, last 5 steps "
-          f"{sum(losses[-5:]) / len(losses[-5:]):.4f}" + (f"; held-out perplexity {healed.record['held_out_perplexity']:.3f}"
-                                                         if "held_out_perplexity" in healed.record else ""))
+    losses, window = healed.losses, min(5, len(healed.losses) // 2)
+    steps = f"{window} step{'s' * (window > 1)}"
+    trained = (f"loss: first {steps} {sum(losses[:window]) / window:.4f}, last {steps} "
+               f"{sum(losses[-window:]) / window:.4f}" if window else f"loss {losses[-1]:.4f} after 1 step")
+    print(trained + (f"; held-out perplexity {healed.record['held_out_perplexity']:.3f}"
+                     if "held_out_perplexity" in healed.record else ""))
     if run.adapter_only:
         with staged_folder(run.output) as staging:
             healed.model.save_pretrained(staging)

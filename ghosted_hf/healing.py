@@ -53,6 +53,7 @@ SCHEDULES = ("constant", "linear")
 PRECISIONS = ("auto", "fp32", "bf16")
 REPORTERS = ("none", "tensorboard", "wandb")
 CHECKPOINT_RECORD = "ghosted_checkpoint.json"  # written last: a checkpoint without it is incomplete
+DEFAULT_STEPS = 150  # without steps, tokens or minutes
 RUN_RECORD = "ghosted_run.json"  # which run (and process) a checkpoints folder belongs to
 
 
@@ -64,8 +65,9 @@ class HealOptions(Options):
                                           "models only).")
     rank: int = option(8, "LoRA rank.")
     alpha: int = option(16, "LoRA alpha.")
-    steps: int = option(150, "Optimizer steps (150 x 4 x 256 tokens: 10-13 CPU-minutes for a 135M model on one core "
-                             "with AVX512-BF16, 4-5 s a step, all-linear, without a teacher).")
+    steps: int | None = option(None, "Optimizer steps (None: 150 unless tokens or minutes is given; 150 x 4 x 256 "
+                                     "tokens: 10-13 CPU-minutes for a 135M model on one core with AVX512-BF16, 4-5 s a "
+                                     "step, all-linear, without a teacher).")
     tokens: int | None = option(None, "Train on this many tokens instead of `steps` steps (rounded up to whole steps "
                                       "of batch_size x gradient_accumulation x processes x seq_len tokens).")
     minutes: float | None = option(None, "Train for this many minutes (wall-clock) instead of `steps` steps, the "
@@ -96,7 +98,10 @@ class HealOptions(Options):
     seed: int = option(0, "Random seed of the adapters' initialisation and of the order of the training sequences.")
 
     def check(self) -> None:
-        positive(self, "rank", "alpha", "steps", "seq_len", "batch_size", "gradient_accumulation", "kl_chunk")
+        positive(self, "rank", "alpha", "seq_len", "batch_size", "gradient_accumulation", "kl_chunk")
+        budgets = [name for name in ("steps", "tokens", "minutes") if getattr(self, name) is not None]
+        if len(budgets) > 1:
+            raise GhostedError(f"Give one budget: steps, tokens or minutes, not {' and '.join(budgets)}.")
         if self.seq_len < 2:
             raise GhostedError(f"seq_len must be at least 2 (a token and the next to predict), got {self.seq_len}.")
         if not 0 <= self.seed < 2**32:
@@ -105,7 +110,7 @@ class HealOptions(Options):
             raise GhostedError(f"minutes must be a finite number, got {self.minutes}.")
         if not math.isfinite(self.lr):
             raise GhostedError(f"lr must be a finite number, got {self.lr}.")
-        for name in ("tokens", "eval_every", "save_every"):
+        for name in ("steps", "tokens", "eval_every", "save_every"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise GhostedError(f"{name} must be positive (or left out), got {getattr(self, name)}.")
         if self.minutes is not None and not self.minutes > 0:
@@ -118,8 +123,7 @@ class HealOptions(Options):
             raise GhostedError(f"eval_sequences must be 0 or more, got {self.eval_sequences}.")
         if self.eval_every and not self.eval_sequences:
             raise GhostedError("eval_every needs held-out text: eval_sequences must be positive.")
-        if self.tokens is not None and self.minutes is not None:
-            raise GhostedError("Give one budget: tokens or minutes (or steps), not both.")
+
 
 
 def healed_kind(model: Any) -> str:
@@ -535,7 +539,7 @@ def _arguments(options: HealOptions, output_dir: str) -> TrainingArguments:
         raise MissingDependencyError(f"report_to {options.report_to} needs the {options.report_to} package: pip install "
                                      f"{options.report_to}.")
     return TrainingArguments(
-        output_dir=output_dir, max_steps=options.steps, per_device_train_batch_size=options.batch_size,
+        output_dir=output_dir, max_steps=options.steps or DEFAULT_STEPS, per_device_train_batch_size=options.batch_size,
         per_device_eval_batch_size=options.batch_size, gradient_accumulation_steps=options.gradient_accumulation,
         learning_rate=options.lr, weight_decay=0.01, max_grad_norm=0.0,  # as measured: AdamW, no clipping
         activation_checkpointing=options.gradient_checkpointing, activation_checkpointing_kwargs={"use_reentrant": False},
@@ -589,7 +593,8 @@ def heal(
         device = args.device
         precision = resolve_precision(options.precision, device)
         per_step = options.batch_size * options.gradient_accumulation * args.world_size
-        steps = math.ceil(options.tokens / (per_step * options.seq_len)) if options.tokens else options.steps
+        steps = (math.ceil(options.tokens / (per_step * options.seq_len)) if options.tokens
+                 else options.steps or DEFAULT_STEPS)
         args.max_steps = 10**9 if options.minutes else steps  # a timed run is stopped by `_Schedule`
         sequences = _training_data(tokenizer, data, eval_data, options, per_step, steps * per_step)
         budget = Budget(None if options.minutes else steps, options.minutes * 60 if options.minutes else None, clock)

@@ -212,9 +212,14 @@ def prepare_calibration(calibration_pass: CalibrationPass, tokenizer: Any, calib
     if statistics is not None and "shard" in statistics.origin and statistics.origin["shard"] != "0/1":
         raise GhostedError(f"The given statistics are shard {statistics.origin['shard']} only: merge all shards first "
                            "(ghosted stats merge stats-*.safetensors --output stats.safetensors).")
+    needed = statistics_plan(calibration_pass.config.num_hidden_layers, options)
     if calibration is None:
-        if statistics is None and statistics_plan(calibration_pass.config.num_hidden_layers, options):
+        if statistics is None and needed:
             raise GhostedError("Pass calibration text (list of strings, text file or Dataset) or precomputed statistics.")
+        return None, statistics
+    if not needed:  # e.g. manual layers, no recovery: nothing to measure, so the text is neither read nor tokenized
+        logger.info("criterion %r with operator %r needs no calibration statistics: the calibration text is unused.",
+                    options.criterion, options.operator)
         return None, statistics
     if tokenizer is None:
         raise GhostedError("A tokenizer is needed to tokenize the calibration text.")

@@ -363,3 +363,26 @@ def test_what_the_config_and_the_arguments_can_tell_is_refused_before_any_weight
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"Cannot read the Hub model 'someone/model': {endpoint} could not be reached or did not " \
                              "answer within 1 s" in err[0] and "pass a local folder instead" in err[0], err
+
+
+def test_what_a_run_reports_is_what_it_did(dense_folder: Path, tmp_path: Path, capsys, caplog) -> None:
+    """Two budgets are refused rather than one silently winning; a 2-step heal reports its two steps, not "first 5
+    / last 5" of the same mean; manual layers with no recovery neither read nor warn about calibration text."""
+    from ghosted_hf import ghost_prune
+    from ghosted_hf.healing import HealOptions
+    from tiny import build, char_tokenizer
+
+    with pytest.raises(GhostedError, match="Give one budget: steps, tokens or minutes, not steps and minutes"):
+        HealOptions(steps=10, minutes=1.0)
+    ghosted = tmp_path / "ghosted"
+    assert main([str(a) for a in ["prune", dense_folder, "--calibration", tmp_path / "cal.txt", "--num-layers", "2",
+                                  "--seq-len", "48", "--num-sequences", "16", "--output", ghosted]]) == 0
+    capsys.readouterr()
+    assert main([str(a) for a in ["heal", ghosted, "--data", tmp_path / "cal.txt", "--steps", "2", "--seq-len", "32",
+                                  "--eval-sequences", "0", "--adapter-only", "--output", tmp_path / "healed"]]) == 0
+    assert "loss: first 1 step " in capsys.readouterr().out
+    with caplog.at_level("INFO", logger="ghosted_hf"):
+        stock = ghost_prune(build("llama"), char_tokenizer(), ["a few words"], criterion="manual", layers=[2, 3],
+                            operator="none")
+    assert stock.config.num_hidden_layers == 4 and "calibration text is unused" in caplog.text
+    assert "tokens for a" not in caplog.text  # no warning about too little text it never needed
