@@ -294,13 +294,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import demo_output, format_rows, run_demo
 
     run, options = from_namespace(DemoArgs, args), from_namespace(PruneOptions, args)
+    own = run.output is None  # the demo's own default folder: a second run replaces what the first saved there
     run.output = run.output or demo_output(run.model)
-    check_output(run.output, (run.model,), overwrite=run.overwrite)
+    check_output(run.output, (run.model,), overwrite=run.overwrite or own)
+    if own and Path(run.output).exists():
+        logger.warning("Replacing the previous demo output in %s.", Path(run.output).resolve())
     rows = run_demo(run.output, options, model=run.model, eval_windows=run.eval_windows)
     config = json.loads((Path(run.output) / "config.json").read_text())
     print()
     print(format_rows(rows, config["removed_layers"], f"{run.eval_windows} windows of 512 tokens"))
-    print(f"\nSaved the ghosted model to {run.output} "
+    print(f"\nSaved the ghosted model to {Path(run.output).resolve()} "
           f"(load it with AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)).")
     return 0
 

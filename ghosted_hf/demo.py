@@ -19,7 +19,7 @@ from .data import tokenize_texts
 from .evaluate import perplexity
 from .options import PruneOptions
 from .recipe import ghost_prune
-from .surgery import count_parameters, prune_layers
+from .surgery import count_parameters, prune_layers, to_stock_model
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,9 @@ def run_demo(output: str | Path, options: PruneOptions | None = None, model: str
     held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), eval_seq_len, eval_windows, batch_size=4)
     ghosted = ghost_prune(load(), tokenizer, assets.wikipedia_split("calibration"), options)
     save_with_card(ghosted, output, tokenizer)
-    models = {"dense": load(), "plainly pruned": prune_layers(load(), ghosted.config.removed_layers), "ghosted": ghosted}
+    # The plainly pruned model as the stock checkpoint `--operator none` saves: no identity operators counted.
+    plain = to_stock_model(prune_layers(load(), ghosted.config.removed_layers))
+    models = {"dense": load(), "plainly pruned": plain, "ghosted": ghosted}
     seconds = prefill_seconds(list(models.values()), held_out.batches[0]["input_ids"][:1])
     return [Row(name, perplexity(m, held_out.batches, description=f"Perplexity ({name})"), count_parameters(m),
                 s, sample(m, tokenizer)) for (name, m), s in zip(models.items(), seconds)]
