@@ -48,6 +48,14 @@ def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSou
         if fit.fused is not None:  # into the kept layer before the boundary
             record["fused_into"] = fold_into_down_proj(model, record["removed"][0] - 1, fit.fused)
         record.update(operator=kind.name, fit={**fit.figures, "fitted_on": f"imitating the {record['operator']} operator"})
+    prov = model.config.ghost_provenance or {}
+    # What the export itself did, where the card and `inspect` read the recovery and its calibration from; the
+    # ghosted model's own calibration and options stay under "refitted_from".
+    model.config.ghost_provenance = {
+        **prov, "operator": kind.name, "fitting": f"imitation of the {prov.get('operator', 'ghost')} operators",
+        "calibration": {**data.describe(), "tokens_used": data.num_tokens, "processes": 1},
+        "refitted_from": {key: prov.get(key) for key in ("operator", "fitting", "calibration", "options")},
+        "options": options.to_dict()}
     return to_stock_model(model)
 
 

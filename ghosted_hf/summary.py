@@ -109,7 +109,8 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         criterion=selection.get("criterion"),
         better=selection.get("better"),
         scores=[(name, f"{score:.6g}", set(candidate_layers(name)) <= removed) for name, score in ranked],
-        recovery=f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')} fitting",
+        recovery=(f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')}"
+                  + (" fitting" if prov.get("fitting", "unknown") in ("sequential", "independent", "unknown") else "")),
         calibration=(f"{cal.get('name')}: {cal.get('tokens_used')} tokens in {cal.get('sequences')} sequences of "
                      f"{cal.get('sequence_length')}, sha256 {cal.get('sha256')}" if cal else "unknown"),
         solver=", ".join(f"{k}={v}" for k, v in (prov.get("solver") or {}).items()) or "unknown",

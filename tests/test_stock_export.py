@@ -152,3 +152,21 @@ def test_export_stock_refuses_as_little_text_as_prune_does() -> None:
                  lambda: ghost_prune(build("llama"), char_tokenizer(), ["nine char"], criterion="manual", layers=[2, 3])):
         with pytest.raises(GhostedError, match=r"gave \d+ usable tokens, but fitting a 32x32 operator needs at least 32"):
             call()
+
+
+def test_export_stock_records_its_own_calibration_and_options() -> None:
+    """inspect and the card of an export show the export's refit (its kind, its text, its options), and keep the
+    ghosted model's own calibration under refitted_from."""
+    from ghosted_hf import export_stock, ghost_prune
+    from ghosted_hf.summary import summarize
+    from tiny import build, char_tokenizer, texts
+
+    ghosted = ghost_prune(build("llama"), char_tokenizer(), texts(), num_layers=2, seq_len=48, num_sequences=16)
+    before = dict(ghosted.config.ghost_provenance["calibration"])
+    stock = export_stock(ghosted, char_tokenizer(), texts(12), seq_len=32, num_sequences=16)
+    prov = stock.config.ghost_provenance
+    assert prov["operator"] == "folded" and prov["options"]["seq_len"] == 32
+    assert prov["calibration"]["name"] == "12 texts given as a list of strings" and prov["calibration"]["tokens"] == 512
+    assert prov["refitted_from"]["calibration"] == before and prov["refitted_from"]["operator"] == "ghost"
+    summary = summarize(stock.config)
+    assert summary.recovery == "folded, imitation of the ghost operators" and "512 tokens" in summary.calibration
