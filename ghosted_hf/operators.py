@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from tqdm.auto import tqdm
 
 from .statistics import (ABS, ROTATED_ABS, CalibrationStatistics, StatisticsPlan, least_squares, mlp_terms,
                          normed_terms)
@@ -330,7 +331,9 @@ def fit_folded(stats: CalibrationStatistics, s: int, e: int, ridge: float, *, ro
         mm_inverse_solve = lambda rhs: torch.linalg.solve(mm + eps * eye, rhs)  # noqa: E731
     delta = torch.zeros_like(gram)  # T - I: Z = X_s + M delta
     residual = float("inf")
-    for _ in range(iterations):
+    # Each iteration solves a C x C system: minutes for a wide model, so a bar shows once it takes 2 s.
+    for _ in tqdm(range(iterations), desc=f"Folding the boundary before layer {e}: alternating fits", leave=False,
+                  delay=2):
         z_cross = cross + delta.T @ m_target if transform else cross  # Z^T X_e
         z_gram = float(torch.trace(gram)) if not transform else float(
             torch.trace(gram) + 2.0 * (delta * m_source).sum() + ((mm @ delta) * delta).sum())  # tr(Z^T Z)
