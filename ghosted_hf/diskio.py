@@ -81,10 +81,10 @@ def check_shape(value: Any, schema: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise _wrong(where, "an object", value)
         for name, inner in schema.items():
-            optional = isinstance(inner, _Optional)
-            inner = inner.schema if optional else inner
+            may_lack = isinstance(inner, _Optional)
+            inner = inner.schema if may_lack else inner
             if name not in value or value[name] is None:
-                if not optional:
+                if not may_lack:
                     raise _wrong(f"{where}.{name}", _describe(inner), _MISSING)
                 continue
             check_shape(value[name], inner, f"{where}.{name}")
