@@ -217,7 +217,7 @@ def test_heal_bad_input_is_one_line_naming_the_value(dense_folder: Path, tmp_pat
         "same folder": (["--output", pruned], f"is the input {pruned}"),
         "missing column": (["--data", str(tmp_path / "rows.jsonl")], "no 'text' column (columns: ['body'])"),
         "empty data": (["--data", str(tmp_path / "empty.txt")], "The training data (empty.txt) holds no text."),
-        "zero budget": (["--steps", "0"], "steps must be positive, got 0"),
+        "zero budget": (["--steps", "0"], "steps must be positive (or left out), got 0"),
         "nan budget": (["--minutes", "nan"], "minutes must be a finite number, got nan"),
         "other vocabulary": (["--teacher", str(tmp_path / "other")], "The teacher has a vocabulary of 200 tokens"),
         "dense model": (["--output", str(tmp_path / "o2")], "records no pruning"),
