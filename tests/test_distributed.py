@@ -224,14 +224,18 @@ def run_disagreeing_rank(rank: int, world: int, port: int, out: str, differs: st
     Path(out, f"rank{rank}.txt").write_text(message)
 
 
+def rank_messages(run, tmp_path: Path, differs: str, timeout: float = 300) -> list[str]:
+    """What each of 2 spawned processes running `run(rank, world, port, out, differs)` wrote to out/rank<r>.txt."""
+    context = mp.start_processes(run, args=(2, free_port(), str(tmp_path), differs), nprocs=2, start_method="spawn",
+                                 join=False)
+    for process in context.processes:
+        process.join(timeout=timeout)
+    return [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+
+
 @pytest.mark.parametrize("differs", ["calibration data", "model"])
 def test_a_rank_that_differs_fails_every_rank_before_any_pass(differs: str, tmp_path: Path) -> None:
-    context = mp.start_processes(run_disagreeing_rank, args=(2, free_port(), str(tmp_path), differs), nprocs=2,
-                                 start_method="spawn", join=False)
-    for process in context.processes:
-        process.join(timeout=300)
-    for rank in range(2):
-        message = (tmp_path / f"rank{rank}.txt").read_text()
+    for rank, message in enumerate(rank_messages(run_disagreeing_rank, tmp_path, differs)):
         assert message.startswith(f"Process 1 of 2 has another {differs} than process 0"), (rank, message)
 
 

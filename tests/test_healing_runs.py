@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.healing import CHECKPOINT_RECORD, check_same_run, resume_point, verified_checkpoint
-from test_distributed import LAUNCHERS, free_port
+from test_distributed import LAUNCHERS, free_port, rank_messages
 
 TESTS = Path(__file__).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -303,13 +303,6 @@ def run_disagreeing_healer(rank: int, world: int, port: int, out: str, differs: 
 def test_a_healing_rank_that_differs_fails_every_rank_before_the_first_step(differs: str, tmp_path: Path) -> None:
     """Other options would train diverging replicas, other steps hang in a collective, another depth fails inside
     DDP: every process checks the run identity of every other first, and each ends with one line."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(run_disagreeing_healer, args=(2, free_port(), str(tmp_path), differs), nprocs=2,
-                                 start_method="spawn", join=False)
-    for process in context.processes:
-        process.join(timeout=240)
-    for rank in range(2):
-        message = (tmp_path / f"rank{rank}.txt").read_text()
+    for rank, message in enumerate(rank_messages(run_disagreeing_healer, tmp_path, differs, timeout=240)):
         named = message.removeprefix("Process 1 of 2 has another ").partition(" than process 0")[0].split(", ")
         assert message.startswith("Process 1 of 2 has another") and differs in named, (rank, message)
