@@ -1,10 +1,12 @@
-"""One command for a CUDA machine: calibration throughput and peak GPU memory of the ghost-aware statistics
-pass, ghosted / plainly pruned inference ratios (prefill and decode), then LoRA healing throughput (tokens/s,
-peak memory) of the ghosted model with `ghosted_hf.heal`, at Llama-3-8B shape with random bf16 weights;
-writes the results as JSON and a Markdown table.
+"""One command for a CUDA machine, at Llama-3-8B shape with random bf16 weights: the ghost-aware statistics pass
+against one plain dense forward over the same tokens (tokens/s, seconds, peak GPU memory), the ghost-aware
+selection and the fit of the removed span (seconds), prefill and decode of dense / plainly pruned / ghosted models
+(models taking turns in every round), then LoRA healing throughput and peak memory with `ghosted_hf.heal`. Writes
+OUTPUT.json after every stage (a run cut short keeps what it measured) and OUTPUT.md at the end.
 
-    python benchmarks/gpu.py                                   # cuda, Llama-3-8B shape, 64 x 512 tokens
-    python benchmarks/gpu.py --shape tiny --device cpu --sequences 4 --seq-len 32 --heal-steps 3 --output /tmp/gpu  # smoke
+    python benchmarks/gpu.py                    # cuda, Llama-3-8B shape, 64 and 128 x 512 calibration tokens
+    python benchmarks/gpu.py --shape tiny --device cpu --sequences 8 --seq-len 32 --prefill-len 64 \
+        --new-tokens 4 --batch-sizes 1 2 --heal-steps 3 --output /tmp/gpu   # smoke
 
 Random weights and random token ids: the costs do not depend on the values (the operator fitted from them is
 as dense as a real one).
@@ -23,7 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
-from inference import interleaved_medians, synchronize  # noqa: E402
+from inference import decode, prefill, synchronize  # noqa: E402
 
 from transformers import TrainerCallback  # noqa: E402
 
@@ -101,17 +103,94 @@ def healing_throughput(model: torch.nn.Module, args: argparse.Namespace) -> dict
             "batch_size": args.heal_batch_size, "gradient_checkpointing": args.heal_gradient_checkpointing}
 
 
+class Clock:
+    """Seconds between enter and exit with the device synchronised at both ends, and the peak memory between."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.device = device
+
+    def __enter__(self) -> "Clock":
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        synchronize(self.device)
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - self.started
+        self.peak_gib = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
+
+
+def random_batches(count: int, batch_size: int, seq_len: int, vocab: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(10, vocab - 10, (batch_size, seq_len), generator=generator),
+             "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long)}
+            for _ in range(max(1, count // batch_size))]
+
+
+def dense_forward(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], device: str) -> None:
+    """The baseline the statistics pass is held to: the decoder run over the same tokens (no output layer, which
+    the statistics pass does not run either)."""
+    with torch.no_grad():
+        for b in batches:
+            model.get_decoder()(**{k: v.to(device) for k, v in b.items()}, use_cache=False)
+
+
+def calibration(dense: torch.nn.Module, plan, sizes: list[int], args: argparse.Namespace) -> tuple[list[dict], object]:
+    """The statistics pass against the dense forward for each number of sequences; the statistics of the last."""
+    rows, stats = [], None
+    warm = random_batches(args.batch_size, args.batch_size, args.seq_len, dense.config.vocab_size, seed=99)
+    dense_forward(dense, warm, args.device)
+    collect_statistics(dense, warm, plan, progress=False)  # kernels, allocator
+    for n in sizes:
+        batches = random_batches(n, args.batch_size, args.seq_len, dense.config.vocab_size, seed=n)
+        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        with Clock(args.device) as forward:
+            dense_forward(dense, batches, args.device)
+        stats = None
+        with Clock(args.device) as gathering:
+            stats = collect_statistics(dense, batches, plan, progress=False)
+        rows.append({"sequences": n, "tokens": tokens, "seconds": gathering.seconds,
+                     "tokens_per_second": tokens / gathering.seconds, "peak_gpu_memory_gib": gathering.peak_gib,
+                     "dense_forward_seconds": forward.seconds, "dense_forward_tokens_per_second": tokens / forward.seconds,
+                     "dense_forward_peak_gpu_memory_gib": forward.peak_gib,
+                     "relative_to_dense_forward": forward.seconds / gathering.seconds})
+        print(f"statistics pass, {tokens} tokens: {gathering.seconds:.2f} s ({rows[-1]['relative_to_dense_forward']:.2f}x "
+              f"a dense forward's tokens/s)", flush=True)
+    return rows, stats
+
+
+def interleaved(models: dict[str, torch.nn.Module], ids: torch.Tensor, args: argparse.Namespace) -> dict[str, dict]:
+    """Median prefill seconds (all of `ids`) and decode seconds per token (after all of `ids`), the models taking
+    turns in every round so that machine noise hits all of them alike."""
+    for model in models.values():  # warm-up
+        prefill(model, ids[:, :64], args.device)
+        decode(model, ids[:, :64], 3, args.device)
+    times = {name: {"prefill": [], "decode": []} for name in models}
+    for _ in range(args.repeats):
+        for name, model in models.items():
+            times[name]["prefill"].append(prefill(model, ids, args.device))
+            times[name]["decode"].append(decode(model, ids, args.new_tokens, args.device))
+    return {name: {k: sorted(v)[len(v) // 2] for k, v in t.items()} for name, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--sequences", type=int, nargs="+", default=[64, 128],
+                        help="calibration sequences, one statistics pass each; the last one's statistics are fitted")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="inference batch sizes")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--heal-steps", type=int, default=8, help="LoRA healing steps timed (the first warms up).")
     parser.add_argument("--heal-batch-size", type=int, default=4)
     parser.add_argument("--heal-gradient-checkpointing", action="store_true")
@@ -120,70 +199,91 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("No CUDA device: run on a GPU machine, or smoke-test with --shape tiny --device cpu.")
+    import transformers
 
-    dense = random_model(args.shape, args.device, getattr(torch, args.dtype))
-    depth, vocab = dense.config.num_hidden_layers, dense.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(10, vocab - 10, (args.batch_size, args.seq_len), generator=generator),
-                "attention_mask": torch.ones(args.batch_size, args.seq_len, dtype=torch.long)}
-               for _ in range(max(1, args.sequences // args.batch_size))]
-    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-
-    # Calibration: the ghost-aware statistics of every candidate span (float64 sums on the model's device).
-    request = SelectionRequest(depth=depth, num_layers=args.num_layers)
-    plan = criterion("ghost-aware").statistics(request)
-    collect_statistics(dense, batches[:1], plan, progress=False)  # warm-up (kernels, allocator)
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    synchronize(args.device)
-    started = time.perf_counter()
-    stats = collect_statistics(dense, batches, plan, progress=False)
-    synchronize(args.device)
-    seconds = time.perf_counter() - started
-    peak = torch.cuda.max_memory_allocated() if cuda else None
-    selection = criterion("ghost-aware").select(stats, request)
-    s, e = selection.removed[0], selection.removed[-1] + 1
-    fit = operator_kind("ghost").fit(stats, s, e, 1e-6)
-    del stats
-
-    plain = prune_layers(dense, selection.removed)
-    ghosted = prune_layers(dense, selection.removed, {s: fit.operator.float()})
-    ids = torch.randint(10, vocab - 10, (1, args.seq_len), generator=generator).to(args.device)
-    models = {"plainly pruned": plain.to(args.device), "ghosted": ghosted.to(args.device)}
-    median = interleaved_medians(models, ids, args.new_tokens, args.repeats, args.device)
-
-    del models, plain
-    healing = healing_throughput(ghosted, args)
-    results = {
-        "shape": args.shape, "dtype": args.dtype, "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
-        "calibration": {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
-                        "peak_gpu_memory_gib": peak / 2**30 if peak is not None else None,
-                        "grams": sum(e.statistic is GRAM for e in plan), "pairs": sum(e.statistic is CROSS for e in plan)},
-        "removed": selection.removed,
-        "inference": {name: {"prefill_ms": 1000 * m["prefill"], "decode_ms_per_token": 1000 * m["decode"]}
-                      for name, m in median.items()},
-        "ratios": {k: median["ghosted"][k] / median["plainly pruned"][k] for k in ("prefill", "decode")},
-        "healing": healing,
-        "versions": {"torch": torch.__version__},
-    }
+    transformers.logging.set_verbosity_error()  # generate()'s notes on batched inputs without a mask
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    c = results["calibration"]
-    table = "\n".join([
-        f"{args.shape} (random {args.dtype} weights) on {results['device']}; ghost-aware statistics of "
-        f"{args.num_layers}-layer spans over {tokens} tokens; layers {s}-{e - 1} removed; medians of {args.repeats}.",
-        "",
-        "| calibration tokens/s | peak GPU memory (GiB) | prefill ghosted/pruned | decode ghosted/pruned | "
-        "healing tokens/s | healing peak GPU memory (GiB) |",
-        "|---|---|---|---|---|---|",
-        f"| {c['tokens_per_second']:.0f} | {c['peak_gpu_memory_gib'] if peak is None else round(c['peak_gpu_memory_gib'], 2)} "
-        f"| {results['ratios']['prefill']:.3f} | {results['ratios']['decode']:.3f} | {healing['tokens_per_second']:.0f} "
-        f"| {healing['peak_gpu_memory_gib'] if healing['peak_gpu_memory_gib'] is None else round(healing['peak_gpu_memory_gib'], 2)} |",
-    ])
-    out.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    results: dict = {
+        "shape": args.shape, "dtype": args.dtype, "seq_len": args.seq_len,
+        "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+    }
+
+    def record(stage: str, value) -> None:
+        results[stage] = value
+        out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+
+    dense = random_model(args.shape, args.device, getattr(torch, args.dtype))
+    depth = dense.config.num_hidden_layers
+    request = SelectionRequest(depth=depth, num_layers=args.num_layers)
+    plan = criterion("ghost-aware").statistics(request)
+    rows, stats = calibration(dense, plan, args.sequences, args)
+    record("calibration", {"grams": sum(e.statistic is GRAM for e in plan),
+                           "pairs": sum(e.statistic is CROSS for e in plan), "passes": rows})
+
+    with Clock(args.device) as selecting:
+        selection = criterion("ghost-aware").select(stats, request)
+    s, e = selection.removed[0], selection.removed[-1] + 1
+    with Clock(args.device) as fitting:
+        fit = operator_kind("ghost").fit(stats, s, e, 1e-6)
+    del stats
+    record("fit", {"tokens": rows[-1]["tokens"], "removed": selection.removed, "selection_seconds": selecting.seconds,
+                   "operator_seconds": fitting.seconds, "seconds": selecting.seconds + fitting.seconds})
+    print(f"ghost-aware selection and fit: {selecting.seconds + fitting.seconds:.2f} s", flush=True)
+
+    models = {"dense": dense, "plainly pruned": prune_layers(dense, selection.removed).to(args.device),
+              "ghosted": prune_layers(dense, selection.removed, {s: fit.operator.float()}).to(args.device)}
+    generator = torch.Generator().manual_seed(1)
+    inference = {}
+    for batch in args.batch_sizes:
+        ids = torch.randint(10, dense.config.vocab_size - 10, (batch, args.prefill_len), generator=generator)
+        median = interleaved(models, ids.to(args.device), args)
+        inference[str(batch)] = {
+            "ms": {name: {"prefill": 1000 * m["prefill"], "decode_per_token": 1000 * m["decode"]}
+                   for name, m in median.items()},
+            "ghosted / plainly pruned": {k: median["ghosted"][k] / median["plainly pruned"][k] for k in ("prefill", "decode")},
+            "plainly pruned / dense": {k: median["plainly pruned"][k] / median["dense"][k] for k in ("prefill", "decode")},
+        }
+        record("inference", {"prefill_len": args.prefill_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                             "batches": inference})
+        print(f"batch {batch}: ghosted / plainly pruned {inference[str(batch)]['ghosted / plainly pruned']}", flush=True)
+
+    ghosted = models.pop("ghosted")
+    del models, dense
+    record("healing", healing_throughput(ghosted, args))
+    out.with_suffix(".md").write_text(markdown(results) + "\n")
+    print(markdown(results))
+
+
+def markdown(r: dict) -> str:
+    """The GPU tables of docs/benchmarks.md, with each target of the issue checked."""
+    gib = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
+    lines = [f"{r['shape']} (random {r['dtype']} weights) on {r['device']}; torch {r['versions']['torch']} "
+             f"(CUDA {r['versions']['cuda']}), transformers {r['versions']['transformers']}.", "",
+             "| statistics pass | tokens | seconds | tokens/s | peak GPU GiB | dense forward tokens/s | "
+             "ratio (target >= 0.9) |", "|---|---|---|---|---|---|---|"]
+    for p in r["calibration"]["passes"]:
+        lines.append(f"| {r['calibration']['grams']} Grams, {r['calibration']['pairs']} cross sums | {p['tokens']} | "
+                     f"{p['seconds']:.2f} | {p['tokens_per_second']:.0f} | {gib(p['peak_gpu_memory_gib'])} | "
+                     f"{p['dense_forward_tokens_per_second']:.0f} | {p['relative_to_dense_forward']:.2f} |")
+    f = r["fit"]
+    lines += ["", f"Ghost-aware selection of {len(f['removed'])} layers and the operator fit on {f['tokens']} tokens: "
+              f"{f['selection_seconds']:.2f} + {f['operator_seconds']:.2f} = {f['seconds']:.2f} s (target <= 30 s); "
+              f"layers {f['removed'][0]}-{f['removed'][-1]} removed.", "",
+              f"| batch | model | prefill {r['inference']['prefill_len']} tokens (ms) | decode (ms/token) |",
+              "|---|---|---|---|"]
+    for batch, b in r["inference"]["batches"].items():
+        for name, ms in b["ms"].items():
+            lines.append(f"| {batch} | {name} | {ms['prefill']:.1f} | {ms['decode_per_token']:.2f} |")
+        g = b["ghosted / plainly pruned"]
+        lines.append(f"| {batch} | ghosted / plainly pruned | {g['prefill']:.3f} | {g['decode']:.3f} |")
+    h = r["healing"]
+    lines += ["", f"LoRA healing (batch {h['batch_size']} x {r['seq_len']} tokens, gradient checkpointing "
+              f"{'on' if h['gradient_checkpointing'] else 'off'}): {h['tokens_per_second']:.0f} tokens/s, "
+              f"{1 / h['seconds_per_step']:.2f} steps/s, peak GPU memory {gib(h['peak_gpu_memory_gib'])} GiB."]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from . import assets
+from . import assets, loading
 from .card import save_with_card
 from .data import tokenize_texts
 from .evaluate import perplexity
@@ -77,7 +77,8 @@ def run_demo(output: str | Path, options: PruneOptions | None = None, model: str
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
     def load():
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False).eval()
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False,
+                                                    **loading.NO_HUB_KERNELS).eval()
 
     held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), eval_seq_len, eval_windows, batch_size=4)
     ghosted = ghost_prune(load(), tokenizer, assets.wikipedia_split("calibration"), options)

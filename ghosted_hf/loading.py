@@ -78,6 +78,13 @@ def check_hub_model(ref: str, revision: str | None, timeout: float) -> None:
                            "HF_HUB_OFFLINE, or pass a local folder instead.") from None
 
 
+# transformers 5.2x kernelizes every model it loads when the `kernels` package (one of its dependencies) is there:
+# moved to a GPU, the model then downloads and runs kernels from the Hub at its next train()/eval() - code the user
+# never trusted, and offline a ValueError in the middle of healing (seen on an H200). ghosted_hf's loads run the
+# model's own code only.
+NO_HUB_KERNELS = {"use_kernels": False}
+
+
 def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | None = None,
                trust_remote_code: bool = False, revision: str | None = None) -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) from a folder or Hub id, its config checked first (`load_config`)."""
@@ -91,7 +98,8 @@ def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | Non
     load_config(ref, trust_remote_code=trust_remote_code, revision=revision)
     try:
         model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPES[dtype], device_map=device_map,
-                                                     revision=revision, trust_remote_code=bool(trust_remote_code))
+                                                     revision=revision, trust_remote_code=bool(trust_remote_code),
+                                                     **NO_HUB_KERNELS)
         tokenizer = AutoTokenizer.from_pretrained(ref, revision=revision,
                                                   trust_remote_code=bool(trust_remote_code))
     except (ValueError, ImportError, StrictDataclassError) as error:  # transformers' and the remote code's refusals

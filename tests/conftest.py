@@ -24,11 +24,28 @@ def dense_folder(tmp_path: Path) -> Path:
     return tmp_path / "dense"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every compat, distributed or real-model test is slow too: `pytest -m "not slow"` leaves them all out."""
+def _gpu_tests_run() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or bool(os.environ.get("GHOSTED_GPU_TESTS_DEVICE"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every compat, distributed or real-model test is slow too: `pytest -m "not slow"` leaves them all out.
+    The gpu tests (tests/test_gpu.py) are deselected where no CUDA device can run them, and the header says so."""
     for item in items:
         if any(item.get_closest_marker(name) for name in ("compat", "distributed", "real_model")):
             item.add_marker(pytest.mark.slow)
+    if not _gpu_tests_run():
+        gpu = [item for item in items if item.get_closest_marker("gpu")]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return ("gpu tests: collected (CUDA available)" if _gpu_tests_run() else
+            "gpu tests: deselected (no CUDA device; `pytest -m gpu` on a GPU machine runs them)")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

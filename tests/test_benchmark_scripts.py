@@ -15,13 +15,18 @@ ROOT = Path(__file__).parents[1]
 @pytest.mark.slow
 def test_gpu_script_smoke_on_cpu(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--shape", "tiny", "--device", "cpu",
-                           "--sequences", "8", "--seq-len", "32", "--num-layers", "2", "--repeats", "1",
-                           "--new-tokens", "3", "--heal-steps", "3", "--output", str(tmp_path / "gpu")],
-                          capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+                           "--sequences", "8", "16", "--seq-len", "32", "--num-layers", "2", "--repeats", "1",
+                           "--prefill-len", "48", "--new-tokens", "3", "--batch-sizes", "1", "2", "--heal-steps", "3",
+                           "--output", str(tmp_path / "gpu")], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "gpu.json").read_text())
-    assert results["calibration"]["tokens"] == 256 and results["calibration"]["tokens_per_second"] > 0
-    assert set(results["ratios"]) == {"prefill", "decode"} and len(results["removed"]) == 2
-    assert results["healing"]["tokens_per_second"] > 0 and results["healing"]["batch_size"] == 4
-    assert "| calibration tokens/s |" in (tmp_path / "gpu.md").read_text()
+    assert [p["tokens"] for p in results["calibration"]["passes"]] == [8 * 32, 16 * 32]
+    assert results["calibration"]["grams"] + results["calibration"]["pairs"] >= 2
+    assert len(results["fit"]["removed"]) == 2 and results["fit"]["tokens"] == 16 * 32
+    assert set(results["inference"]["batches"]) == {"1", "2"}
+    for batch in results["inference"]["batches"].values():
+        assert set(batch["ms"]) == {"dense", "plainly pruned", "ghosted"}
+        assert set(batch["ghosted / plainly pruned"]) == {"prefill", "decode"}
+    assert results["healing"]["batch_size"] == 4 and results["healing"]["seconds_per_step"] is not None
+    table = (tmp_path / "gpu.md").read_text()
+    assert "| statistics pass |" in table and "| 2 | ghosted / plainly pruned |" in table

@@ -102,3 +102,22 @@ def test_no_code_of_a_folder_runs_without_trust(folders: dict[str, Path], tmp_pa
           "--trust-remote-code"])
     ran = {m.name for m in markers if m.exists()}
     assert {"RAN-generate", "RAN-tokenization_evil"} <= ran
+
+
+def test_loaded_models_never_fetch_hub_kernels(dense_folder: Path, monkeypatch) -> None:
+    """transformers kernelizes every model it loads when `kernels` is installed, and on a GPU that downloads and
+    runs Hub code at the next train()/eval() (an offline heal on an H200 failed there). ghosted_hf's loads, the
+    demo's included, never ask for it; a plain from_pretrained does (the check can fail)."""
+    import transformers.modeling_utils as modeling_utils
+    from transformers import AutoModelForCausalLM
+
+    from ghosted_hf.loading import load_model
+
+    kernelized = []
+    monkeypatch.setattr(modeling_utils, "kernelize", lambda model, **kwargs: kernelized.append(type(model).__name__))
+    model, _ = load_model(str(dense_folder))
+    model.train()
+    model.eval()
+    assert not model.use_kernels and kernelized == []
+    AutoModelForCausalLM.from_pretrained(dense_folder)
+    assert kernelized
