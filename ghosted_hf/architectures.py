@@ -89,9 +89,7 @@ class Architecture:
         if reason is None and self.centered_norm:
             reason = "its LayerNorms subtract the mean, which a rotation of the stream does not keep"
         if reason is None:
-            reason = "its fold is not implemented: " + ("its linear-attention layers' weights are not declared"
-                                                        if self.hybrid else "the registry does not declare every "
-                                                        "weight that reads the stream")
+            reason = "its fold is not implemented: the registry does not declare every weight that reads the stream"
         raise GhostedError(f"Operator kind {what!r} folds into a stock checkpoint, which {self.name} cannot hold "
                            f"exactly ({reason}). Use operator 'ghost' or 'normed' (remote code), or 'none'.")
 
@@ -127,7 +125,11 @@ _MOE_MLP = SubBlock(("mlp", "block_sparse_moe"), "post_attention_layernorm", _MO
 # Attention of the MoE families: Llama's names, or DeepSeek's multi-head latent attention (low-rank q and kv inputs).
 _ATTENTION = SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj", "q_a_proj",
                                                           "kv_a_proj_with_mqa"), ("o_proj",))
-_HYBRID_ATTENTION = SubBlock(("self_attn", "linear_attn"), "input_layernorm")
+# Hybrids: softmax attention (gated q_proj), or a gated DeltaNet reading the stream through its input projections
+# (Qwen3-Next fuses them in pairs, Qwen3.5 keeps four) and writing it through out_proj.
+_HYBRID_ATTENTION = SubBlock(("self_attn", "linear_attn"), "input_layernorm",
+                             ("q_proj", "k_proj", "v_proj", "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z",
+                              "in_proj_b", "in_proj_a"), ("o_proj", "out_proj"))
 
 ENTRIES: tuple[Architecture, ...] = (
     # Dense pre-norm families with Llama's names: every operator kind, stock folds checked numerically.
@@ -165,9 +167,10 @@ ENTRIES: tuple[Architecture, ...] = (
                  mlp=SubBlock(("mlp",), "post_attention_layernorm", ("router.weight@-1", "experts.gate_up_proj@-2"),
                               ("experts.down_proj@-1", "experts.down_proj_bias@-1")), moe=True, stock_folds=True),
     # Hybrids: some layers hold linear attention (gated DeltaNet) instead of softmax attention.
-    Architecture(("qwen3_next",), attention=_HYBRID_ATTENTION, mlp=_MOE_MLP, moe=True, hybrid=True, layerwise=False),
-    Architecture(("qwen3_5_text",), attention=_HYBRID_ATTENTION, mlp=SubBlock(("mlp",), "post_attention_layernorm"),
-                 hybrid=True),
+    Architecture(("qwen3_next",), attention=_HYBRID_ATTENTION, mlp=_MOE_MLP, gain="one-plus-weight", moe=True,
+                 hybrid=True, stock_folds=True, layerwise=False),
+    Architecture(("qwen3_5_text",), attention=_HYBRID_ATTENTION, mlp=_llama_like()["mlp"], gain="one-plus-weight",
+                 hybrid=True, stock_folds=True),
 )
 ARCHITECTURES: dict[str, Architecture] = {t: entry for entry in ENTRIES for t in entry.model_types}
 
@@ -211,6 +214,7 @@ def final_norm(model: nn.Module) -> nn.Module:
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+EMBEDDING_WEIGHT = "model.embed_tokens.weight"  # the input embedding, in every registry family's checkpoint
 
 
 def layer_prefix(index: int) -> str:
@@ -222,6 +226,20 @@ def layer_of(name: str) -> int | None:
     """The decoder layer a parameter or module name belongs to (`layer_prefix`), else None."""
     match = _LAYER_NAME.match(name)
     return int(match.group(1)) if match else None
+
+
+def checked_shapes(config: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Checkpoint tensors whose shapes a config states, for checking a folder before a model is built: name -> the
+    config field of each axis. The first layer's MLP output projection where the family's MLP has a plain one
+    (a mixture of experts may not)."""
+    shapes = {EMBEDDING_WEIGHT: ("vocab_size", "hidden_size")}
+    model_type = config.get("model_type")
+    entry = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None  # (a damaged config: checked later)
+    plain = [w for w in entry.mlp.writers if "@" not in w and "." not in w] if entry else []
+    if plain:
+        down = f"{layer_prefix(0)}{entry.mlp.modules[0]}.{plain[0]}.weight"
+        shapes[down] = ("hidden_size", "intermediate_size")
+    return shapes
 
 
 StreamWeight = tuple[nn.Module, str, int]  # (owner module, parameter name, the axis of the stream's width)
@@ -272,6 +290,16 @@ def lora_targets(model: nn.Module) -> str:
     relative = sorted({name.split(".", 1)[1] for name, module in decoder_layers(model).named_modules()
                        if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and "." in name})
     return rf"model\.layers\.\d+\.({'|'.join(re.escape(name) for name in relative)})"
+
+
+def lora_target_parameters(model: nn.Module) -> list[str]:
+    """PEFT `target_parameters` for the fused experts (3-D weights the registry declares as reading or writing the
+    stream): LoRA adapts them through PEFT's parameter wrapper where no Linear holds them. Routers stay frozen."""
+    family = architecture(model)
+    declared = {name.split("@")[0] for block in (family.attention, family.mlp)
+                for name in block.readers + block.writers if "@" in name}
+    return sorted({name.split(".", 1)[1] for name, p in decoder_layers(model).named_parameters()
+                   if p.ndim == 3 and any(name.endswith("." + d) for d in declared)})
 
 
 # --------------------------------------------------------------------------- per-layer config fields

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .architectures import layer_of
+from .architectures import checked_shapes, layer_of
 from .diskio import read_json_object
 from .errors import GhostedError, MissingFileError
 
@@ -95,12 +95,10 @@ def check_folder(folder: str | Path) -> dict[str, Any]:
         if not complete:
             raise GhostedError(f"{folder / 'config.json'} claims {claimed} decoder layers, but the weight files hold "
                                f"{len(held)}: the config does not belong to these weights; re-save the model.")
-    embedding, down = "model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"
-    shapes = _shapes(folder, names, (embedding, down))
-    expected = {embedding: ([text.get("vocab_size"), text.get("hidden_size")], "vocab_size, hidden_size"),
-                down: ([text.get("hidden_size"), text.get("intermediate_size")], "hidden_size, intermediate_size")}
+    expected = checked_shapes(text)
+    shapes = _shapes(folder, names, tuple(expected))
     for key, shape in shapes.items():
-        sizes, fields = expected[key]
+        sizes, fields = [text.get(field) for field in expected[key]], ", ".join(expected[key])
         if all(isinstance(v, int) for v in sizes) and shape != sizes:
             raise GhostedError(f"{folder / 'config.json'} claims ({fields}) = {tuple(sizes)}, but {key} in the weight "
                                f"files is {tuple(shape)}: the config does not belong to these weights; re-save the "

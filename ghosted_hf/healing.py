@@ -38,7 +38,7 @@ from .assets import file_sha256
 from .corpus import TrainingSequences, read_corpus, training_sequences
 from .distillation import Head, chunked_kd_loss, final_hidden_states, head_is_plain, shifted_labels
 from .distributed import check_agreement, is_main_process, timeout_s
-from .architectures import lora_targets
+from .architectures import lora_target_parameters, lora_targets
 from .diskio import atomic_write_text, read_json_object
 from .files import relation
 from .errors import GhostedError, MissingDependencyError, MissingFileError
@@ -529,6 +529,7 @@ def _checkpoint_folder(checkpoints: str | os.PathLike | None) -> Iterator[Path]:
 def _lora(model: PreTrainedModel, options: HealOptions) -> PeftModel:
     torch.manual_seed(options.seed)
     config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0, target_modules=lora_targets(model),
+                        target_parameters=lora_target_parameters(model) or None,
                         modules_to_save=[GHOST_MODULE] if options.train_operators else None, task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 
@@ -738,5 +739,6 @@ def merge(healed: HealResult) -> PreTrainedModel:
         raise GhostedError(f"Expected the merged model to be a {original.__name__}, got {type(merged).__name__}.")
     merged.config.ghost_provenance = {**merged.config.ghost_provenance, "healing": {
         "method": "LoRA (merged)", "r": lora.r, "lora_alpha": lora.lora_alpha, "target_modules": str(lora.target_modules),
+        "target_parameters": sorted(lora.target_parameters or ()),
         "trained_operators": GHOST_MODULE in (lora.modules_to_save or ()), **healed.record}}
     return merged

@@ -13,6 +13,7 @@ import pytest
 import torch
 from compat_child import skipped_reference
 from isolated import run_without_ghosted
+from peft.tuners.lora.layer import ParamWrapper
 from safetensors.torch import save_file
 from tiny import batch, char_tokenizer, random_operator, sequences, texts, tiny_family
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -29,6 +30,7 @@ from ghosted_hf.architectures import (
     LAYER_FIELDS,
     architecture,
     decoder_layers,
+    lora_target_parameters,
 )
 from ghosted_hf.data import batch_sequences
 from ghosted_hf.healing import heal
@@ -114,7 +116,7 @@ def test_every_family_calibrates_layer_by_layer_selects_fits_and_heals(model_typ
     """The rest of the workflow per family: layer-by-layer statistics equal the full-model pass (computed buffers
     such as Gemma's two rotary embeddings rebuilt), ghost-aware selection and a normed fit from real calibration
     text, `inspect`'s summary, and LoRA healing with distillation on every linear layer of the kept decoder
-    layers (fused projections and experts' linears included)."""
+    layers (fused projections included, and the experts' fused 3-D weights through PEFT's target_parameters)."""
     dense = tiny_family(model_type)
     dense.save_pretrained(tmp_path / "dense")
     batches = batch_sequences(sequences(), 3, 0)
@@ -132,6 +134,9 @@ def test_every_family_calibrates_layer_by_layer_selects_fits_and_heals(model_typ
     model = ghost_prune(tiny_family(model_type), char_tokenizer(), texts(8), num_layers=2, operator="normed",
                         seq_len=32, num_sequences=8)
     assert summarize(model.config).removed == model.config.removed_layers
+    fused = lora_target_parameters(model)  # experts' 3-D weights: PEFT's parameter wrapper adapts them
+    expected_wrappers = sum(name.split(".", 1)[1] in fused for name, _ in decoder_layers(model).named_parameters())
+    has_fused_experts = any(p.ndim == 3 and ".experts." in name for name, p in decoder_layers(model).named_parameters())
     peft_model, losses, _, _ = heal(model, char_tokenizer(), texts(8), teacher=dense, steps=2, seq_len=32,
                                     batch_size=2, progress=False)
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
@@ -140,6 +145,8 @@ def test_every_family_calibrates_layer_by_layer_selects_fits_and_heals(model_typ
              and type(module).forward is torch.nn.Linear.forward  # (not a router that returns a tuple)
              and ".layers." in name and ".lora_" not in name and not name.endswith(".base_layer")]
     assert adapted and not plain, plain  # every linear layer of the decoder layers carries an adapter
+    wrappers = sum(isinstance(module, ParamWrapper) for module in peft_model.modules())
+    assert wrappers == expected_wrappers and (wrappers > 0) == has_fused_experts, fused
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -230,3 +237,20 @@ def test_the_supported_architectures_page_names_every_family() -> None:
     """(tests/test_docs.py checks the generated table is current; this, that it is generated from every entry.)"""
     page = (Path(__file__).parents[1] / "docs" / "architectures.md").read_text()
     assert all(f"`{t}`" in page for t in FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", ["starcoder2", "gemma3_text", "deepseek_v3"])
+def test_a_config_with_another_mlp_width_is_refused_from_the_headers_in_the_family_s_names(model_type: str,
+                                                                                        tmp_path: Path) -> None:
+    """The header check reads the family's own MLP output weight (starcoder2: c_proj; DeepSeek-V3's first layer
+    is dense); another width is refused before any model is built."""
+    import json
+
+    from ghosted_hf.checkpoint import check_folder
+
+    tiny_family(model_type).save_pretrained(tmp_path)
+    check_folder(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 1}))
+    with pytest.raises(GhostedError, match=r"claims \(hidden_size, intermediate_size\)"):
+        check_folder(tmp_path)

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ghosted_hf.statistics import CalibrationStatistics
-from tiny import build, char_tokenizer, texts
+from tiny import build, char_tokenizer, texts, tiny_family
 
 pytestmark = pytest.mark.distributed
 
@@ -61,6 +61,11 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     # A model dispatched with a device_map inside the rank (accelerate hooks on every layer) changes nothing.
     results["ghost-aware-dispatched"] = outcome(ghost_prune(dispatched(build("llama")), char_tokenizer(), texts(),
                                                             **CASES["ghost-aware"]))
+    from ghosted_hf.architectures import ARCHITECTURES
+
+    for model_type in sorted(ARCHITECTURES):  # every family of the registry, a normed fit included
+        results[model_type] = outcome(ghost_prune(tiny_family(model_type), char_tokenizer(), texts(),
+                                                  **OPTIONS, operator="ghost-normed"))
     torch.save(results, f"{out}/rank{rank}.pt")  # every rank reports, to compare them
     if is_main_process():
         stats.save(f"{out}/stats.safetensors")
@@ -92,8 +97,11 @@ def test_two_gloo_processes_equal_one(tmp_path: Path) -> None:
         torch.testing.assert_close(two.tensors[key], expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()))
     single = torch.load(tmp_path / "one" / "rank0.pt")
     ranks = [torch.load(tmp_path / "two" / f"rank{r}.pt") for r in range(2)]
-    # The dispatched model, in 1 and in 2 processes, gives what the plain model gives in 1 process.
-    for name, reference in [*((n, n) for n in CASES), ("ghost-aware-dispatched", "ghost-aware")]:
+    # The dispatched model, in 1 and in 2 processes, gives what the plain model gives in 1 process; so does every
+    # family of the architecture registry.
+    families = [name for name in single if name not in CASES and name != "ghost-aware-dispatched"]
+    assert len(families) >= 39
+    for name, reference in [*((n, n) for n in [*CASES, *families]), ("ghost-aware-dispatched", "ghost-aware")]:
         removed, operators, batches = single[reference]
         for rank, result in enumerate([single] + ranks):
             assert result[name][0] == removed, (name, rank)
