@@ -31,6 +31,13 @@ def eval_results(config: GhostedConfig) -> list[EvalResult]:
     return [EvalResult(**record) for record in config.ghost_provenance.get("evaluation", [])]
 
 
+def score_axis_scale(values: list[float]) -> str:
+    """"log" when the scores are positive and span more than a decade: the chosen candidate's score is often the
+    smallest by far (a fit residual), and a linear axis draws its bar as nothing."""
+    positive = [v for v in values if v > 0]
+    return "log" if positive and len(positive) == len(values) and max(positive) > 10 * min(positive) else "linear"
+
+
 def write_score_plot(config: GhostedConfig, folder: Path) -> str | None:
     """Bar chart of the selection scores, removed candidates in red (needs matplotlib, the `plot` extra)."""
     summary = summarize(config)
@@ -50,6 +57,7 @@ def write_score_plot(config: GhostedConfig, folder: Path) -> str | None:
     figure, axes = plt.subplots(figsize=(max(6, 0.3 * len(names)), 3))
     axes.bar(range(len(names)), [scores[n] for n in names],
              color=["tab:red" if n in chosen else "tab:gray" for n in names])
+    axes.set_yscale(score_axis_scale([scores[n] for n in names]))
     axes.set_xticks(range(len(names)), names, rotation=90, fontsize=7)
     axes.set_ylabel(f"{summary.criterion} ({summary.better} is better)")
     axes.set_title("Layer selection scores (removed in red)")

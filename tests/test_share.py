@@ -61,6 +61,24 @@ def test_card_includes_the_selection_plot(ghosted, tmp_path: Path) -> None:
     assert "![selection scores](selection_scores.png)" in (tmp_path / "README.md").read_text()
 
 
+def test_the_plot_draws_scores_that_span_decades_on_a_log_axis(ghosted, tmp_path: Path, monkeypatch) -> None:
+    """The removed candidate's fit residual is often far below the rest: a linear axis draws its bar as nothing."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from ghosted_hf.card import score_axis_scale, write_score_plot
+
+    assert score_axis_scale([0.01, 0.5, 2.0]) == "log" and score_axis_scale([0.5, 1.0, 2.0]) == "linear"
+    assert score_axis_scale([0.0, 0.5, 20.0]) == "linear" and score_axis_scale([-1.0, 30.0]) == "linear"
+    scales = []
+    monkeypatch.setattr(Axes, "set_yscale", lambda self, value, **kw: scales.append(value))
+    config = copy.deepcopy(ghosted.config)
+    names = list(config.ghost_provenance["selection"]["scores"])
+    config.ghost_provenance["selection"]["scores"] = {n: 10.0 ** -i for i, n in enumerate(names)}
+    write_score_plot(config, tmp_path)
+    assert scales == ["log"]
+
+
 @pytest.mark.slow
 def test_cli_push(ghosted, tmp_path: Path) -> None:
     save_with_card(ghosted, tmp_path / "model", char_tokenizer())
