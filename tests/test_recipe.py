@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -104,12 +105,23 @@ def test_to_stock_model_refuses_real_operators() -> None:
         to_stock_model(ghosted)
 
 
-@pytest.mark.parametrize("operator", ["linearpatch-diag", "linearpatch-rotate"])
-def test_linearpatch_baselines_run_and_report(operator: str) -> None:
-    ghosted = ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="shortgpt", num_layers=2,
-                          operator=operator, **FAST)
-    for record in ghosted.config.ghost_boundaries:
-        assert record["operator"] == operator and "relative_residual" in record["fit"]
+def test_linearpatch_baselines_run_and_never_beat_the_least_squares_fit() -> None:
+    """The LinearPatch baselines are restricted maps (a scaling, in a Hadamard basis for -rotate): on the same span
+    their recorded residual is at least the ghost fit's, the unrestricted least-squares optimum."""
+    fits = {}
+    for operator in ("ghost", "linearpatch-diag", "linearpatch-rotate"):
+        ghosted = ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="shortgpt", num_layers=2,
+                              operator=operator, **FAST)
+        (record,) = ghosted.config.ghost_boundaries
+        assert record["operator"] == operator
+        fits[operator] = (tuple(record["removed"]), record["fit"])
+    spans = {span for span, _ in fits.values()}
+    assert len(spans) == 1  # shortgpt chose the same layers for each
+    best = fits["ghost"][1]["residual_vs_target"]
+    for operator in ("linearpatch-diag", "linearpatch-rotate"):
+        fit = fits[operator][1]
+        assert math.isfinite(fit["residual_vs_target"]) and fit["residual_vs_target"] >= best - 1e-12, (operator, fit)
+    assert fits["linearpatch-rotate"][1]["rotation"] == "hadamard"
 
 
 def test_normed_kinds_prune_select_by_their_own_fit_and_refuse_a_stock_export() -> None:
