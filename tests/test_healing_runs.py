@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,14 @@ from test_distributed import LAUNCHERS, free_port, rank_messages
 
 TESTS = Path(__file__).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def failure(stderr: str) -> str:
+    """What a failed launch printed that says why: every line naming an error, an abort or a C++ exception (a
+    crashing rank prints them long before the launcher's summary), then the end of the output."""
+    why = [line for line in stderr.splitlines() if re.search(r"Error|error:|terminate|abort|what\(\)|Signal", line)]
+    return "\n".join(why[-40:]) + "\n...\n" + stderr[-2000:]
+
 
 # One process: prune the tiny model, then heal it, killing itself (SIGKILL) after `kill_at` steps if asked.
 RUN = """
@@ -176,7 +185,7 @@ def test_heal_under_torchrun_and_accelerate_launch_gives_the_adapters_of_one_pro
         two = subprocess.run([sys.executable, *command(free_port()), "-m", "ghosted_hf.cli", *map(str, flags),
                               "--batch-size", "2", "--output", tmp_path / launcher], capture_output=True, text=True,
                              timeout=300, env=ENV)
-        assert two.returncode == 0, (launcher, two.stderr[-3000:])
+        assert two.returncode == 0, (launcher, failure(two.stderr))
         assert two.stdout.count("Saved the adapter") == 1, launcher  # only rank 0 reports and writes
         adapters = load_file(tmp_path / launcher / "adapter_model.safetensors")
         assert adapters.keys() == reference.keys() and reference
@@ -241,7 +250,7 @@ def test_sharded_healing_gives_the_model_of_one_process_and_resumes(sharding: st
                               "--save-every", "2", "--checkpoints", str(tmp_path / f"{name}.checkpoints"),
                               "--output", str(tmp_path / name), *more], capture_output=True, text=True, timeout=300,
                              env=env)
-        assert two.returncode == 0, (name, two.stderr[-3000:])
+        assert two.returncode == 0, (name, failure(two.stderr))
         assert two.stdout.count("Saved the merged model") == 1, name  # only rank 0 writes
         return load_file(tmp_path / name / "model.safetensors")
 
@@ -271,7 +280,7 @@ def test_an_fsdp_config_on_cpu_processes_warns_that_they_train_data_parallel(den
                           str(cal), "--steps", "1", "--seq-len", "32", "--batch-size", "2", "--eval-sequences", "0",
                           "--adapter-only", "--output", str(tmp_path / "out")], capture_output=True, text=True,
                          timeout=300, env=ENV)
-    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.returncode == 0, failure(two.stderr)
     assert two.stderr.count("these 2 CPU processes train data-parallel") == 1, two.stderr[-3000:]
 
 
