@@ -72,3 +72,16 @@ def test_the_readme_python_quickstart_runs_offline_as_written(tmp_path: Path) ->
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "my-ghosted-model" / "model.safetensors").is_file() and "'removed': [" in done.stdout
+
+
+def test_the_benchmarks_index_names_every_script_and_results_file() -> None:
+    """benchmarks/README.md is the map of benchmarks/: a script or results file it does not name is lost."""
+    import fnmatch
+
+    index = (ROOT / "benchmarks" / "README.md").read_text()
+    named = set(re.findall(r"`([\w*]+\.(?:py|md|json))`", index))
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
+    results = {p.name for p in (ROOT / "benchmarks" / "results").iterdir()}
+    assert scripts <= named, scripts - named
+    unnamed = {r for r in results if not any(fnmatch.fnmatch(r, n) for n in named) and f"results/{r}" not in index}
+    assert not unnamed, unnamed
