@@ -10,6 +10,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import assets
 from .errors import GhostedError
@@ -191,8 +192,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
             raise GhostedError("--output DIR is required (or --dry-run to write nothing).")
         check_output(run.output, (run.model, run.calibration, run.statistics), overwrite=run.overwrite)
     calibration = calibration_text(run.calibration, statistics=run.statistics)
-    check_request(load_config(run.model, trust_remote_code=run.trust_remote_code, revision=run.revision), options)
-    model, tokenizer = load_for_calibration(run)  # only once everything the config can tell was checked
+    config = load_config(run.model, trust_remote_code=run.trust_remote_code, revision=run.revision)
+    check_request(config, options)
+    model, tokenizer = load_for_calibration(run, config)  # only once everything the config can tell was checked
     pruned = ghost_prune(model, tokenizer, calibration, options, statistics=run.statistics)
     if not is_main_process():
         return 0  # every process fitted the same operators; the main one reports and writes
@@ -255,8 +257,9 @@ def calibration_text(path: str | None, statistics: str | None = None):
     return None if statistics is not None else assets.wikipedia_split("calibration")
 
 
-def load_for_calibration(run) -> tuple:
-    """(model, tokenizer): a `LayerwisePass` with --layerwise, or when the weights exceed --max-memory."""
+def load_for_calibration(run, config: Any = None) -> tuple:
+    """(model, tokenizer): a `LayerwisePass` with --layerwise, or when the weights exceed --max-memory. `config`:
+    the model's, when `load_config` already read and checked it."""
     from transformers import AutoTokenizer
 
     from .statistics.layerwise import LayerwisePass, model_bytes, parse_memory
@@ -271,7 +274,7 @@ def load_for_calibration(run) -> tuple:
             logger.warning("The weights do not fit --max-memory %s: calibrating layer by layer.", run.max_memory)
     if not layerwise:
         return load_model(run.model, dtype=run.dtype, device_map=rank_device(run.device),
-                          trust_remote_code=run.trust_remote_code, revision=run.revision)
+                          trust_remote_code=run.trust_remote_code, revision=run.revision, config=config)
     if not folder.is_dir():
         raise GhostedError(f"Layer-by-layer calibration reads a local model folder; {run.model} is not one (download it "
                            "first, e.g. huggingface-cli download).")

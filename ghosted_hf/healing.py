@@ -125,7 +125,6 @@ class HealOptions(Options):
             raise GhostedError("eval_every needs held-out text: eval_sequences must be positive.")
 
 
-
 def healed_kind(model: Any) -> str:
     """"ghosted" or "stock" (a stock checkpoint ghosted_hf exported); a model that was never pruned is refused:
     healing it would be fine-tuning."""

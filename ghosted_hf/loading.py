@@ -86,8 +86,9 @@ NO_HUB_KERNELS = {"use_kernels": False}
 
 
 def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | None = None,
-               trust_remote_code: bool = False, revision: str | None = None) -> tuple[Any, Any]:
-    """(model in eval mode, tokenizer) from a folder or Hub id, its config checked first (`load_config`)."""
+               trust_remote_code: bool = False, revision: str | None = None, config: Any = None) -> tuple[Any, Any]:
+    """(model in eval mode, tokenizer) from a folder or Hub id, its config checked first (`load_config`; pass
+    `config` when the caller already has it from there, so that the checks and the Hub probe run once)."""
     from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate their fields with it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -95,9 +96,10 @@ def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | Non
     # No Python file of the folder runs unless the user trusts it: not the model's (ghosted_hf's own classes are
     # registered with the Auto classes, so a ghosted model needs none), not a tokenizer's, not custom_generate/.
     # Always a bool: None makes transformers prompt on stdin for code it has no local class for.
-    load_config(ref, trust_remote_code=trust_remote_code, revision=revision)
+    if config is None:
+        config = load_config(ref, trust_remote_code=trust_remote_code, revision=revision)
     try:
-        model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPES[dtype], device_map=device_map,
+        model = AutoModelForCausalLM.from_pretrained(ref, config=config, dtype=DTYPES[dtype], device_map=device_map,
                                                      revision=revision, trust_remote_code=bool(trust_remote_code),
                                                      **NO_HUB_KERNELS)
         tokenizer = AutoTokenizer.from_pretrained(ref, revision=revision,
