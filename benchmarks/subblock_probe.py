@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.architectures import architecture, decoder_layers
 from ghosted_hf.data import tokenize_texts
+from ghosted_hf.loading import NO_HUB_KERNELS
 from ghosted_hf.evaluate import perplexity
 from ghosted_hf.operators import ridge_epsilon
 
@@ -89,7 +90,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = assets.resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_kernels=False).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **NO_HUB_KERNELS).eval()
     calibration = assets.wikipedia_split("calibration")
     batches = tokenize_texts(tokenizer, calibration, 512, args.num_sequences, batch_size=4).batches
     held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), 512, 16, batch_size=4).batches
@@ -118,7 +119,7 @@ def main() -> None:
             lines.append(f"| {k} {' + '.join(kinds)} | {which} | {net / 1e6:.2f} M | {value:.2f} |")
             print(lines[-1], flush=True)
     for k in args.layers:
-        ghosted = ghost_prune(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_kernels=False),
+        ghosted = ghost_prune(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **NO_HUB_KERNELS),
                               tokenizer, calibration, num_layers=k, num_sequences=args.num_sequences)
         net = k * layer_params - width * width * len(ghosted.config.ghost_boundaries)
         lines.append(f"| {k} whole layers (ghost, defaults) | {ghosted.config.removed_layers} | {net / 1e6:.2f} M | "

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ghosted_hf import assets, ghost_prune, prune_layers
 from ghosted_hf.architectures import decoder_layers, final_norm
 from ghosted_hf.data import tokenize_texts
+from ghosted_hf.loading import NO_HUB_KERNELS
 from ghosted_hf.evaluate import perplexity
 from ghosted_hf.operators import solve_ghost
 from ghosted_hf.options import PruneOptions
@@ -131,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = assets.resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    load = lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_kernels=False).eval()  # noqa: E731
+    load = lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **NO_HUB_KERNELS).eval()  # noqa: E731
     options = PruneOptions()
     calibration = assets.wikipedia_split("calibration")
     batches = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, batch_size=4).batches

@@ -133,8 +133,10 @@ _HYBRID_ATTENTION = SubBlock(("self_attn", "linear_attn"), "input_layernorm",
 
 ENTRIES: tuple[Architecture, ...] = (
     # Dense pre-norm families with Llama's names: every operator kind, stock folds checked numerically.
-    Architecture(("llama", "mistral", "qwen2", "qwen3"), **_llama_like(), stock_folds=True, llama_cpp=True,
+    Architecture(("llama", "mistral"), **_llama_like(), stock_folds=True, llama_cpp=True,
                  real_model="smollm2-135m-instruct"),
+    # llama.cpp's converter writes Qwen as its own `qwen2`/`qwen3` architectures, which the DeciLM rewrite cannot map.
+    Architecture(("qwen2", "qwen3"), **_llama_like(), stock_folds=True),
     Architecture(("smollm3", "ministral", "helium", "seed_oss", "ernie4_5", "hunyuan_v1_dense"), **_llama_like(),
                  stock_folds=True),
     Architecture(("arcee",), attention=_llama_like()["attention"],

@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("heal", "LoRA-heal a pruned model (ghosted or stock export) on transformers' Trainer and save it merged.",
          [HealArgs, HealOptions], cmd_heal),
         ("export-stock", "Turn a ghosted model into the best stock checkpoint of its family: each operator refitted "
-                         "as a scaled rotation (and a down_proj transform) folded into the weights.",
+                         "as a scaled rotation (and an MLP output transform) folded into the weights.",
          [ExportArgs, ExportOptions], cmd_export_stock),
         ("export-gguf", "Write a ghosted model whose boundaries are `normed` as one llama.cpp GGUF: each boundary a "
                         "DeciLM linear-attention block, the base converted by llama.cpp's own converter.",

@@ -20,7 +20,7 @@ from .remote.configuration_ghosted import LAYER_TARGET
 from .remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
 from .statistics import CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, CalibrationStatistics, StatisticsPlan
 from .statistics import collect_statistics
-from .surgery import fold_into_down_proj, to_stock_model
+from .surgery import fold_into_mlp_writers, to_stock_model
 
 
 def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSource,
@@ -46,7 +46,7 @@ def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSou
         with torch.no_grad():
             operator.copy_(fit.operator.to(operator))
         if fit.fused is not None:  # into the kept layer before the boundary
-            record["fused_into"] = fold_into_down_proj(model, record["removed"][0] - 1, fit.fused)
+            record["fused_into"] = fold_into_mlp_writers(model, record["removed"][0] - 1, fit.fused)
         record.update(operator=kind.name, fit={**fit.figures, "fitted_on": f"imitating the {record['operator']} operator"})
     prov = model.config.ghost_provenance or {}
     # What the export itself did, where the card and `inspect` read the recovery and its calibration from; the

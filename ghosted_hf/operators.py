@@ -25,7 +25,7 @@ from .registry import Registry
 @dataclass
 class BoundaryFit:
     """One boundary's fit: the operator x -> x @ operator (+ n(x) @ normed for the normed kinds) and, for kinds
-    that fold into the weights, the transform of the last upstream MLP output to fold into its down_proj."""
+    that fold into the weights, the transform of the last upstream MLP output to fold into its output weights."""
 
     kind: str
     source: int
@@ -285,7 +285,7 @@ class ReplaceMeLS(OperatorKind):
 
     name = "replaceme-ls"
     summary = ("least-squares T on the MLP output of the last kept layer before the boundary, folded into its "
-               "down_proj (ReplaceMe): a stock checkpoint")
+               "output weights (ReplaceMe): a stock checkpoint")
     stock = True
     sequential = False
     first_removable = 1  # needs a kept layer before the boundary to fold into
@@ -356,7 +356,7 @@ class Folded(OperatorKind):
     name = "folded"
     summary = ("c Q (Q orthogonal) with a transform T of the last upstream MLP output: folds exactly into the "
                "weights of a stock checkpoint (Q upstream of the boundary, 1/c into the writers after it, T into "
-               "down_proj); tied embeddings are untied when Q rotates them")
+               "the MLP's output weights); tied embeddings are untied when Q rotates them")
     stock = True
     rotation: ClassVar[bool] = True
 

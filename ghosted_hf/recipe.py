@@ -27,7 +27,7 @@ from .remote.modeling_ghosted import GhostedForCausalLM
 from .selection import ContiguousCriterion, Selection, SelectionRequest, check_num_layers, criterion
 from .statistics import (CalibrationPass, CalibrationStatistics, Calibrator, Patch, ShardSpec, StatisticsPlan,
                          as_calibration_pass, check_same_model)
-from .surgery import count_parameters, fold_into_down_proj, prune_layers, to_stock_model, validate_removal
+from .surgery import count_parameters, fold_into_mlp_writers, prune_layers, to_stock_model, validate_removal
 
 logger = logging.getLogger(__name__)
 
@@ -134,14 +134,14 @@ def fit_operators(calibrator: Calibrator, removed: list[int], options: PruneOpti
 
 
 def build(model: PreTrainedModel, removed: list[int], fits: list[BoundaryFit], options: PruneOptions) -> GhostedForCausalLM:
-    """The pruned model with each boundary's operator installed (and transforms folded into down_proj)."""
+    """The pruned model with each boundary's operator installed (and transforms folded into the MLP's output weights)."""
     operators = {f.source: f.operator for f in fits if f.operator is not None}
     ghosted = prune_layers(model, removed, operators, operator_kind=options.operator,
                            operator_dtype=getattr(torch, options.operator_dtype),
                            normed={f.source: f.normed for f in fits if f.normed is not None})
     for fit, record in zip(fits, ghosted.config.ghost_boundaries):
         if fit.fused is not None:
-            record["fused_into"] = fold_into_down_proj(ghosted, fit.source - 1, fit.fused)
+            record["fused_into"] = fold_into_mlp_writers(ghosted, fit.source - 1, fit.fused)
         record["operator"] = fit.kind
         record["fit"] = fit.figures
     return ghosted

@@ -127,8 +127,8 @@ def _check_dense_model(model: PreTrainedModel) -> None:
         raise GhostedError("This model is already ghosted. Prune the dense model once, listing every layer to remove.")
     architecture(model)
     decoder(model)
-    if not hasattr(model, "lm_head"):
-        raise GhostedError(f"Expected a causal LM with an `lm_head` (e.g. LlamaForCausalLM), got {type(model).__name__}.")
+    if model.get_output_embeddings() is None:
+        raise GhostedError(f"Expected a causal LM with an output layer (e.g. LlamaForCausalLM), got {type(model).__name__}.")
 
 
 def _stored_operators(operators: Mapping[int, torch.Tensor] | None, boundaries: list[dict], hidden: int,
@@ -229,9 +229,10 @@ def prune_layers(
     return pruned
 
 
-def fold_into_down_proj(model: GhostedForCausalLM, dense_layer: int, transform: torch.Tensor) -> str:
+def fold_into_mlp_writers(model: GhostedForCausalLM, dense_layer: int, transform: torch.Tensor) -> str:
     """Replace the MLP output m of kept dense layer `dense_layer` by m @ T (ReplaceMe's fused export);
-    returns the names of the edited weights (down_proj; experts' and shared experts' down projections)."""
+    returns the names of the edited weights (the family's MLP writers in the architecture registry: the output
+    projection; experts' and shared experts' ones)."""
     family = architecture(model)
     family.refuse_fold("replaceme-ls")
     layer = pruned_index(dense_layer, model.config.removed_layers)
@@ -241,7 +242,7 @@ def fold_into_down_proj(model: GhostedForCausalLM, dense_layer: int, transform: 
         _map_stream(writer, transform.detach().double())
     paths = {id(module): name for name, module in mlp.named_modules()}
     prefix = layer_prefix(layer) + family.mlp.modules[0]
-    # A Linear by its module's name (as before: "...mlp.down_proj"), a raw parameter by its own.
+    # A Linear by its module's name, a raw parameter (fused experts) by its own.
     edited = dict.fromkeys(".".join(filter(None, (prefix, paths[id(owner)], None if isinstance(owner, nn.Linear)
                                                   else name))) for owner, name, _ in writers)
     return ", ".join(edited)
@@ -302,7 +303,7 @@ def fold_scaled_rotation(model: PreTrainedModel, layer: int, c: float, q: torch.
     """Make a stock decoder compute what it would with ``x -> x @ (c Q)`` applied to the stream entering its
     layer `layer` (``len(layers)``: the final norm). Exact but for the norms' eps: every norm weight upstream is
     folded into the linear layers that read it, so that RMSNorm(x Q) = RMSNorm(x) Q; then the embeddings and
-    the writers upstream (the architecture registry's: o_proj, down_proj) map into the basis Q and their readers
+    the writers upstream (the architecture registry's: attention and MLP outputs) map into the basis Q and their readers
     (q/k/v, gate/up, fused ones as declared) back. The
     scale goes into the embeddings when they are all that is upstream, else downstream, as 1/c on every writer
     after the boundary: each norm there ignores the scale of the whole stream (up to its eps, which deep in

@@ -178,7 +178,7 @@ def test_stock_export_is_exact_where_the_family_folds_and_refused_with_the_reaso
 def test_replaceme_fold_into_the_mlp_writers_is_exact(model_type: str) -> None:
     """ReplaceMe's fused export maps a kept layer's MLP output m to m @ T through every weight that writes the
     stream there (down_proj; experts' and shared experts' down projections and biases)."""
-    from ghosted_hf.surgery import fold_into_down_proj
+    from ghosted_hf.surgery import fold_into_mlp_writers
 
     ghosted = prune_layers(tiny_family(model_type, rms_norm_eps=1e-12), [2])
     transform = torch.eye(32) + 0.3 * torch.randn(32, 32, generator=torch.Generator().manual_seed(4))
@@ -188,7 +188,7 @@ def test_replaceme_fold_into_the_mlp_writers_is_exact(model_type: str) -> None:
     with torch.no_grad():
         expected = ghosted(**batch()).logits
     handle.remove()
-    fold_into_down_proj(ghosted, 1, transform)
+    fold_into_mlp_writers(ghosted, 1, transform)
     with torch.no_grad():
         got = ghosted(**batch()).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))

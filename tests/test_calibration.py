@@ -165,7 +165,7 @@ def test_patched_stream_equals_the_built_pruned_model(arch: str) -> None:
     """The patched stream (the dense model run with layers left out, operator pre-hooks and MLP transforms) gives
     the statistics of the model that surgery builds, pruned numbering mapped back to dense numbering; qwen2's
     mixed layer types must follow the kept layers."""
-    from ghosted_hf.surgery import fold_into_down_proj, prune_layers
+    from ghosted_hf.surgery import fold_into_mlp_writers, prune_layers
 
     model = build(arch)
     generator = torch.Generator().manual_seed(3)
@@ -179,7 +179,7 @@ def test_patched_stream_equals_the_built_pruned_model(arch: str) -> None:
     got = collect_statistics(model, batches, plan, patch=patch, progress=False)
     assert model.config.num_hidden_layers == LAYERS and len(model.model.layers) == LAYERS  # restored
     pruned = prune_layers(model, [1, 2], {1: w}, normed={1: a})
-    fold_into_down_proj(pruned, 0, t.double())
+    fold_into_mlp_writers(pruned, 0, t.double())
     sources = collect_statistics(pruned, batches, least_squares(2, 2) | StatisticsPlan.of(MLP_GRAM(2), MLP_SOURCE(2)),
                                  progress=False)
     dense = collect_statistics(model, batches, StatisticsPlan.of(ENERGY(6, 6)), progress=False)

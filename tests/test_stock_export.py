@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ghosted_hf import GhostedError, to_stock_model, ghost_prune, prune_layers, save_with_card
-from ghosted_hf.surgery import fold_into_down_proj
+from ghosted_hf.surgery import fold_into_mlp_writers
 from isolated import assert_loads_with_same_logits, run_without_ghosted
 from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, kl_to_dense, texts
 
@@ -38,7 +38,7 @@ def test_folding_c_q_and_t_is_exact(arch: str, tied: bool) -> None:
     ghosted = prune_layers(build(arch, tie_word_embeddings=tied), removed,
                            {0: scaled_rotation(1, 1.3), 2: scaled_rotation(2, 0.7), 5: scaled_rotation(3, 1.9)})
     t = torch.eye(HIDDEN) + 0.2 * torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(4))
-    fold_into_down_proj(ghosted, 1, t.double())  # dense layer 1 = the last kept layer before boundary [2, 3]
+    fold_into_mlp_writers(ghosted, 1, t.double())  # dense layer 1 = the last kept layer before boundary [2, 3]
     plain = to_stock_model(ghosted)
     assert type(plain).__name__ == type(build(arch)).__name__
     assert plain.config.tie_word_embeddings is False  # the embeddings carry the first rotation

@@ -21,7 +21,7 @@ from ..remote.modeling_ghosted import rms_normalized
 class Patch:
     """The model pruned of `removed` (dense numbering) with each boundary's operator `operators[first removed
     layer]` applied to the stream it feeds (plus its normed term `normed[first removed layer]`), and the MLP
-    output of layer j multiplied by `transforms[j]` (the transforms that fold into down_proj)."""
+    output of layer j multiplied by `transforms[j]` (the transforms that fold into the MLP's output weights)."""
 
     removed: tuple[int, ...]
     operators: Mapping[int, torch.Tensor] = field(default_factory=dict)

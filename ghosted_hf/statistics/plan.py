@@ -80,7 +80,7 @@ def least_squares(s: int, e: int) -> StatisticsPlan:
 
 
 def mlp_terms(s: int, e: int) -> StatisticsPlan:
-    """M^T M, M^T X_s, M^T X_e for the MLP output M of layer s-1 (a transform of M folds into its down_proj)."""
+    """M^T M, M^T X_s, M^T X_e for the MLP output M of layer s-1 (a transform of M folds into the weights that write M)."""
     return StatisticsPlan.of(MLP_GRAM(s), MLP_SOURCE(s), MLP_TARGET(s, e))
 
 
