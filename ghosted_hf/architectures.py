@@ -14,7 +14,7 @@ Adding a family is one `Architecture` entry and one tiny-model test (tests/test_
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,9 +46,13 @@ class SubBlock:
     output_norm: str | None = None
 
     def module(self, layer: nn.Module) -> nn.Module:
+        return getattr(layer, self.attribute(layer))
+
+    def attribute(self, layer: nn.Module) -> str:
+        """The name under which `layer` holds this sub-block."""
         for name in self.modules:
-            if hasattr(layer, name):
-                return getattr(layer, name)
+            if isinstance(getattr(layer, name, None), nn.Module):
+                return name
         raise GhostedError(f"{type(layer).__name__} has none of the sub-blocks {self.modules}.")
 
 
@@ -392,12 +396,13 @@ def pruned_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig
 _INDEX_ATTRIBUTE = re.compile(r"(^|_)(idx|index|layer_id|layer_number|layer_num)$")
 
 
-def _signature(layer: nn.Module) -> list[tuple]:
+def _signature(layer: nn.Module, skip: Iterable[str] = ()) -> list[tuple]:
     """What makes a decoder layer the layer it is, apart from its index: every submodule's class, parameter
-    shapes and plain attributes (sliding or global, rotary or not, dense or sparse, ...)."""
+    shapes and plain attributes (sliding or global, rotary or not, dense or sparse, ...); the modules `skip` (replaced
+    sub-blocks) left out."""
     signature = []
     for name, module in layer.named_modules():
-        if name.split(".")[0] == "ghost":
+        if name.split(".")[0] in {"ghost", *skip}:
             continue
         shapes = tuple((n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False))
         plain = tuple(sorted((k, v) for k, v in vars(module).items()
@@ -407,11 +412,14 @@ def _signature(layer: nn.Module) -> list[tuple]:
     return signature
 
 
-def check_layers_match(dense: Iterable[nn.Module], pruned: Iterable[nn.Module], kept: list[int]) -> None:
+def check_layers_match(dense: Iterable[nn.Module], pruned: Iterable[nn.Module], kept: list[int],
+                       replaced: Mapping[int, Iterable[str]] | None = None) -> None:
     """Refuse a pruned model whose layer i is not built like the dense layer kept[i] (a per-layer config field
-    re-indexed wrongly would change it), naming the first difference."""
+    re-indexed wrongly would change it), naming the first difference; `replaced[i]`: the sub-blocks of pruned layer i
+    that are maps, not compared."""
     for new, (old_layer, new_layer) in enumerate(zip(dense, pruned, strict=True)):
-        before, after = _signature(old_layer), _signature(new_layer)
+        skip = tuple((replaced or {}).get(new, ()))
+        before, after = _signature(old_layer, skip), _signature(new_layer, skip)
         if before != after:
             diff = next((a, b) for a, b in zip(before + [None], after + [None]) if a != b)
             raise GhostedError(f"Pruned layer {new} would not be built like dense layer {kept[new]} ({diff[0]} became "

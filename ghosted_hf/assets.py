@@ -201,6 +201,18 @@ def wikipedia_split(split: str) -> NamedTexts:
     return NamedTexts(texts, f"packaged English Wikipedia articles ({split} split, gensim test data)")
 
 
+def news_articles() -> NamedTexts:
+    """gensim's Lee corpus: 300 short news articles (Australian, 2001), one per line: held-out text of another source
+    and register than the Wikipedia articles, to check that what was fitted or healed on one carries over."""
+    try:
+        import gensim
+    except ImportError as error:
+        raise MissingDependencyError(f"The news corpus needs gensim: {INSTALL_HINT}") from error
+    path = Path(gensim.__file__).parent / "test" / "test_data" / "lee_background.cor"
+    texts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return NamedTexts(texts, "news articles (gensim's Lee corpus, lee_background.cor)")
+
+
 class BaseModelInfo(NamedTuple):
     """What a model card and provenance say of the base model, when it can be known offline."""
 

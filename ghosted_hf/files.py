@@ -16,7 +16,7 @@ from typing import Any
 
 from .checkpoint import check_folder, index_weight_map
 from .errors import GhostedError, MissingFileError
-from .remote.modeling_ghosted import check_sizes_against_weights, ghost_tensor_keys, operator_sha256
+from .remote.modeling_ghosted import check_sizes_against_weights, ghost_records, ghost_tensor_keys, operator_sha256
 from .remote.modeling_ghosted import staged_folder as remote_staged_folder
 
 logger = logging.getLogger(__name__)
@@ -129,10 +129,10 @@ def check_ghosted_layout(folder: Path, config: dict[str, Any], operators: dict[s
         check_sizes_against_weights(str(folder), {})  # the check from_pretrained makes: layers, vocabulary, width
     except ValueError as error:
         raise GhostedError(f"{error} Save the model again.") from None
-    expected = {key for b in ghosted.ghost_boundaries for key in ghost_tensor_keys(b).values()}
+    expected = {key for b in ghost_records(ghosted) for key in ghost_tensor_keys(b).values()}
     if set(operators) != expected:
         raise GhostedError(f"The weight files hold the operators {sorted(operators)}, but config.json has boundaries "
-                           f"for {sorted(expected)}; save the model again.")
+                           f"and sub-blocks for {sorted(expected)}; save the model again.")
     c = ghosted.text_config.hidden_size
     for key, tensor in operators.items():
         if tuple(tensor.shape) != (c, c):
@@ -142,7 +142,7 @@ def check_ghosted_layout(folder: Path, config: dict[str, Any], operators: dict[s
 
 def check_operator_hashes(config: dict[str, Any], tensors: dict[str, Any]) -> None:
     """Compare each ghost tensor with the sha256 its config recorded."""
-    for boundary in config.get("ghost_boundaries", []):
+    for boundary in [*config.get("ghost_boundaries", []), *config.get("ghost_subblocks", [])]:
         for field, key in ghost_tensor_keys(boundary).items():
             if key not in tensors:
                 raise GhostedError(f"Operator tensor {key} is missing from the weight files; save the model again.")

@@ -30,7 +30,7 @@ from .errors import GhostedError
 from .network import check_timeout
 from .remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
 from .remote.modeling_ghosted import GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key, scratch_folder
-from .surgery import adopt_tensors
+from .surgery import adopt_tensors, refuse_subblocks
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +193,7 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
                            f"{family.name} model is not (llama.cpp families: "
                            f"{', '.join(sorted(t for t, a in ARCHITECTURES.items() if a.llama_cpp))}). Serve it with "
                            "transformers (trust_remote_code=True).")
+    refuse_subblocks(model, "export-gguf (not yet: llama.cpp's DeciLM linear-attention blocks could hold them)")
     blocks = normed_blocks(model)
     eps = getattr(model.config.text_config, "rms_norm_eps", NORMED_EPS)
     if eps != NORMED_EPS:

@@ -18,6 +18,8 @@ from .remote.configuration_ghosted import OPERATOR_DTYPES
 from .selection import CRITERIA
 
 FITTINGS = ("sequential", "independent")
+UNITS = ("layer", "subblock")
+SUBBLOCK_CRITERIA = ("ghost-aware", "manual")  # measured damage of each fitted replacement; the given list
 
 T = TypeVar("T")
 
@@ -125,7 +127,17 @@ def positive(options: Options, *names: str) -> None:
 class PruneOptions(Options):
     """What `ghost_prune` removes and how it recovers: criterion, operator kind, fitting and calibration."""
 
-    num_layers: int = option(8, "Number of decoder layers to remove (ignored with --criterion manual).")
+    num_layers: int = option(8, "Number of decoder layers to remove (ignored with --criterion manual, --remove and "
+                                "--num-parameters).")
+    unit: str = option("layer", "What is removed: whole decoder layers (each boundary recovered by an operator), or "
+                       "attention and MLP sub-blocks (each replaced by a closed-form linear map of the input it read).",
+                       UNITS)
+    remove: str | None = option(None, "How much to remove as a share of the decoder layers' parameters, net of the "
+                                "operators and maps added: '25%' or 0.25. Instead of --num-layers.")
+    num_parameters: int | None = option(None, "How many decoder parameters to remove, net of the operators and maps "
+                                        "added. Instead of --num-layers.")
+    subblocks: list[str] | None = option(None, "Sub-blocks to replace with unit 'subblock' and criterion 'manual', as "
+                                         "LAYER.KIND in dense numbering (12.attention 3.mlp).")
     criterion: str = option("ghost-aware", "How to choose the layers to remove.", lambda: tuple(CRITERIA))
     layers: list[int] | None = option(None, "Layer indices to remove with criterion 'manual' (dense numbering).")
     operator: str = option("ghost", "Operator kind that recovers each boundary.", lambda: tuple(OPERATOR_KINDS))
@@ -141,14 +153,58 @@ class PruneOptions(Options):
     batch_size: int = option(4, "Calibration sequences per forward pass.")
     operator_dtype: str = option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
     stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
+    damage_sequences: int = option(16, "Calibration sequences on which unit 'subblock' measures each candidate's "
+                                   "damage (one forward over them per candidate).")
 
     def check(self) -> None:
         takes_layers = CRITERIA[self.criterion].takes_layers
-        if takes_layers and not self.layers:
+        if self.unit == "subblock":
+            self._check_subblocks(takes_layers)
+        elif takes_layers and not self.layers:
             raise GhostedError(f"criterion {self.criterion!r} needs the layer indices to remove (layers=[...]).")
+        elif self.subblocks:
+            raise GhostedError("subblocks=[...] is only used with unit='subblock' (and criterion='manual').")
         if self.layers and not takes_layers:
             raise GhostedError(f"layers=[...] is only used with criterion='manual', not {self.criterion!r}.")
+        if takes_layers and (self.remove is not None or self.num_parameters is not None):
+            raise GhostedError("criterion 'manual' is given what to remove: a budget (remove, num_parameters) is for "
+                               "the criteria that choose.")
+        if self.remove is not None and self.num_parameters is not None:
+            raise GhostedError("Give remove (a share) or num_parameters (a count), not both.")
+        if self.remove is not None:
+            budget_share(self.remove)
+        if self.num_parameters is not None:
+            positive(self, "num_parameters")
+        positive(self, "damage_sequences")
         check_calibration(self)
+
+    def _check_subblocks(self, takes_layers: bool) -> None:
+        if self.layers:
+            raise GhostedError("layers=[...] names whole layers; with unit='subblock' pass subblocks=[...].")
+        if self.criterion not in SUBBLOCK_CRITERIA:
+            raise GhostedError(f"unit='subblock' chooses sub-blocks by criterion {' or '.join(SUBBLOCK_CRITERIA)}, "
+                               f"not {self.criterion!r}.")
+        if takes_layers and not self.subblocks:
+            raise GhostedError("unit='subblock' with criterion 'manual' needs the sub-blocks to replace "
+                               "(subblocks=['12.attention', ...]).")
+        if not takes_layers and self.remove is None and self.num_parameters is None:
+            raise GhostedError("unit='subblock' removes a parameter budget: pass remove='25%' or num_parameters.")
+        if self.operator != "ghost" or self.fitting != "sequential":
+            raise GhostedError("unit='subblock' fits each sub-block's map sequentially; operator and fitting apply to "
+                               "whole layers: leave them at their defaults.")
+
+
+def budget_share(text: str) -> float:
+    """'25%' or '0.25' as 0.25; refuses anything outside (0, 1)."""
+    value = str(text).strip()
+    try:
+        share = float(value[:-1]) / 100 if value.endswith("%") else float(value)
+    except ValueError:
+        share = math.nan
+    if not 0 < share < 1:
+        raise GhostedError(f"remove is a share of the decoder's parameters, '25%' or 0.25 (above 0, below 100%), "
+                           f"got {text!r}.")
+    return share
 
 
 def check_calibration(options: PruneOptions | ExportOptions) -> None:
@@ -211,7 +267,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     for f in dataclasses.fields(cls):
         kind, _ = _base_type(hints[f.name])
         default = f.default
-        kwargs: dict[str, Any] = {"help": f.metadata["help"]}
+        kwargs: dict[str, Any] = {"help": f.metadata["help"].replace("%", "%%")}  # argparse formats help with %
         if _choices(f):
             kwargs["choices"] = _choices(f)
         if kind is bool:

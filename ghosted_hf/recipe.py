@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,13 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .architectures import architecture
+from . import subblocks
+from .architectures import architecture, decoder_layers
 from .assets import base_model_info
 from .data import TextSource, TokenBatches, tokenize_texts
 from .errors import GhostedError
 from .operators import BoundaryFit, operator_kind
-from .options import PruneOptions
+from .options import PruneOptions, budget_share
 from .remote.configuration_ghosted import expected_boundaries
 from .remote.modeling_ghosted import GhostedForCausalLM
 from .selection import ContiguousCriterion, Selection, SelectionRequest, check_num_layers, criterion
@@ -32,6 +34,7 @@ from .surgery import count_parameters, fold_into_mlp_writers, prune_layers, to_s
 logger = logging.getLogger(__name__)
 
 METHOD = "Ghosted Layers (arXiv 2605.15491)"
+SUBBLOCK_RECOVERY = "linear map of each replaced sub-block's input"
 
 
 def ghost_prune(
@@ -57,6 +60,13 @@ def ghost_prune(
     started = time.perf_counter()
     calibration_pass = as_calibration_pass(model)
     check_request(calibration_pass.config, options)
+    options = resolve_budget(calibration_pass, options)
+    if options.unit == "subblock":
+        if statistics is not None:
+            raise GhostedError("unit='subblock' fits from calibration text, not precomputed statistics (they hold "
+                               "whole-layer boundaries): pass the calibration text.")
+        return prune_subblocks(calibration_pass, tokenizer, calibration, options, started)
+    check_request(calibration_pass.config, options)
     data, statistics = prepare_calibration(calibration_pass, tokenizer, calibration, statistics, options)
     calibrator = Calibrator(calibration_pass, data, statistics, device=options.stats_device)
     calibrator.check_agreement(options)
@@ -69,6 +79,86 @@ def ghost_prune(
                                                  selection, calibrator, options, time.perf_counter() - started)
     logger.info("Removed layers %s (%s, %s).", selection.removed, options.criterion, options.operator)
     return to_stock_model(ghosted) if operator_kind(options.operator).stock else ghosted
+
+
+def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibration: TextSource | None,
+                    options: PruneOptions, started: float) -> GhostedForCausalLM:
+    """`ghost_prune` with unit 'subblock': calibration text -> each candidate's map and measured damage -> the
+    sub-blocks that meet the budget with the least damage -> their maps fitted down the network -> the model."""
+    model = dense_in_memory(calibration_pass, "unit='subblock'")
+    depth, width = calibration_pass.config.num_hidden_layers, calibration_pass.config.hidden_size
+    if calibration is None or tokenizer is None:
+        raise GhostedError("unit='subblock' fits each map on calibration text: pass a tokenizer and calibration text.")
+    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
+    check_token_ids(data, calibration_pass.vocab_size)
+    check_token_budget(data.num_tokens, width)
+    calibrator = Calibrator(calibration_pass, data)
+    if calibrator.world > 1:
+        raise GhostedError("unit='subblock' runs in one process: launch it without torch.distributed.")
+    dense_parameters = count_parameters(model)
+    if options.criterion == "manual":
+        chosen = subblocks.validate_subblocks(options.subblocks, depth)
+        selection = Selection([], "manual", {}, "n/a", [ref.name for ref in chosen])
+    else:
+        sums = subblocks.collect(model, data.batches, subblocks.all_subblocks(depth), "statistics of every sub-block")
+        fits = {ref: subblocks.fit_map(ref, total, options.ridge) for ref, total in sums.items()}
+        scored = data.batches[:max(1, -(-options.damage_sequences // options.batch_size))]
+        damage = subblocks.damages(model, scored, fits)
+        saved = {ref: subblocks.subblock_parameters(model, ref) - width * width for ref in damage}
+        chosen = subblocks.choose_to_budget(damage, saved, parameter_budget(model, options))
+        selection = Selection([], "ghost-aware", {ref.name: round(value, 6) for ref, value in damage.items()}, "lower",
+                              [ref.name for ref in chosen])
+        calibrator.passes += [{"purpose": "statistics of every sub-block", "batches": len(data.batches)},
+                              {"purpose": "damage of each replacement", "batches": len(scored) * (len(fits) + 1)}]
+    fitted = subblocks.fit_sequentially(model, data.batches, chosen, options.ridge)
+    calibrator.passes.append({"purpose": "sequential fits", "batches": len(data.batches) * len(fitted)})
+    ghosted = prune_layers(model, [], subblocks={(f.ref.layer, f.ref.block): (f.map, f.outputs) for f in fitted},
+                           operator_dtype=getattr(torch, options.operator_dtype))
+    for fit, record in zip(fitted, ghosted.config.ghost_subblocks):
+        record["fit"] = fit.figures
+    ghosted.config.ghost_provenance = provenance(ghosted, calibration_pass.config._name_or_path, dense_parameters,
+                                                 selection, calibrator, options, time.perf_counter() - started)
+    ghosted.config.ghost_provenance["operator"] = SUBBLOCK_RECOVERY
+    logger.info("Replaced sub-blocks %s (%s).", selection.subblocks, options.criterion)
+    return ghosted
+
+
+def dense_in_memory(calibration_pass: CalibrationPass, what: str) -> PreTrainedModel:
+    """The dense model of an in-memory pass (layer-by-layer passes have none to count or edit)."""
+    model = getattr(calibration_pass, "model", None)
+    if model is None:
+        raise GhostedError(f"{what} needs the model in memory; a layer-by-layer pass over a folder cannot give it: "
+                           "load the model, or remove a number of whole layers (num_layers).")
+    return model
+
+
+def decoder_parameters(model: PreTrainedModel) -> int:
+    """Parameters of the decoder layers (what a share to remove is a share of)."""
+    return sum(count_parameters(layer) for layer in decoder_layers(model))
+
+
+def parameter_budget(model: PreTrainedModel, options: PruneOptions) -> int:
+    """How many decoder parameters to remove, net of what is added."""
+    if options.num_parameters is not None:
+        return options.num_parameters
+    return round(budget_share(options.remove) * decoder_parameters(model))
+
+
+def resolve_budget(calibration_pass: CalibrationPass, options: PruneOptions) -> PruneOptions:
+    """Whole layers at a parameter budget: the fewest layers whose parameters, net of one boundary's operator, reach
+    it (every layer of a family has the same count but MoE's dense first layers: their mean is used)."""
+    if options.unit != "layer" or (options.remove is None and options.num_parameters is None):
+        return options
+    model = dense_in_memory(calibration_pass, "A parameter budget")
+    per_layer = decoder_parameters(model) / calibration_pass.config.num_hidden_layers
+    width = calibration_pass.config.hidden_size
+    added = 0 if operator_kind(options.operator).stock else operator_kind(options.operator).regressors * width * width
+    num_layers = max(1, math.ceil((parameter_budget(model, options) + added) / per_layer))
+    if num_layers >= calibration_pass.config.num_hidden_layers:
+        raise GhostedError(f"Removing {parameter_budget(model, options):,} parameters takes {num_layers} whole layers of "
+                           f"the model's {calibration_pass.config.num_hidden_layers}: ask for less.")
+    logger.info("A budget of %d parameters: %d whole layers.", parameter_budget(model, options), num_layers)
+    return PruneOptions.build(options, num_layers=num_layers)
 
 
 def selection_request(depth: int, options: PruneOptions) -> SelectionRequest:
@@ -185,10 +275,15 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
                            f"got a {type(config).__name__}.")
     kind = operator_kind(options.operator)
     family = architecture(config)
+    if options.unit == "subblock":
+        if options.subblocks:
+            subblocks.validate_subblocks(options.subblocks, depth)
+        return
     if kind.stock and kind.name != "none":
         family.refuse_fold(kind.name)
     if not criterion(options.criterion).takes_layers:
-        check_num_layers(options.num_layers, depth - kind.first_removable)
+        if options.remove is None and options.num_parameters is None:  # a budget sets num_layers once counted
+            check_num_layers(options.num_layers, depth - kind.first_removable)
         return
     removed = validate_removal(options.layers, depth)
     if removed[0] < kind.first_removable:
@@ -237,6 +332,10 @@ def calibrate(model: PreTrainedModel | CalibrationPass, tokenizer: Any, calibrat
     and for the check that `ghost_prune(statistics=...)` is given the same model."""
     options = PruneOptions.build(options, **overrides)
     calibration_pass = as_calibration_pass(model)
+    if options.unit == "subblock":
+        raise GhostedError("unit='subblock' fits each map on the model with the maps before it installed, in one "
+                           "process: it has no statistics to collect ahead; run ghost_prune (ghosted prune) directly.")
+    options = resolve_budget(calibration_pass, options)
     check_request(calibration_pass.config, options)
     data, _ = prepare_calibration(calibration_pass, tokenizer, calibration, None, options)
     calibrator = Calibrator(calibration_pass, data, device=options.stats_device, shard=shard)

@@ -8,7 +8,7 @@ registered with `@register`; nothing outside its class compares its name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .statistics import CalibrationStatistics, StatisticsPlan, least_squares, similarity
@@ -37,10 +37,12 @@ class Selection:
     criterion: str
     scores: dict[str, float]  # candidate name (see `candidate_name`) -> score
     better: str  # "higher", "lower" or "n/a"
+    subblocks: list[str] = field(default_factory=list)  # replaced sub-blocks ("12.attention"), unit 'subblock'
 
     def describe(self) -> dict[str, Any]:
         """The JSON form saved in the provenance."""
-        return {"criterion": self.criterion, "removed": self.removed, "better": self.better, "scores": self.scores}
+        return {"criterion": self.criterion, "removed": self.removed, "better": self.better, "scores": self.scores,
+                **({"subblocks": self.subblocks} if self.subblocks else {})}
 
 
 def candidate_name(s: int, e: int) -> str:

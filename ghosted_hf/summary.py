@@ -32,6 +32,15 @@ class BoundarySummary:
 
 
 @dataclass
+class SubBlockSummary:
+    """One replaced sub-block as `inspect` and the card show it."""
+
+    name: str  # "12.attention", dense numbering
+    layer: str
+    figures: str
+
+
+@dataclass
 class ModelSummary:
     """Everything `inspect` and the card show about a saved model."""
 
@@ -56,16 +65,19 @@ class ModelSummary:
     stock: bool = False  # a stock checkpoint: operators folded into the weights, no remote code
     untied_embeddings: bool = False
     normed: bool = False  # some boundary adds n(x) @ A (format 1.1)
+    subblocks: list[SubBlockSummary] = field(default_factory=list)  # replaced sub-blocks (format 1.2)
 
 
 NUMBER = (int, float)
 BOUNDARY = {"removed": [int], "target": str, "operator": str, "layer": optional(int), "original_layer": optional(int),
             "fit": optional(dict), "fused_into": optional(str)}
+SUBBLOCK = {"layer": int, "original_layer": int, "block": str, "module": str, "fit": optional(dict)}
 # What `summarize` reads of a config's ghost_provenance: checked first, so a damaged field is named, not a crash.
 PROVENANCE = {
     "base_model": optional(str), "operator": optional(str), "fitting": optional(str),
     "parameters": optional({"dense": int, "pruned": int, "operators": int}),
-    "selection": optional({"criterion": optional(str), "better": optional(str), "scores": optional(dict)}),
+    "selection": optional({"criterion": optional(str), "better": optional(str), "scores": optional(dict),
+                           "subblocks": optional([str])}),
     "calibration": optional(dict), "solver": optional(dict), "versions": optional(dict), "healing": optional(dict),
     "evaluation": optional([dict]),
     "stock_export": optional({"original_num_hidden_layers": int, "removed_layers": [int], "boundaries": [BOUNDARY],
@@ -84,15 +96,17 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         text, depth, removed_layers = config.text_config, config.original_num_hidden_layers, config.removed_layers
         boundaries, storage = config.ghost_boundaries, config.operator_dtype
         check_shape(boundaries, [BOUNDARY], "config.json: ghost_boundaries")
+        replaced = check_shape(getattr(config, "ghost_subblocks", []), [SUBBLOCK], "config.json: ghost_subblocks")
     elif stock:
         text, depth, removed_layers = config, stock["original_num_hidden_layers"], stock["removed_layers"]
-        boundaries, storage = stock["boundaries"], "folded into the weights"
+        boundaries, storage, replaced = stock["boundaries"], "folded into the weights", []
     else:
         raise GhostedError(f"This {getattr(config, 'model_type', None)!r} config was not made by ghosted_hf.")
     params = prov.get("parameters")
     selection = prov.get("selection") or {}
     scores = selection.get("scores") or {}
     removed = set(removed_layers)
+    chosen = set(selection.get("subblocks") or ())
     ranked = sorted(scores.items(), key=lambda kv: kv[1], reverse=selection.get("better") == "higher")
     cal = prov.get("calibration") or {}
     healing = prov.get("healing")
@@ -108,7 +122,8 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
                     f"{1 - (params['pruned'] + params['operators']) / params['dense']:.1%} fewer)" if params else "unknown"),
         criterion=selection.get("criterion"),
         better=selection.get("better"),
-        scores=[(name, f"{score:.6g}", set(candidate_layers(name)) <= removed) for name, score in ranked],
+        scores=[(name, f"{score:.6g}", name in chosen if chosen else set(candidate_layers(name)) <= removed)
+                for name, score in ranked],
         recovery=(f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')}"
                   + (" fitting" if prov.get("fitting", "unknown") in ("sequential", "independent", "unknown") else "")),
         calibration=(f"{cal.get('name')}: {cal.get('tokens_used')} tokens in {cal.get('sequences')} sequences of "
@@ -121,7 +136,15 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         stock=bool(stock) and getattr(config, "model_type", None) != "ghosted",
         untied_embeddings=bool(stock and stock.get("untied_embeddings")),
         normed=any(b.get("normed") for b in boundaries),
+        subblocks=[_subblock(r) for r in replaced],
     )
+
+
+def _subblock(record: dict[str, Any]) -> SubBlockSummary:
+    fit = record.get("fit") or {}
+    return SubBlockSummary(name=f"{record['original_layer']}.{record['block']}",
+                           layer=f"pruned layer {record['layer']} (dense {record['original_layer']}).{record['module']}",
+                           figures=", ".join(f"{k}={_figure(fit[k])}" for k in SHOWN_FIGURES if k in fit) or "-")
 
 
 def _boundary(record: dict[str, Any]) -> BoundarySummary:
@@ -157,10 +180,14 @@ def render_text(summary: ModelSummary, tensors: dict[str, tuple[int, ...]] | Non
             lines.append(f"    ... {len(s.scores) - top_scores} more candidates")
     if s.healing:
         lines.append(f"healing         : {s.healing}")
-    lines.append("boundaries      :")
+    lines.append("boundaries      :" + ("" if s.boundaries else " none"))
     for b in s.boundaries:
         lines.append(f"  removed {b.removed} -> {b.feeds}: {b.operator}")
         lines.append(f"      {b.figures}")
+    if s.subblocks:
+        lines.append("sub-blocks      : replaced by a linear map of their input (format 1.2)")
+        for r in s.subblocks:
+            lines.append(f"  {r.name} -> {r.layer}: {r.figures}")
     if tensors is not None:
         lines.append("operator tensors:")
         lines.extend(f"  {name} {list(shape)}" for name, shape in sorted(tensors.items()))

@@ -19,6 +19,7 @@ from .architectures import (StreamWeight, SubBlock, architecture, check_declared
                             decoder_layers, layer_of, layer_prefix, pruned_config, stream_weights)
 from .errors import GhostedError, NonFiniteError
 from .remote.configuration_ghosted import (
+    SUBBLOCK_KINDS,
     LAYER_TARGET,
     OPERATOR_DTYPES,
     GhostedConfig,
@@ -164,6 +165,7 @@ def prune_layers(
     operator_kind: str = "custom",
     operator_dtype: torch.dtype = torch.float32,
     normed: Mapping[int, torch.Tensor] | None = None,
+    subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]] | None = None,
 ) -> GhostedForCausalLM:
     """Remove decoder layers `remove` (dense numbering) and install one operator per boundary.
 
@@ -171,7 +173,9 @@ def prune_layers(
     to its (C, C) operator, applied as ``x @ W`` to the hidden state that reaches the next kept layer (or
     the final norm). Boundaries without an operator get the identity (operator kind "none": plain pruning);
     the others are recorded as `operator_kind`. `normed` (same keys) adds a normed term ``n(x) @ A`` to a
-    boundary (format 1.1; its operator defaults to the identity).
+    boundary (format 1.1; its operator defaults to the identity). `subblocks` maps (kept dense layer, "attention" or
+    "mlp") to (its C x C map, how many values the module returns): that sub-block becomes ``h -> h @ map`` (format
+    1.2); with sub-blocks, `remove` may be empty.
 
     The returned model shares the dense model's tensors (no copy, so peak memory stays one model): treat
     `model` as consumed.
@@ -179,9 +183,12 @@ def prune_layers(
     _check_dense_model(model)
     base_config = model.config
     depth = base_config.num_hidden_layers
-    removed = validate_removal(remove, depth)
+    if isinstance(remove, Iterable) and not isinstance(remove, (str, bytes)):
+        remove = list(remove)
+    removed = [] if subblocks and remove == [] else validate_removal(remove, depth)
     kept = [i for i in range(depth) if i not in set(removed)]
     hidden = base_config.hidden_size
+    replaced = _subblock_records(model, subblocks or {}, kept, hidden, operator_dtype)
 
     boundaries = expected_boundaries(depth, removed)
     stored = _stored_operators(operators, boundaries, hidden, operator_dtype)
@@ -195,7 +202,8 @@ def prune_layers(
         original_num_hidden_layers=depth,
         removed_layers=removed,
         ghost_boundaries=records,
-        ghost_format_version=required_format_version(records),
+        ghost_subblocks=[record for record, _ in replaced],
+        ghost_format_version=required_format_version(records, [record for record, _ in replaced]),
         operator_dtype=str(operator_dtype).removeprefix("torch."),
         ghost_provenance={"base_model": base_config._name_or_path or None},
     )
@@ -205,19 +213,27 @@ def prune_layers(
     with torch.device("meta"):
         pruned = GhostedForCausalLM(config)
     dense_layers = decoder_layers(model)
-    check_layers_match([dense_layers[i] for i in kept], decoder_layers(pruned), kept)
+    by_layer: dict[int, list[str]] = {}
+    for record, _ in replaced:
+        by_layer.setdefault(record["layer"], []).append(record["module"])
+    check_layers_match([dense_layers[i] for i in kept], decoder_layers(pruned), kept, by_layer)
 
     adopt_tensors(pruned, model, lambda name: _dense_name(name, kept))
 
     for boundary in records:
         key = ghost_tensor_key(boundary)
         parent = pruned.get_submodule(key.rsplit(".", 2)[0])
-        device = next(p.device for n, p in parent.named_parameters() if not n.startswith(GHOST_MODULE))
+        device = next(p.device for n, p in parent.named_parameters() if GHOST_MODULE not in n.split("."))
         value = stored.get(start_of(boundary), torch.eye(hidden, dtype=operator_dtype))
         _take_tensor(pruned, key, nn.Parameter(value.to(device=device).clone()))
         if boundary.get("normed"):
             _take_tensor(pruned, ghost_tensor_key(boundary, GHOST_NORMED),
                          nn.Parameter(terms[start_of(boundary)].to(device=device).clone()))
+
+    for record, value in replaced:
+        device = next(p.device for n, p in dense_layers[record["original_layer"]].named_parameters()
+                      if GHOST_MODULE not in n.split("."))
+        _take_tensor(pruned, ghost_tensor_key(record), nn.Parameter(value.to(device=device).clone()))
 
     still_meta = [n for n, t in {**dict(pruned.named_parameters()), **dict(pruned.named_buffers())}.items()
                   if t.device.type == "meta"]
@@ -225,8 +241,37 @@ def prune_layers(
         raise RuntimeError(f"Layer surgery left tensors unassigned: {still_meta}")
     pruned.generation_config = copy.deepcopy(model.generation_config)
     pruned.train(model.training)
-    logger.info("Removed layers %s of %d; %d boundaries.", removed, depth, len(boundaries))
+    logger.info("Removed layers %s of %d; %d boundaries; %d sub-blocks replaced.", removed, depth, len(boundaries),
+                len(replaced))
     return pruned
+
+
+def refuse_subblocks(model: nn.Module, what: str) -> None:
+    """A GhostedError when `model` has replaced sub-blocks, which `what` cannot hold."""
+    replaced = [f"{r['original_layer']}.{r['block']}" for r in getattr(model.config, "ghost_subblocks", None) or []]
+    if replaced:
+        raise GhostedError(f"{what} cannot hold replaced sub-blocks ({', '.join(replaced)}: linear maps where the "
+                           "family has attention or an MLP). Save it as a ghosted model (save_pretrained; loads with "
+                           "trust_remote_code=True).")
+
+
+def _subblock_records(model: PreTrainedModel, subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]],
+                      kept: list[int], hidden: int, dtype: torch.dtype) -> list[tuple[dict, torch.Tensor]]:
+    """(config record, map checked and cast to `dtype`) per replaced sub-block, in network order."""
+    family, layers = architecture(model), decoder_layers(model)
+    out = []
+    for (layer, block), (value, outputs) in sorted(subblocks.items(), key=lambda item: (item[0][0], item[0][1] != "attention")):
+        layer = as_layer_index(layer)
+        if layer not in kept:
+            raise GhostedError(f"The {block} of layer {layer} is replaced, but layer {layer} is removed whole: replace "
+                               "sub-blocks of kept layers only.")
+        if block not in SUBBLOCK_KINDS:
+            raise GhostedError(f"A sub-block is {' or '.join(SUBBLOCK_KINDS)}, got {block!r}.")
+        record = {"layer": kept.index(layer), "original_layer": layer, "block": block,
+                  "module": getattr(family, block).attribute(layers[layer]), "outputs": int(outputs), "fit": {}}
+        out.append((record, _validate_ghost_tensor(value, (hidden, hidden), "Map", f"the {block} of layer {layer}",
+                                                   "hidden size x hidden size", dtype)))
+    return out
 
 
 def fold_into_mlp_writers(model: GhostedForCausalLM, dense_layer: int, transform: torch.Tensor) -> str:
@@ -339,6 +384,7 @@ def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
     keeps the original matrix). Shares the tensors it does not change with `model`."""
     from transformers import AutoModelForCausalLM
 
+    refuse_subblocks(model, "A stock checkpoint")
     folds = []
     for boundary in model.config.ghost_boundaries:
         name = ghost_tensor_key(boundary)

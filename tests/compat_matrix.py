@@ -7,7 +7,8 @@
 2. with the current code, in this process, saves tiny random Llama, Qwen2 (mixed sliding-window layers) and
    Qwen3 (tied embeddings) ghosted models, each with a boundary feeding layer 0, one in the middle and one
    feeding the final norm (removed layers 0, 2, 3, 5 of 6; Qwen2's first and last also with a normed term,
-   format 1.1), plus reference logits, greedy tokens and loss;
+   format 1.1; Llama's and Qwen2's with replaced sub-blocks, format 1.2), plus reference logits, greedy tokens
+   (generated with the KV cache) and loss;
 3. per version, runs compat_child.py once in that venv, without ghosted_hf and offline;
 4. prints a markdown table versions x checks and exits 1 if any check failed.
 """
@@ -100,7 +101,11 @@ def save_fixtures(out: Path) -> dict:
         operators = {s: torch.eye(HIDDEN) + 0.2 * torch.randn(HIDDEN, HIDDEN, generator=g) for s in (0, 2, 5)}
         # qwen2 also carries normed terms (format 1.1) at two of its boundaries.
         normed = ({s: 0.1 * torch.randn(HIDDEN, HIDDEN, generator=g) for s in (0, 5)} if name == "qwen2" else None)
-        model = prune_layers(dense, REMOVED, operators, operator_kind="ghost", normed=normed).eval()
+        # llama and qwen2 also replace sub-blocks (format 1.2): the attention of the first kept layer (where the
+        # cache's length is read) or of a sliding-window layer, and an MLP.
+        subblocks = {"llama": {(1, "attention"): 2, (4, "mlp"): 0}, "qwen2": {(4, "attention"): 2}}.get(name, {})
+        subblocks = {key: (0.1 * torch.randn(HIDDEN, HIDDEN, generator=g), outputs) for key, outputs in subblocks.items()}
+        model = prune_layers(dense, REMOVED, operators, operator_kind="ghost", normed=normed, subblocks=subblocks).eval()
         folder = out / name
         model.save_pretrained(folder)
         char_tokenizer().save_pretrained(folder)

@@ -14,7 +14,7 @@ LAYERS = {
     1: {"data", "assets", "distributed", "checkpoint", "corpus", "distillation"},
     2: {"statistics.declarations", "statistics.plan", "statistics.store", "statistics.origin", "statistics.capture",
         "statistics.accumulate", "statistics.passes", "statistics.layerwise", "statistics.__init__"},
-    3: {"operators", "selection"},
+    3: {"operators", "selection", "subblocks"},
     4: {"surgery"},
     5: {"summary", "card", "hub", "loading", "evaluate", "files"},
     6: {"options", "recipe", "export", "llamacpp", "healing", "demo"},

@@ -150,7 +150,8 @@ def test_help_shows_defaults(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["prune", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "Number of decoder layers to remove (ignored with --criterion manual). (default: 8)" in out
+    assert "Number of decoder layers to remove (ignored with --criterion manual, --remove and --num-parameters). " \
+        "(default: 8)" in out
     assert "all on the dense model (independent, as in the paper). (default: sequential)" in out
     assert "(default: None)" in out and "(None: the model's first). (default: None)" in out
 

@@ -72,7 +72,7 @@ def cli_page() -> str:
             if action.choices and not isinstance(action, argparse._SubParsersAction):
                 flag += " {" + ",".join(map(str, action.choices)) + "}"
             default = "required" if action.required else f"`{action.default!r}`"
-            lines.append(f"| `{flag}` | {default} | {(action.help or '').replace('|', chr(92) + '|')} |")
+            lines.append(f"| `{flag}` | {default} | {(action.help or '').replace('%%', '%').replace('|', chr(92) + '|')} |")
         lines.append("")
     return "\n".join(lines)
 

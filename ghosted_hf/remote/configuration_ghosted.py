@@ -4,9 +4,9 @@ This file is copied next to the weights and loaded with ``trust_remote_code=True
 standard library and transformers.
 
 A ghosted model is a decoder-only causal LM of a family transformers ships (its `text_config`) with whole layers
-removed. At each
-pruning boundary a C x C operator ``W`` maps the residual stream that reaches the first surviving layer
-(or the final norm, when the last layers were removed) as ``x -> x @ W``. The saved format is specified in
+removed, attention or MLP sub-blocks replaced, or both. At each pruning boundary a C x C operator ``W`` maps the
+residual stream that reaches the first surviving layer (or the final norm, when the last layers were removed) as
+``x -> x @ W``; a replaced sub-block is a C x C map ``A`` of the input it read, ``h -> h @ A``, in its place. The saved format is specified in
 docs/reference/format.md; `ghost_format_version` says which version a checkpoint follows.
 """
 
@@ -26,10 +26,12 @@ NORM_TARGET = "norm"
 LAYER_TARGET = "layer"
 # The saved format's version, "MAJOR.MINOR". This code reads every checkpoint of its major version (a minor
 # version only adds what older readers may ignore) and refuses a newer major version.
-FORMAT_VERSION = "1.1"
+FORMAT_VERSION = "1.2"
 # 1.1 adds the normed term of a boundary, ``x -> x @ operator + n(x) @ normed`` with n(x) = x / rms(x), read with
 # this epsilon (fitted with it too: part of the format, not of the base model).
 NORMED_EPS = 1e-6
+# 1.2 adds replaced sub-blocks (`ghost_subblocks`): the attention or MLP module of a kept layer is a linear map.
+SUBBLOCK_KINDS = ("attention", "mlp")
 _READY = "_ghosted_init_done"
 
 
@@ -54,6 +56,11 @@ class GhostedConfig(PretrainedConfig):
         operator_dtype (`str`):
             Storage and compute dtype of the operators, `"float32"` (default, whatever the model dtype) or
             `"bfloat16"`.
+        ghost_subblocks (`list[dict]`):
+            Format 1.2: one record per replaced sub-block of a kept layer: `layer` (its index in the pruned model),
+            `original_layer` (in the dense model), `block` (`"attention"` or `"mlp"`), `module` (the attribute of the
+            layer it replaces, e.g. `"self_attn"`), `outputs` (how many values the module returned: 0 for a bare
+            tensor), `sha256` of the map's bytes and free-form `fit` figures.
         ghost_provenance (`dict`):
             How the operators were obtained (selection, calibration data and hash, solver settings, versions).
         ghost_format_version (`str`):
@@ -75,6 +82,7 @@ class GhostedConfig(PretrainedConfig):
         ghost_boundaries: list[dict[str, Any]] | None = None,
         operator_dtype: str = "float32",
         ghost_provenance: dict[str, Any] | None = None,
+        ghost_subblocks: list[dict[str, Any]] | None = None,
         ghost_format_version: str = "1.0",  # a config.json written before the field existed is 1.0
         **kwargs: Any,
     ) -> None:
@@ -86,6 +94,7 @@ class GhostedConfig(PretrainedConfig):
         self.ghost_boundaries = [dict(b) for b in (ghost_boundaries or [])]
         self.operator_dtype = operator_dtype
         self.ghost_provenance = dict(ghost_provenance or {})
+        self.ghost_subblocks = [dict(b) for b in (ghost_subblocks or [])]
         self.ghost_format_version = ghost_format_version
         tie = kwargs.pop("tie_word_embeddings", None)
         super().__init__(**kwargs)
@@ -142,6 +151,7 @@ class GhostedConfig(PretrainedConfig):
         for b in self.ghost_boundaries:
             if not isinstance(b.get("normed", False), bool):
                 raise ValueError(f"ghost_boundaries: `normed` must be true or false, got {b['normed']!r}.")
+        check_subblocks(self.ghost_subblocks, original=[i for i in range(total) if i not in set(removed)])
         found = [(b.get("target"), b.get("layer"), list(b.get("removed", []))) for b in self.ghost_boundaries]
         expected = expected_boundaries(total, removed)
         if found != [(b["target"], b["layer"], b["removed"]) for b in expected]:
@@ -182,10 +192,36 @@ def check_format_version(version: Any) -> None:
                          "ghosted_hf imported).")
 
 
-def required_format_version(boundaries: list[dict[str, Any]]) -> str:
-    """The oldest format version that describes these boundaries: 1.1 where one has a normed term, else 1.0
-    (which every 1.x reader loads)."""
+def required_format_version(boundaries: list[dict[str, Any]], subblocks: list[dict[str, Any]] = ()) -> str:
+    """The oldest format version that describes a checkpoint: 1.2 with replaced sub-blocks, 1.1 where a boundary
+    has a normed term, else 1.0 (which every 1.x reader loads)."""
+    if subblocks:
+        return "1.2"
     return "1.1" if any(b.get("normed") for b in boundaries) else "1.0"
+
+
+def check_subblocks(records: list[dict[str, Any]], original: list[int]) -> None:
+    """Raise a ValueError naming the problem in `ghost_subblocks` records (`original`: the dense index of each kept
+    layer)."""
+    seen = set()
+    for record in records:
+        layer, block, module = record.get("layer"), record.get("block"), record.get("module")
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < len(original):
+            raise ValueError(f"ghost_subblocks: layer must be a kept layer's index in [0, {len(original)}), got "
+                             f"{layer!r}.")
+        if block not in SUBBLOCK_KINDS:
+            raise ValueError(f"ghost_subblocks: block must be one of {SUBBLOCK_KINDS}, got {block!r}.")
+        if not isinstance(module, str) or not module.isidentifier():
+            raise ValueError(f"ghost_subblocks: module must name the layer's attribute it replaces, got {module!r}.")
+        if record.get("original_layer", original[layer]) != original[layer]:
+            raise ValueError(f"ghost_subblocks: pruned layer {layer} is dense layer {original[layer]}, but the record "
+                             f"says {record['original_layer']}.")
+        outputs = record.get("outputs", 0)
+        if not isinstance(outputs, int) or isinstance(outputs, bool) or outputs < 0:
+            raise ValueError(f"ghost_subblocks: outputs must be a count (0 for a bare tensor), got {outputs!r}.")
+        if (layer, block) in seen:
+            raise ValueError(f"ghost_subblocks: the {block} of layer {layer} is listed twice.")
+        seen.add((layer, block))
 
 
 def expected_boundaries(total_layers: int, removed: list[int]) -> list[dict[str, Any]]:

@@ -9,8 +9,10 @@ Weight layout (``model.safetensors``): the base decoder keeps its standard names
 the tensor ``model.layers.{i}.ghost.operator`` (applied to the hidden state entering pruned-model layer
 ``i``) or ``model.norm.ghost.operator`` (applied before the final norm), of shape (C, C), used as
 ``x -> x @ operator``. A boundary marked `normed` (format 1.1) also has ``....ghost.normed`` and maps
-``x -> x @ operator + n(x) @ normed``, n(x) = x / sqrt(mean(x^2) + NORMED_EPS). config.json records each
-tensor's sha256 and the format version (docs/reference/format.md).
+``x -> x @ operator + n(x) @ normed``, n(x) = x / sqrt(mean(x^2) + NORMED_EPS). A replaced sub-block (format 1.2)
+is the tensor ``model.layers.{i}.{module}.ghost.operator`` (e.g. ``model.layers.3.self_attn.ghost.operator``): the
+module returns ``h @ operator`` for the input ``h`` it was given, and an attention-free layer stores no keys or values
+in the KV cache. config.json records each tensor's sha256 and the format version (docs/reference/format.md).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, LlamaForCausalLM, PreTrainedModel
 
 from .configuration_ghosted import LAYER_TARGET, NORMED_EPS, OPERATOR_DTYPES, GhostedConfig, required_format_version
+
+try:  # transformers >= 4.56: a cache is a list of layers
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # pragma: no cover
+    DynamicLayer = None
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +83,9 @@ def operator_sha256(operator: torch.Tensor, dtype: str) -> str:
 
 
 def ghost_tensor_key(boundary: dict[str, Any], param: str = GHOST_PARAM) -> str:
-    """State-dict key of a boundary's operator (or of its other tensor `param`)."""
+    """State-dict key of a boundary's operator (or of its other tensor `param`), or of a replaced sub-block's map."""
+    if "block" in boundary:
+        return f"model.layers.{boundary['layer']}.{boundary['module']}.{GHOST_MODULE}.{param}"
     if boundary["target"] == LAYER_TARGET:
         return f"model.layers.{boundary['layer']}.{GHOST_MODULE}.{param}"
     return f"model.norm.{GHOST_MODULE}.{param}"
@@ -88,6 +97,11 @@ def ghost_tensor_keys(boundary: dict[str, Any]) -> dict[str, str]:
     if boundary.get("normed"):
         keys["normed_sha256"] = ghost_tensor_key(boundary, GHOST_NORMED)
     return keys
+
+
+def ghost_records(config: GhostedConfig) -> list[dict[str, Any]]:
+    """Every record that owns ghost tensors: the boundaries, then the replaced sub-blocks."""
+    return [*config.ghost_boundaries, *getattr(config, "ghost_subblocks", [])]
 
 
 # What `save_pretrained` writes; files of an earlier save matching these never survive into a new one.
@@ -255,6 +269,62 @@ class GhostOperator(nn.Module):
         return f"{self.operator.shape[0]}, dtype={self.operator.dtype}{normed}"
 
 
+class GhostMap(GhostOperator):
+    """The map that stands in for a removed sub-block (a freshly built one is zero: the sub-block removed)."""
+
+
+if DynamicLayer is not None:
+    class _PositionOnlyLayer(DynamicLayer):
+        """A KV-cache layer of an attention-free layer: it is given zero-width keys and values, so it holds no bytes,
+        and reads its length off their shape (the parent counts elements, which are none): masks and positions
+        that transformers reads from this layer stay right."""
+
+        def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+            keys = getattr(self, "keys", None)
+            return int(keys.shape[-2]) if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
+
+
+class SubBlockBypass(nn.Module):
+    """A removed attention or MLP sub-block: returns ``h @ A`` for the input ``h`` it is given (its norm's output, or
+    the stream in post-norm families), shaped as the sub-block's output was (`outputs` values, the rest None).
+
+    The map is the child `ghost` (its tensor ``....ghost.operator``). In place of attention it gives the KV cache
+    zero-width keys and values, so the cache's length (positions, masks) stays right and holds no bytes for it."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, block: str, layer_idx: int, outputs: int) -> None:
+        super().__init__()
+        self.ghost = GhostMap(hidden_size, dtype)
+        self.block, self.layer_idx, self.outputs = block, layer_idx, outputs
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden_states = args[0] if args else kwargs["hidden_states"]
+        if self.block == "attention":
+            self._track_positions(hidden_states, kwargs)
+        mapped = self.ghost(hidden_states)
+        return (mapped, *([None] * (self.outputs - 1))) if self.outputs else mapped
+
+    def _track_positions(self, hidden_states: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        # the KV cache, by this transformers' name for it (5.25 renamed past_key_values to cache)
+        cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None),
+                     None)
+        layers = getattr(cache, "layers", None)
+        if cache is None or not callable(getattr(cache, "update", None)):
+            return
+        if layers is not None and self.layer_idx < len(layers) and not callable(getattr(layers[self.layer_idx], "update", None)):
+            # a linear-attention layer (transformers >= 5.25): no state to keep, only the length it reports
+            length = getattr(layers[self.layer_idx], "cumulative_length_linear", None)
+            if isinstance(length, torch.Tensor):
+                length.add_(hidden_states.shape[1])
+            return
+        empty = hidden_states.new_zeros((hidden_states.shape[0], 0, hidden_states.shape[1], 0))
+        cache.update(empty, empty, self.layer_idx, {"cache_position": kwargs.get("cache_position")})
+        if DynamicLayer is not None and layers is not None and type(layers[self.layer_idx]) is DynamicLayer:
+            layers[self.layer_idx].__class__ = _PositionOnlyLayer
+
+    def extra_repr(self) -> str:
+        return f"{self.block} replaced by a linear map"
+
+
 _EMBEDDING = "model.embed_tokens.weight"
 
 
@@ -357,7 +427,9 @@ class GhostedPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         # A freshly built model is the plainly pruned one. Loading never relies on this: `from_pretrained`
         # refuses checkpoints whose operators are missing.
-        if isinstance(module, GhostOperator):
+        if isinstance(module, GhostMap):
+            nn.init.zeros_(module.operator)
+        elif isinstance(module, GhostOperator):
             nn.init.eye_(module.operator)
             if module.normed is not None:
                 nn.init.zeros_(module.normed)
@@ -382,11 +454,18 @@ class GhostedPreTrainedModel(PreTrainedModel):
             parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size, operator_dtype,
                                                           normed=bool(boundary.get("normed"))))
             parent.register_forward_pre_hook(apply_ghost_operator, with_kwargs=True)
+        for record in config.ghost_subblocks:
+            layer = self.model.layers[record["layer"]]
+            if not isinstance(getattr(layer, record["module"], None), nn.Module):
+                raise ValueError(f"Layer {record['layer']} ({type(layer).__name__}) has no sub-block "
+                                 f"{record['module']!r} to replace: the config does not match this model family.")
+            setattr(layer, record["module"], SubBlockBypass(text_config.hidden_size, operator_dtype, record["block"],
+                                                            record["layer"], record.get("outputs", 0)))
 
     def ghost_operators(self) -> dict[str, nn.Parameter]:
-        """Every ghost tensor (each boundary's operator, and its normed term where it has one), keyed by its
-        state-dict name."""
-        return {key: self.get_parameter(key) for b in self.config.ghost_boundaries for key in ghost_tensor_keys(b).values()}
+        """Every ghost tensor (each boundary's operator and its normed term where it has one, each replaced
+        sub-block's map), keyed by its state-dict name."""
+        return {key: self.get_parameter(key) for b in ghost_records(self.config) for key in ghost_tensor_keys(b).values()}
 
     def operator_value_problems(self, require_hashes: bool = False) -> list[str]:
         """What is wrong with the operators' values: non-finite in the storage dtype, not the bytes whose
@@ -394,7 +473,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
         at all. Empty when they are sound."""
         problems = []
         storage = self.config.operator_dtype
-        recorded = {key: b.get(field) for b in self.config.ghost_boundaries for field, key in ghost_tensor_keys(b).items()}
+        recorded = {key: b.get(field) for b in ghost_records(self.config) for field, key in ghost_tensor_keys(b).items()}
         for name, operator in self.ghost_operators().items():
             if operator.device.type == "meta":  # offloaded (device_map with disk or CPU offload): read it back
                 operator = _offloaded_value(self, name)
@@ -431,20 +510,23 @@ class GhostedPreTrainedModel(PreTrainedModel):
             )
         if dtypes:
             self.config.operator_dtype = dtypes.pop()
-        boundaries = []
-        for boundary in self.config.ghost_boundaries:
-            boundary = dict(boundary)
-            for field, name in ghost_tensor_keys(boundary).items():
-                operator = operators[name]
-                if operator.device.type == "meta":  # offloaded: hash the value its hook reads back
-                    operator = _offloaded_value(self, name)
-                    if operator is None:
-                        raise ValueError(f"Cannot save {name}: it is offloaded where it cannot be read back. Load "
-                                         "the model without offloading the operators to save it.")
-                boundary[field] = operator_sha256(operator, self.config.operator_dtype)
-            boundaries.append(boundary)
-        self.config.ghost_boundaries = boundaries
-        self.config.ghost_format_version = required_format_version(boundaries)
+        def hashed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            records = [dict(record) for record in records]
+            for record in records:
+                for field, name in ghost_tensor_keys(record).items():
+                    operator = operators[name]
+                    if operator.device.type == "meta":  # offloaded: hash the value its hook reads back
+                        operator = _offloaded_value(self, name)
+                        if operator is None:
+                            raise ValueError(f"Cannot save {name}: it is offloaded where it cannot be read back. "
+                                             "Load the model without offloading the operators to save it.")
+                    record[field] = operator_sha256(operator, self.config.operator_dtype)
+            return records
+
+        self.config.ghost_boundaries = hashed(self.config.ghost_boundaries)
+        self.config.ghost_subblocks = hashed(self.config.ghost_subblocks)
+        self.config.ghost_format_version = required_format_version(self.config.ghost_boundaries,
+                                                                   self.config.ghost_subblocks)
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any):
         """`PreTrainedModel.save_pretrained`, all or nothing: the files are written into a sibling folder that then
@@ -593,4 +675,4 @@ def _with_family(cls: type, family: type) -> type:
     return _FAMILY_CLASSES[cls, family]
 
 
-__all__ = ["GhostedForCausalLM", "GhostedModel", "GhostedPreTrainedModel", "GhostOperator"]
+__all__ = ["GhostedForCausalLM", "GhostedModel", "GhostedPreTrainedModel", "GhostOperator", "SubBlockBypass"]

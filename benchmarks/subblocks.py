@@ -1,0 +1,121 @@
+"""Equal-budget comparison (issue #34): whole layers against attention and MLP sub-blocks, removed at a share of the
+decoder's parameters and recovered in closed form, training-free.
+
+    python benchmarks/subblocks.py --model smollm2-135m-instruct    # appends to benchmarks/results/subblocks.md
+    python benchmarks/subblocks.py --model gemma3-270m
+
+Rows per budget (12.5%, 25%, 37.5% of the decoder layers' parameters, net of the maps and operators added):
+- layers / ghost: `ghost_prune(remove=b)`, its defaults (ghost-aware contiguous layers, ghost operator);
+- layers / plain ShortGPT: the same number of layers chosen by ShortGPT, no recovery (the field's baseline);
+- sub-blocks / ghost-aware: `ghost_prune(unit="subblock", remove=b)` (measured damage per parameter saved,
+  sequential float64 fits);
+- sub-blocks / fit residual: the same maps and fits, the sub-blocks ranked by their own fit's relative residual
+  (what the probe found misleading), for the criterion's sake.
+Scored on held-out text of two sources: the packaged Wikipedia evaluation articles and gensim's news articles
+(32 windows of 512 each), as the perplexity ratio to the dense model; LAMBADA (first 500 items); the KV-cache bytes
+per token in bf16 (measured from a cache); parameters removed net of what was added; wall seconds of the prune. Calibration: 64
+windows of 512 tokens of the Wikipedia calibration articles for every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ghosted_hf import assets, ghost_prune
+from ghosted_hf import subblocks as sb
+from ghosted_hf.data import tokenize_texts
+from ghosted_hf.evaluate import lambada, perplexity
+from ghosted_hf.loading import NO_HUB_KERNELS
+from ghosted_hf.options import budget_share
+from ghosted_hf.recipe import decoder_parameters
+
+CALIBRATION = dict(seq_len=512, num_sequences=64, batch_size=4)
+
+
+def kv_bytes_per_token(model, tokenizer) -> int:
+    """The KV-cache bytes one token adds in bf16, measured: a forward over a short text (within every sliding window)
+    and the elements its cache holds, at 2 bytes each."""
+    ids = tokenizer("The cache holds keys and values for every layer that still attends.", return_tensors="pt")
+    with torch.no_grad():
+        cache = model(**ids, use_cache=True).past_key_values
+    total = sum(t.numel() * 2 for layer in cache.layers for t in (getattr(layer, "keys", None),
+                                                                   getattr(layer, "values", None)) if t is not None)
+    return total // ids["input_ids"].shape[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=assets.DEFAULT_MODEL)
+    parser.add_argument("--budgets", nargs="+", default=["12.5%", "25%", "37.5%"])
+    parser.add_argument("--lambada", type=int, default=500, help="LAMBADA items scored")
+    parser.add_argument("--output", default="benchmarks/results/subblocks.md")
+    args = parser.parse_args()
+    folder = assets.resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **NO_HUB_KERNELS).eval()
+
+    calibration = assets.wikipedia_split("calibration")
+    held_out = {name: tokenize_texts(tokenizer, texts, 512, 32, batch_size=4).batches
+                for name, texts in (("wiki", assets.wikipedia_split("evaluation")), ("news", assets.news_articles()))}
+    dense = load()
+    total = decoder_parameters(dense)
+    width = dense.config.hidden_size
+
+    def score(model) -> dict[str, float]:
+        return {**{name: perplexity(model, batches, progress=False) for name, batches in held_out.items()},
+                "lambada": lambada(model, tokenizer, args.lambada, progress=False)["accuracy"],
+                "kv": kv_bytes_per_token(model, tokenizer)}
+
+    reference = score(dense)
+    # The residual ranking's maps: every sub-block fitted once on the dense model.
+    batches = tokenize_texts(tokenizer, calibration, **CALIBRATION).batches
+    sums = sb.collect(dense, batches, sb.all_subblocks(dense.config.num_hidden_layers), "every sub-block")
+    residual = {ref: sb.fit_map(ref, s, 1e-6).figures["relative_residual"] for ref, s in sums.items()}
+    saved = {ref: sb.subblock_parameters(dense, ref) - width * width for ref in residual}
+    del dense, sums
+
+    lines = [f"## {args.model} ({time.strftime('%Y-%m-%d')}): {total / 1e6:.1f} M decoder-layer parameters; dense "
+             f"perplexity wiki {reference['wiki']:.2f}, news {reference['news']:.2f}, LAMBADA {reference['lambada']:.3f}, "
+             f"KV {reference['kv']} B/token", "",
+             "| budget | unit / selection | removed (net) | wiki ppl ratio | news ppl ratio | LAMBADA | KV B/token | what | s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for budget in args.budgets:
+        target = round(budget_share(budget) * total)
+        runs = {
+            "layers / ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget, **CALIBRATION),
+            "layers / plain ShortGPT": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
+                                                            criterion="shortgpt", operator="none", **CALIBRATION),
+            "sub-blocks / ghost-aware": lambda: ghost_prune(load(), tokenizer, calibration, unit="subblock",
+                                                            remove=budget, **CALIBRATION),
+            "sub-blocks / fit residual": lambda: ghost_prune(
+                load(), tokenizer, calibration, unit="subblock", criterion="manual",
+                subblocks=[r.name for r in sb.choose_to_budget(residual, saved, target)], **CALIBRATION),
+        }
+        for name, run in runs.items():
+            started = time.perf_counter()
+            model = run().eval()
+            seconds = time.perf_counter() - started
+            provenance = model.config.ghost_provenance  # a stock export (operator none) keeps it too
+            removed_net = provenance["parameters"]["dense"] - provenance["parameters"]["pruned"] - \
+                provenance["parameters"].get("operators", 0)
+            what = ", ".join(provenance["selection"].get("subblocks") or [str(provenance["selection"]["removed"])])
+            result = score(model)
+            lines.append(f"| {budget} | {name} | {removed_net / 1e6:.2f} M ({removed_net / total:.1%}) | "
+                         f"{result['wiki'] / reference['wiki']:.3f} | {result['news'] / reference['news']:.3f} | "
+                         f"{result['lambada']:.3f} | {result['kv']} | {what} | {seconds:.0f} |")
+            print(lines[-1], flush=True)
+            del model
+    with Path(args.output).open("a") as handle:
+        handle.write(f"\n`python benchmarks/subblocks.py --model {args.model}`\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Sub-blocks as the unit of removal: attention and MLP sub-blocks replaced by closed-form linear maps (format 1.2)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from ghosted_hf import GhostedError, ghost_prune, prune_layers, to_stock_model
+from ghosted_hf import subblocks as sb
+from ghosted_hf.architectures import ARCHITECTURES, decoder_layers
+from ghosted_hf.recipe import decoder_parameters
+from ghosted_hf.remote.configuration_ghosted import GhostedConfig
+from ghosted_hf.remote.modeling_ghosted import SubBlockBypass
+
+from isolated import assert_loads_with_same_logits
+from tiny import HIDDEN, build, char_tokenizer, texts, tiny_family
+
+CALIBRATION = dict(num_sequences=8, seq_len=64, batch_size=4)
+FAMILIES = sorted(ARCHITECTURES)
+
+
+def replaced_model(dense, names):
+    return ghost_prune(dense, char_tokenizer(), texts(), unit="subblock", criterion="manual", subblocks=names,
+                       **CALIBRATION)
+
+
+def check_cache_and_reload(model, tmp_path, names) -> None:
+    """Greedy generation with the cache equals it without; attention-free layers hold no cache bytes; a reload
+    through the remote code gives the same logits."""
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    cached = model.generate(ids, max_new_tokens=6, do_sample=False)
+    uncached = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    assert cache.get_seq_length() == ids.shape[1]
+    free = {r["layer"] for r in model.config.ghost_subblocks if r["block"] == "attention"}
+    for i, layer in enumerate(getattr(cache, "layers", [])):
+        keys = getattr(layer, "keys", None)
+        if i in free and keys is not None:
+            assert keys.numel() == 0 and layer.values.numel() == 0
+    model.save_pretrained(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["ghost_format_version"] == "1.2"
+    assert [f"{r['original_layer']}.{r['block']}" for r in config["ghost_subblocks"]] == names
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", trust_remote_code=True)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_replaced_subblocks_generate_with_an_empty_cache_entry_and_reload(arch, tmp_path) -> None:
+    # qwen2: sliding-window layers from layer 2 on; layer 0's attention replaced (the cache's length is read there)
+    names = ["0.attention", "2.attention", "3.mlp"]
+    model = replaced_model(build(arch), names)
+    assert [type(decoder_layers(model)[r["layer"]].get_submodule(r["module"])) for r in model.config.ghost_subblocks] \
+        == [SubBlockBypass] * 3
+    check_cache_and_reload(model, tmp_path, names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_every_family_replaces_subblocks(model_type, tmp_path) -> None:
+    dense = tiny_family(model_type)
+    names = ["0.attention", "1.mlp", f"{dense.config.num_hidden_layers - 1}.attention"]
+    check_cache_and_reload(replaced_model(dense, names), tmp_path, names)
+
+
+def test_a_subblock_model_loads_without_ghosted_hf(tmp_path) -> None:
+    model = replaced_model(build("llama"), ["1.attention", "4.mlp"])
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.randint(3, 100, (2, 7))
+    printed = assert_loads_with_same_logits(tmp_path / "model", model,
+                                            {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path)
+    assert "GhostedForCausalLM" in printed
+
+
+def captured(model, name: str, batches) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, outputs) of one sub-block over the real tokens, float64."""
+    ref = sb.parse_subblock(name)
+    layer, attribute = sb.slot(model, ref)
+    rows_in, rows_out = [], []
+
+    def hook(module, args, kwargs, output):
+        h = args[0] if args else kwargs["hidden_states"]
+        y = output[0] if isinstance(output, tuple) else output
+        rows_in.append(h.reshape(-1, HIDDEN).double())
+        rows_out.append(y.reshape(-1, HIDDEN).double())
+
+    handle = getattr(layer, attribute).register_forward_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch, use_cache=False)
+    handle.remove()
+    keep = torch.cat([b["attention_mask"].flatten().bool() for b in batches])
+    return torch.cat(rows_in)[keep], torch.cat(rows_out)[keep]
+
+
+def test_maps_are_least_squares_fits_down_the_network() -> None:
+    from ghosted_hf.data import tokenize_texts
+
+    dense = build("llama")
+    batches = tokenize_texts(char_tokenizer(), texts(), 64, 8, 4).batches
+    model = replaced_model(copy.deepcopy(dense), ["1.mlp", "3.attention"])
+    first, second = (model.get_parameter(f"model.layers.{r['layer']}.{r['module']}.ghost.operator").double()
+                     for r in model.config.ghost_subblocks)
+    # the first on the dense model, the second on the model whose first sub-block is already its map
+    h, y = captured(dense, "1.mlp", batches)
+    torch.testing.assert_close(first, torch.linalg.lstsq(h, y).solution, atol=2e-3, rtol=2e-3)
+    sb.install(dense, sb.SubBlockFit(sb.parse_subblock("1.mlp"), first, 0))
+    h, y = captured(dense, "3.attention", batches)
+    torch.testing.assert_close(second, torch.linalg.lstsq(h, y).solution, atol=2e-3, rtol=2e-3)
+    fitted_on = [r["fit"]["fitted_on"] for r in model.config.ghost_subblocks]
+    assert fitted_on == ["dense model", "model with the sub-blocks before it replaced"]
+
+
+def test_the_budget_is_met_with_the_least_measured_damage() -> None:
+    dense = build("llama")
+    total = decoder_parameters(dense)
+    model = ghost_prune(copy.deepcopy(dense), char_tokenizer(), texts(), unit="subblock", remove="30%", **CALIBRATION)
+    selection = model.config.ghost_provenance["selection"]
+    damage = {sb.parse_subblock(k): v for k, v in selection["scores"].items()}
+    assert len(damage) == 2 * dense.config.num_hidden_layers
+    saved = {ref: sb.subblock_parameters(dense, ref) - HIDDEN * HIDDEN for ref in damage}
+    assert selection["subblocks"] == [r.name for r in sb.choose_to_budget(damage, saved, round(0.3 * total))]
+    parameters = model.config.ghost_provenance["parameters"]
+    removed = parameters["dense"] - parameters["pruned"] - parameters["operators"]
+    assert removed >= 0.3 * total
+    # dropping the last chosen one would miss the budget: nothing more is removed than it takes
+    assert removed - max(saved[sb.parse_subblock(n)] for n in selection["subblocks"]) < 0.3 * total
+
+
+def test_choose_to_budget_takes_the_least_damage_per_parameter() -> None:
+    a, b, c = (sb.SubBlockRef(i, "mlp") for i in range(3))
+    assert sb.choose_to_budget({a: 1.0, b: 0.5, c: 0.02}, {a: 10, b: 10, c: 1}, 11) == [b, c]
+    assert sb.choose_to_budget({a: -0.1, b: 0.5, c: 0.1}, {a: 10, b: 10, c: 1}, 5) == [a]
+    with pytest.raises(GhostedError, match="short of"):
+        sb.choose_to_budget({a: 0.0}, {a: 10}, 11)
+
+
+def test_a_share_of_parameters_sets_the_number_of_whole_layers() -> None:
+    dense = build("llama")
+    per_layer = decoder_parameters(dense) / dense.config.num_hidden_layers
+    model = ghost_prune(copy.deepcopy(dense), char_tokenizer(), texts(), remove="25%", **CALIBRATION)
+    # the fewest layers whose parameters, net of one C x C operator, reach a quarter of the decoder's
+    expected = next(n for n in range(1, 6) if n * per_layer - HIDDEN * HIDDEN >= 0.25 * 6 * per_layer)
+    assert len(model.config.removed_layers) == expected
+    model = ghost_prune(copy.deepcopy(dense), char_tokenizer(), texts(), num_parameters=int(per_layer), **CALIBRATION)
+    assert len(model.config.removed_layers) == 2
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(unit="subblock"), "parameter budget"),
+    (dict(unit="subblock", criterion="shortgpt", remove="25%"), "criterion"),
+    (dict(unit="subblock", criterion="manual"), "needs the sub-blocks"),
+    (dict(unit="subblock", remove="25%", operator="normed"), "defaults"),
+    (dict(unit="subblock", criterion="manual", subblocks=["1.mlp"], remove="25%"), "budget"),
+    (dict(unit="subblock", criterion="manual", layers=[1], subblocks=["1.mlp"]), "whole layers"),
+    (dict(subblocks=["1.mlp"]), "unit='subblock'"),
+    (dict(remove="125%"), "share"),
+    (dict(remove="a lot"), "share"),
+    (dict(remove="25%", num_parameters=10), "not both"),
+    (dict(unit="subblock", criterion="manual", subblocks=["1.attn"]), "LAYER.KIND"),
+    (dict(unit="subblock", criterion="manual", subblocks=["9.mlp"]), "out of range"),
+    (dict(unit="subblock", criterion="manual", subblocks=["1.mlp", "1.mlp"]), "more than once"),
+])
+def test_bad_subblock_requests_are_refused_by_name(overrides, message) -> None:
+    with pytest.raises(GhostedError, match=message):
+        ghost_prune(build("llama"), char_tokenizer(), texts(), **CALIBRATION, **overrides)
+
+
+def test_a_budget_no_replacement_reaches_is_refused() -> None:
+    with pytest.raises(GhostedError, match="short of"):
+        ghost_prune(build("llama"), char_tokenizer(), texts(), unit="subblock", remove="95%", **CALIBRATION)
+
+
+def test_a_removed_layer_has_no_subblock_to_replace() -> None:
+    with pytest.raises(GhostedError, match="removed whole"):
+        prune_layers(build("llama"), [2], subblocks={(2, "mlp"): (torch.zeros(HIDDEN, HIDDEN), 0)})
+
+
+def test_whole_layers_and_subblocks_in_one_model(tmp_path) -> None:
+    model = prune_layers(build("llama"), [2, 3], {2: torch.eye(HIDDEN) * 1.1},
+                         subblocks={(4, "attention"): (torch.randn(HIDDEN, HIDDEN) * 0.1, 2),
+                                    (0, "mlp"): (torch.randn(HIDDEN, HIDDEN) * 0.1, 0)})
+    assert [(r["layer"], r["original_layer"], r["block"]) for r in model.config.ghost_subblocks] == \
+        [(0, 0, "mlp"), (2, 4, "attention")]
+    check_cache_and_reload(model, tmp_path, ["0.mlp", "4.attention"])
+
+
+def saved_subblock_model(tmp_path):
+    model = replaced_model(build("llama"), ["1.attention", "4.mlp"])
+    model.save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def test_a_checkpoint_missing_a_map_is_refused(tmp_path) -> None:
+    folder = saved_subblock_model(tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.4.mlp.ghost.operator"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="operator tensors missing.*layers.4.mlp.ghost"):
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+
+
+def test_an_altered_map_is_refused(tmp_path) -> None:
+    folder = saved_subblock_model(tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.self_attn.ghost.operator"][0, 0] += 1
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="self_attn.ghost.operator does not match the sha256"):
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+
+
+@pytest.mark.parametrize(("record", "message"), [
+    ({"layer": 9, "block": "mlp", "module": "mlp"}, "kept layer"),
+    ({"layer": 1, "block": "ffn", "module": "mlp"}, "block must be"),
+    ({"layer": 1, "block": "mlp", "module": "mlp; rm"}, "module must"),
+    ({"layer": 1, "block": "mlp", "module": "mlp", "original_layer": 3}, "dense layer 1"),
+    ({"layer": 1, "block": "mlp", "module": "mlp", "outputs": -1}, "outputs"),
+])
+def test_contradictory_subblock_records_are_refused(record, message) -> None:
+    config = GhostedConfig(text_config=build("llama").config.to_dict(), ghost_subblocks=[record])
+    with pytest.raises(ValueError, match=message):
+        config.validate_ghost_layout()
+    twice = GhostedConfig(text_config=build("llama").config.to_dict(),
+                          ghost_subblocks=[{"layer": 1, "block": "mlp", "module": "mlp"}] * 2)
+    with pytest.raises(ValueError, match="listed twice"):
+        twice.validate_ghost_layout()
+
+
+def test_stock_exports_refuse_replaced_subblocks() -> None:
+    model = replaced_model(build("llama"), ["2.mlp"])
+    with pytest.raises(GhostedError, match="cannot hold replaced sub-blocks \\(2.mlp"):
+        to_stock_model(model)
+
+
+def test_the_cli_prunes_sub_blocks_at_a_budget_and_inspect_and_the_card_say_so(dense_folder, tmp_path, capsys) -> None:
+    from ghosted_hf.cli import main
+    from ghosted_hf.files import verify_folder
+
+    assert main(["prune", str(dense_folder), "--calibration", str(tmp_path / "cal.txt"), "--unit", "subblock",
+                 "--remove", "20%", "--seq-len", "64", "--num-sequences", "8", "--output", str(tmp_path / "out")]) == 0
+    config = verify_folder(tmp_path / "out")  # every map present and the bytes its sha256 says
+    chosen = config["ghost_provenance"]["selection"]["subblocks"]
+    assert chosen == [f"{r['original_layer']}.{r['block']}" for r in config["ghost_subblocks"]]
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    shown = capsys.readouterr().out
+    assert "sub-blocks      : replaced by a linear map of their input (format 1.2)" in shown
+    assert all(f"  {name} -> pruned layer" in shown for name in chosen)
+    assert "recovery        : linear map of each replaced sub-block's input, sequential fitting" in shown
+    assert f"    {chosen[0]:>8} : " in shown and "(removed)" in shown
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"with **{len(chosen)} attention and MLP sub-blocks replaced**" in card
+    assert "### Replaced sub-blocks" in card and "### Boundaries" not in card
+    assert all(f"| {name} | pruned layer" in card for name in chosen)
+
+
+def test_verify_folder_refuses_a_sub_block_map_the_config_does_not_list(tmp_path) -> None:
+    from ghosted_hf.files import verify_folder
+
+    folder = saved_subblock_model(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["ghost_subblocks"] = config["ghost_subblocks"][:1]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(GhostedError, match="boundaries and sub-blocks for"):
+        verify_folder(folder)
