@@ -6,9 +6,14 @@ is exactly that layer, with g = 1 and Wo = A^T. The pruned base is converted by 
 (so the tokenizer metadata is what llama.cpp writes for the base model), and that GGUF is rewritten as `deci`
 with one such layer inserted where each boundary was.
 
-In deci's graph a layer of FFN width 0 drops its attention output, so each inserted layer carries an
-all-zero FFN of width `FFN_WIDTH` (the smallest that every llama.cpp quantization type accepts by falling
-back): it adds nothing to the stream and costs ~1% of a layer.
+A replaced sub-block (format 1.2) is the same block: a layer whose attention is a map ``h A`` of its normed input
+``h = RMSNorm(x) * g`` keeps its FFN and becomes a linear-attention layer with its own norm gain g and Wo = A^T (no
+KV cache); a layer whose MLP is a map keeps its attention, and the map follows it as an inserted linear-attention
+layer with the MLP's norm gain.
+
+In deci's graph a layer of FFN width 0 drops its attention output, so each inserted layer (and a layer whose MLP is
+replaced) carries an all-zero FFN of width `FFN_WIDTH` (the smallest that every llama.cpp quantization type accepts by
+falling back): it adds nothing to the stream and costs ~1% of a layer.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import logging
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +37,7 @@ from .errors import GhostedError
 from .network import check_timeout
 from .remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
 from .remote.modeling_ghosted import GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key, scratch_folder
-from .surgery import adopt_tensors, refuse_subblocks
+from .surgery import adopt_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +69,35 @@ def normed_blocks(model: GhostedForCausalLM) -> dict[int, torch.Tensor]:
     return blocks
 
 
+@dataclass
+class SubBlockMaps:
+    """The replaced sub-blocks of a model, by pruned layer: each map A (h -> h A)."""
+
+    attention: dict[int, torch.Tensor] = field(default_factory=dict)
+    mlp: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def subblock_maps(model: GhostedForCausalLM) -> SubBlockMaps:
+    """Every replaced sub-block's map, read from the model."""
+    maps = SubBlockMaps()
+    for record in getattr(model.config, "ghost_subblocks", None) or []:
+        value = model.get_parameter(ghost_tensor_key(record)).detach().float().cpu()
+        getattr(maps, record["block"])[record["layer"]] = value
+    return maps
+
+
 def pruned_base(model: GhostedForCausalLM) -> PreTrainedModel:
-    """The pruned base decoder as a stock model, without its ghost modules (shares the tensors)."""
+    """The pruned base decoder as a stock model, without its ghost modules (shares the tensors); a replaced sub-block
+    is a zero placeholder of the family's module (the converter writes it, the rewrite replaces it)."""
     with torch.device("meta"):
         stock = AutoModelForCausalLM.from_config(copy.deepcopy(model.config.text_config))
-    adopt_tensors(stock, model, lambda name: name)
+    placeholders = tuple(f"model.layers.{r['layer']}.{r['module']}." for r in getattr(model.config, "ghost_subblocks",
+                                                                                   None) or [])
+    for prefix in placeholders:
+        module = stock.get_submodule(prefix[:-1]).to_empty(device="cpu")
+        for tensor in module.parameters():
+            tensor.data.zero_()
+    adopt_tensors(stock, model, lambda name: name, skip=placeholders)
     stock.generation_config = copy.deepcopy(model.generation_config)
     return stock.eval()
 
@@ -100,19 +131,24 @@ def field_value(field: Any) -> tuple[Any, Any, Any]:
     return field.contents(), kind, sub
 
 
-def layer_order(depth: int, blocks: dict[int, torch.Tensor]) -> list[tuple[str, int]]:
-    """The new layers in order: ("block", position) before each position of `blocks`, ("layer", i) for base layer i."""
+def layer_order(depth: int, blocks: dict[int, torch.Tensor], mlp_maps: Iterable[int] = ()) -> list[tuple[str, int]]:
+    """The new layers in order: ("block", position) before each position of `blocks`, ("layer", i) for base layer i,
+    ("mlp", i) after base layer i whose MLP is a map."""
     order = []
     for i in range(depth + 1):
         if i in blocks:
             order.append(("block", i))
         if i < depth:
             order.append(("layer", i))
+            if i in set(mlp_maps):
+                order.append(("mlp", i))
     return order
 
 
-def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[str, int]]) -> None:
+def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[str, int]],
+                        maps: SubBlockMaps | None = None) -> None:
     """Every key of the llama GGUF's `fields` under `deci.`, the per-layer lists saying which layer is a block."""
+    maps = maps or SubBlockMaps()
     prefix = "llama."
     value = lambda key: int(field_value(fields[prefix + key])[0])  # noqa: E731
     heads, kv_heads, ffn = value("attention.head_count"), value("attention.head_count_kv"), value("feed_forward_length")
@@ -126,8 +162,8 @@ def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[s
         writer.add_key_value("deci." + name[len(prefix):] if name.startswith(prefix) else name, content, kind, sub_type=sub)
     writer.add_block_count(len(order))
     writer.add_head_count([heads for _ in order])
-    writer.add_head_count_kv([0 if what == "block" else kv_heads for what, _ in order])
-    writer.add_feed_forward_length([FFN_WIDTH if what == "block" else ffn for what, _ in order])
+    writer.add_head_count_kv([kv_heads if what == "layer" and i not in maps.attention else 0 for what, i in order])
+    writer.add_feed_forward_length([ffn if what == "layer" and i not in maps.mlp else FFN_WIDTH for what, i in order])
     # The base's head size where its converter wrote one (a config with head_dim != hidden / heads), else the
     # hidden size over the heads, as llama.cpp assumes for a llama file without it.
     head = lambda key: value(key) if prefix + key in fields else value("embedding_length") // heads  # noqa: E731
@@ -135,9 +171,12 @@ def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[s
     writer.add_value_length(head("attention.value_length"))
 
 
-def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], outtype: str) -> int:
+def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], outtype: str,
+                    maps: SubBlockMaps | None = None) -> int:
     """Write `output`: the llama GGUF `base` as a `deci` GGUF with a linear-attention layer inserted before each
-    position of `blocks`. Returns the new layer count."""
+    position of `blocks`, and the replaced sub-blocks of `maps` as linear-attention layers (an attention map in its
+    layer, an MLP map as a layer after it). Returns the new layer count."""
+    maps = maps or SubBlockMaps()
     import gguf
 
     reader = gguf.GGUFReader(str(base))
@@ -145,9 +184,9 @@ def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], o
     if architecture != "llama":
         raise GhostedError(f"llama.cpp converts this base model as {architecture!r}; the deci block maps only onto "
                            "the llama layout (Llama, SmolLM, Mistral). Use export-stock for a folded checkpoint.")
-    order = layer_order(int(reader.fields["llama.block_count"].contents()), blocks)
+    order = layer_order(int(reader.fields["llama.block_count"].contents()), blocks, maps.mlp)
     writer = gguf.GGUFWriter(str(output), arch="deci")
-    write_deci_metadata(writer, reader.fields, order)
+    write_deci_metadata(writer, reader.fields, order, maps)
     hidden = int(reader.fields["llama.embedding_length"].contents())
     dtype = np.float16 if outtype == "f16" else np.float32
     layer_tensors: dict[int, list[Any]] = {}
@@ -158,19 +197,42 @@ def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], o
         else:
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
     ones, zeros = np.ones(hidden, dtype=np.float32), np.zeros((FFN_WIDTH, hidden), dtype=dtype)
-    for new, (what, i) in enumerate(order):
-        if what == "layer":
-            for tensor in layer_tensors[i]:
-                suffix = tensor.name.split(".", 2)[2]
-                writer.add_tensor(f"blk.{new}.{suffix}", np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
-            continue
-        # x + n(x) A: RMSNorm with weight 1 (the format's eps is 1e-6, llama.cpp uses the model's), then Wo = A^T.
-        writer.add_tensor(f"blk.{new}.attn_norm.weight", ones)
-        writer.add_tensor(f"blk.{new}.attn_output.weight", np.ascontiguousarray(blocks[i].numpy().T.astype(dtype)))
+
+    def base_tensor(i: int, name: str) -> Any:
+        return next(t for t in layer_tensors[i] if t.name.split(".", 2)[2] == name)
+
+    def zero_ffn(new: int) -> None:
         writer.add_tensor(f"blk.{new}.ffn_norm.weight", ones)
         writer.add_tensor(f"blk.{new}.ffn_gate.weight", zeros)
         writer.add_tensor(f"blk.{new}.ffn_up.weight", zeros)
         writer.add_tensor(f"blk.{new}.ffn_down.weight", np.ascontiguousarray(zeros.T))
+
+    def linear_attention(new: int, gain: Any, a: torch.Tensor) -> None:
+        # x + (RMSNorm(x) * g) A: the norm with gain g (llama.cpp's eps is the model's), then Wo = A^T.
+        writer.add_tensor(f"blk.{new}.attn_norm.weight", np.asarray(gain.data) if gain is not None else ones,
+                          **({"raw_dtype": gain.tensor_type} if gain is not None else {}))
+        writer.add_tensor(f"blk.{new}.attn_output.weight", np.ascontiguousarray(a.numpy().T.astype(dtype)))
+
+    for new, (what, i) in enumerate(order):
+        if what == "block":  # a normed boundary: x + n(x) A, gain 1 (the format's eps is 1e-6)
+            linear_attention(new, None, blocks[i])
+            zero_ffn(new)
+        elif what == "mlp":  # layer i's MLP as a map of its normed input, after the layer's attention
+            linear_attention(new, base_tensor(i, "ffn_norm.weight"), maps.mlp[i])
+            zero_ffn(new)
+        else:
+            dropped = {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight"} \
+                if i in maps.attention else set()
+            dropped |= {"ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"} if i in maps.mlp else set()
+            for tensor in layer_tensors[i]:
+                suffix = tensor.name.split(".", 2)[2]
+                if suffix not in dropped:
+                    writer.add_tensor(f"blk.{new}.{suffix}", np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+            if i in maps.attention:
+                writer.add_tensor(f"blk.{new}.attn_output.weight",
+                                  np.ascontiguousarray(maps.attention[i].numpy().T.astype(dtype)))
+            if i in maps.mlp:
+                zero_ffn(new)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -193,8 +255,7 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
                            f"{family.name} model is not (llama.cpp families: "
                            f"{', '.join(sorted(t for t, a in ARCHITECTURES.items() if a.llama_cpp))}). Serve it with "
                            "transformers (trust_remote_code=True).")
-    refuse_subblocks(model, "export-gguf (not yet: llama.cpp's DeciLM linear-attention blocks could hold them)")
-    blocks = normed_blocks(model)
+    blocks, maps = normed_blocks(model), subblock_maps(model)
     eps = getattr(model.config.text_config, "rms_norm_eps", NORMED_EPS)
     if eps != NORMED_EPS:
         logger.info("llama.cpp normalises the inserted blocks with the model's eps %g, not the format's %g: n(x) "
@@ -213,9 +274,10 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
         name_tokenizer_class_for_every_reader(folder)
         convert(folder, Path(llama_cpp), scratch / "base.gguf", outtype, timeout)
         staged = scratch / output.name
-        layers = rewrite_as_deci(scratch / "base.gguf", staged, blocks, outtype)
+        layers = rewrite_as_deci(scratch / "base.gguf", staged, blocks, outtype, maps)
         staged.replace(output)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    logger.info("Wrote %s: %d layers, %d of them linear-attention blocks.", output, layers, len(blocks))
+    logger.info("Wrote %s: %d layers, %d of them linear-attention blocks.", output, layers,
+                len(blocks) + len(maps.attention) + len(maps.mlp))
     return output

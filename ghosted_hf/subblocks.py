@@ -10,7 +10,6 @@ benchmarks/results/subblock_probe.md), so it is recorded but does not rank.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -27,7 +26,6 @@ from .operators import ridge_epsilon
 from .remote.configuration_ghosted import SUBBLOCK_KINDS
 from .remote.modeling_ghosted import SubBlockBypass
 
-logger = logging.getLogger(__name__)
 
 Batch = Mapping[str, torch.Tensor]
 

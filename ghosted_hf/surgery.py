@@ -101,13 +101,14 @@ def _take_tensor(pruned: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
 
 
-def adopt_tensors(target: nn.Module, source: nn.Module, source_name: Callable[[str], str]) -> None:
-    """Fill every parameter and buffer of meta-built `target` (except ghost operators) with the tensor of
-    `source` named `source_name(name)`, then re-tie shared weights."""
+def adopt_tensors(target: nn.Module, source: nn.Module, source_name: Callable[[str], str],
+                  skip: tuple[str, ...] = ()) -> None:
+    """Fill every parameter and buffer of meta-built `target` (except ghost operators, and names starting with one
+    of `skip`) with the tensor of `source` named `source_name(name)`, then re-tie shared weights."""
     names = [n for n, _ in target.named_parameters(remove_duplicate=False)]
     names += [n for n, _ in target.named_buffers(remove_duplicate=False)]
     for name in names:
-        if f".{GHOST_MODULE}." in name:
+        if f".{GHOST_MODULE}." in name or name.startswith(skip):
             continue
         try:
             tensor = source.get_parameter(source_name(name))

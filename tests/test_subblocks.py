@@ -271,3 +271,20 @@ def test_verify_folder_refuses_a_sub_block_map_the_config_does_not_list(tmp_path
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(GhostedError, match="boundaries and sub-blocks for"):
         verify_folder(folder)
+
+
+def test_a_sub_block_model_heals_merges_and_reloads(tmp_path) -> None:
+    from ghosted_hf.healing import heal, merge
+
+    model = replaced_model(build("llama"), ["1.attention", "4.mlp"])
+    healed = heal(model, char_tokenizer(), texts(), steps=3, seq_len=48, train_operators=True, progress=False)
+    trained = {n for n, p in healed.model.named_parameters() if p.requires_grad}
+    assert any("layers.1.self_attn.ghost." in n for n in trained) and any("layers.4.mlp.ghost." in n for n in trained)
+    assert not any("layers.1.self_attn.q_proj" in n for n in trained)  # nothing of the replaced attention is left
+    merged = merge(healed)
+    merged.save_pretrained(tmp_path / "healed")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "healed", trust_remote_code=True)
+    ids = torch.randint(3, 100, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, merged(ids).logits)
+    assert [r["block"] for r in reloaded.config.ghost_subblocks] == ["attention", "mlp"]
