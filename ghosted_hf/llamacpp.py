@@ -24,7 +24,8 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,8 @@ def normed_blocks(model: GhostedForCausalLM) -> dict[int, torch.Tensor]:
 class SubBlockMaps:
     """The replaced sub-blocks of a model, by pruned layer: each map A (h -> h A)."""
 
-    attention: dict[int, torch.Tensor] = field(default_factory=dict)
-    mlp: dict[int, torch.Tensor] = field(default_factory=dict)
+    attention: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    mlp: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def subblock_maps(model: GhostedForCausalLM) -> SubBlockMaps:

@@ -46,7 +46,8 @@ def ghost_prune(
     statistics: CalibrationStatistics | str | Path | None = None,
     **overrides: Any,
 ) -> PreTrainedModel:
-    """Remove layers from `model` and recover them in closed form.
+    """Remove layers (or, with ``unit="subblock"``, attention and MLP sub-blocks) from `model` and recover them in
+    closed form.
 
     `model` is a loaded causal LM, or a `LayerwisePass` over a folder too large for memory. `calibration` is
     a list of strings, a text file or a `datasets.Dataset`; options are `PruneOptions` fields (e.g.
