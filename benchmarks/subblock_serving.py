@@ -8,7 +8,8 @@ and decode tokens/s, for the dense model and each budget.
     python benchmarks/subblock_serving.py --llama-cpp PATH/TO/llama.cpp --remove 12.5% 25% \
         > benchmarks/results/subblock_serving.md
 
-Perplexity is llama-perplexity's (chunks of --ctx tokens, BOS first where the vocabulary asks, second halves
+Each budget's model: `ghost_prune(unit="subblock", remove=b)` on 32 windows of 512 calibration tokens (as
+benchmarks/subblocks.py). Perplexity is llama-perplexity's (chunks of --ctx tokens, BOS first where the vocabulary asks, second halves
 scored) on the held-out Wikipedia articles; transformers' the same way on the same token ids (fp32). KV bytes per
 token: llama.cpp's own count (its KV buffer over the context it was sized for, F16) and transformers' (the elements
 a dynamic cache holds after a forward, at 2 bytes). Speeds: llama-bench (512-token prefill, 128-token decode, 3
@@ -18,6 +19,7 @@ repetitions) and transformers (the same lengths, batch 1, fp32, greedy, the best
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import sys
 import time
@@ -60,16 +62,16 @@ def transformers_kv_bytes(model, prompt: list[int]) -> float:
 
 def llama_kv_bytes(binary: Path, gguf_path: Path, text: Path, ctx: int, threads: int) -> float:
     """llama.cpp's KV buffer (F16 keys and values) over the context it holds, per token."""
-    out = run([binary, "-m", gguf_path, "-f", text, "-c", ctx, "--chunks", 1, "-t", threads, "-b", ctx])
-    mib = sum(float(m) for m in re.findall(r"KV (?:self|buffer) size\s*=\s*([0-9.]+) MiB", out)) or \
-        sum(float(m) for m in re.findall(r"llama_kv_cache[^\n]*size\s*=\s*([0-9.]+) MiB", out))
-    return mib * 2**20 / ctx
+    out = run([binary, "-m", gguf_path, "-f", text, "-c", ctx, "--chunks", 1, "-t", threads, "-b", ctx, "-lv", 4])
+    return float(re.search(r"llama_kv_cache: size =\s*([0-9.]+) MiB", out).group(1)) * 2**20 / ctx
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-cpp", type=Path, required=True)
-    parser.add_argument("--remove", nargs="+", default=["12.5%", "25%"])
+    parser.add_argument("--remove", nargs="*", default=["12.5%", "25%"])
+    parser.add_argument("--subblocks", nargs="*", default=[], help="comma-separated sub-block lists to replace instead "
+                        "of choosing them again (e.g. what benchmarks/subblocks.py chose for a budget)")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
@@ -83,12 +85,20 @@ def main() -> None:
     tokens = tokenizer(text.read_text(), add_special_tokens=False)["input_ids"]
     prompt = tokens[:512]
     folders = {"dense": assets.default_model_dir()}
+    calibration = assets.wikipedia_split("calibration")
     for budget in args.remove:
         folder = args.work / f"subblocks-{budget.replace('%', 'pct')}"
         if not (folder / "config.json").is_file():
-            save_with_card(ghost_prune(load(), tokenizer, assets.wikipedia_split("calibration"), unit="subblock",
-                                       remove=budget, num_sequences=64), folder, tokenizer)
+            save_with_card(ghost_prune(load(), tokenizer, calibration, unit="subblock", remove=budget,
+                                       num_sequences=32), folder, tokenizer)
         folders[f"sub-blocks, {budget}"] = folder
+    for names in args.subblocks:
+        chosen = names.split(",")
+        folder = args.work / f"subblocks-{hashlib.sha256(names.encode()).hexdigest()[:8]}"
+        if not (folder / "config.json").is_file():
+            save_with_card(ghost_prune(load(), tokenizer, calibration, unit="subblock", criterion="manual",
+                                       subblocks=chosen, num_sequences=32), folder, tokenizer)
+        folders[f"sub-blocks, {len(chosen)} given"] = folder
     print(f"SmolLM2-135M-Instruct in transformers (fp32) and llama.cpp (F16), {args.threads} threads; perplexity on "
           f"{args.chunks} chunks of {args.ctx} held-out tokens.\n")
     print("| model | replaced | llama.cpp ppl | transformers ppl | ratio | GGUF MB | KV B/token llama.cpp | KV B/token "

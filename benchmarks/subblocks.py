@@ -13,7 +13,7 @@ Rows per budget (12.5%, 25%, 37.5% of the decoder layers' parameters, net of the
 - sub-blocks / fit residual: the same maps and fits, the sub-blocks ranked by their own fit's relative residual
   (what the probe found misleading), for the criterion's sake.
 Scored on held-out text of two sources: the packaged Wikipedia evaluation articles and gensim's news articles
-(32 windows of 512 each), as the perplexity ratio to the dense model; LAMBADA (first 500 items); the KV-cache bytes
+(16 windows of 512 each), as the perplexity ratio to the dense model; LAMBADA (first 200 items); the KV-cache bytes
 per token in bf16 (measured from a cache); parameters removed net of what was added; wall seconds of the prune. Calibration: 64
 windows of 512 tokens of the Wikipedia calibration articles for every row.
 """
@@ -35,7 +35,8 @@ from ghosted_hf.loading import NO_HUB_KERNELS
 from ghosted_hf.options import PruneOptions, budget_share
 from ghosted_hf.recipe import decoder_parameters
 
-CALIBRATION = dict(seq_len=512, num_sequences=64, batch_size=4)
+CALIBRATION = dict(seq_len=512, num_sequences=32, batch_size=4)
+WINDOWS = 16  # held-out windows of 512 tokens per source
 
 
 def kv_bytes_per_token(model, tokenizer) -> int:
@@ -53,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=assets.DEFAULT_MODEL)
     parser.add_argument("--budgets", nargs="+", default=["12.5%", "25%", "37.5%"])
-    parser.add_argument("--lambada", type=int, default=500, help="LAMBADA items scored")
+    parser.add_argument("--lambada", type=int, default=200, help="LAMBADA items scored")
     parser.add_argument("--output", default="benchmarks/results/subblocks.md")
     args = parser.parse_args()
     folder = assets.resolve_model(args.model)
@@ -63,7 +64,7 @@ def main() -> None:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **NO_HUB_KERNELS).eval()
 
     calibration = assets.wikipedia_split("calibration")
-    held_out = {name: tokenize_texts(tokenizer, texts, 512, 32, batch_size=4).batches
+    held_out = {name: tokenize_texts(tokenizer, texts, 512, WINDOWS, batch_size=4).batches
                 for name, texts in (("wiki", assets.wikipedia_split("evaluation")), ("news", assets.news_articles()))}
     dense = load()
     total = decoder_parameters(dense)
