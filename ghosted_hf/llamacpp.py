@@ -172,6 +172,45 @@ def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[s
     writer.add_value_length(head("attention.value_length"))
 
 
+class _DeciLayers:
+    """Writes the deci layers: base layers carried over (a replaced sub-block's tensors left out) and linear-attention
+    layers x + (RMSNorm(x) * g) A (Wo = A^T; llama.cpp's eps is the model's) over zero FFNs."""
+
+    ATTENTION = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
+    FFN = ("ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+    def __init__(self, writer: Any, base_layers: dict[int, list[Any]], hidden: int, dtype: Any) -> None:
+        self.writer, self.base_layers, self.dtype = writer, base_layers, dtype
+        self.ones, self.zeros = np.ones(hidden, dtype=np.float32), np.zeros((FFN_WIDTH, hidden), dtype=dtype)
+
+    def base(self, new: int, i: int, dropped: tuple[str, ...] = ()) -> None:
+        for tensor in self.base_layers[i]:
+            suffix = tensor.name.split(".", 2)[2]
+            if suffix not in dropped:
+                self.writer.add_tensor(f"blk.{new}.{suffix}", np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+
+    def base_tensor(self, i: int, name: str) -> Any:
+        return next(t for t in self.base_layers[i] if t.name.split(".", 2)[2] == name)
+
+    def output(self, new: int, a: torch.Tensor) -> None:
+        self.writer.add_tensor(f"blk.{new}.attn_output.weight", np.ascontiguousarray(a.numpy().T.astype(self.dtype)))
+
+    def linear_attention(self, new: int, gain: Any, a: torch.Tensor) -> None:
+        """A layer adding (RMSNorm(x) * gain) A (gain: a base tensor, or None for 1) over a zero FFN."""
+        if gain is None:
+            self.writer.add_tensor(f"blk.{new}.attn_norm.weight", self.ones)
+        else:
+            self.writer.add_tensor(f"blk.{new}.attn_norm.weight", np.asarray(gain.data), raw_dtype=gain.tensor_type)
+        self.output(new, a)
+        self.zero_ffn(new)
+
+    def zero_ffn(self, new: int) -> None:
+        self.writer.add_tensor(f"blk.{new}.ffn_norm.weight", self.ones)
+        self.writer.add_tensor(f"blk.{new}.ffn_gate.weight", self.zeros)
+        self.writer.add_tensor(f"blk.{new}.ffn_up.weight", self.zeros)
+        self.writer.add_tensor(f"blk.{new}.ffn_down.weight", np.ascontiguousarray(self.zeros.T))
+
+
 def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], outtype: str,
                     maps: SubBlockMaps | None = None) -> int:
     """Write `output`: the llama GGUF `base` as a `deci` GGUF with a linear-attention layer inserted before each
@@ -188,52 +227,26 @@ def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], o
     order = layer_order(int(reader.fields["llama.block_count"].contents()), blocks, maps.mlp)
     writer = gguf.GGUFWriter(str(output), arch="deci")
     write_deci_metadata(writer, reader.fields, order, maps)
-    hidden = int(reader.fields["llama.embedding_length"].contents())
-    dtype = np.float16 if outtype == "f16" else np.float32
-    layer_tensors: dict[int, list[Any]] = {}
+    base_layers: dict[int, list[Any]] = {}
     for tensor in reader.tensors:
         parts = tensor.name.split(".")
         if parts[0] == "blk":
-            layer_tensors.setdefault(int(parts[1]), []).append(tensor)
+            base_layers.setdefault(int(parts[1]), []).append(tensor)
         else:
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
-    ones, zeros = np.ones(hidden, dtype=np.float32), np.zeros((FFN_WIDTH, hidden), dtype=dtype)
-
-    def base_tensor(i: int, name: str) -> Any:
-        return next(t for t in layer_tensors[i] if t.name.split(".", 2)[2] == name)
-
-    def zero_ffn(new: int) -> None:
-        writer.add_tensor(f"blk.{new}.ffn_norm.weight", ones)
-        writer.add_tensor(f"blk.{new}.ffn_gate.weight", zeros)
-        writer.add_tensor(f"blk.{new}.ffn_up.weight", zeros)
-        writer.add_tensor(f"blk.{new}.ffn_down.weight", np.ascontiguousarray(zeros.T))
-
-    def linear_attention(new: int, gain: Any, a: torch.Tensor) -> None:
-        # x + (RMSNorm(x) * g) A: the norm with gain g (llama.cpp's eps is the model's), then Wo = A^T.
-        writer.add_tensor(f"blk.{new}.attn_norm.weight", np.asarray(gain.data) if gain is not None else ones,
-                          **({"raw_dtype": gain.tensor_type} if gain is not None else {}))
-        writer.add_tensor(f"blk.{new}.attn_output.weight", np.ascontiguousarray(a.numpy().T.astype(dtype)))
-
+    layers = _DeciLayers(writer, base_layers, int(reader.fields["llama.embedding_length"].contents()),
+                         np.float16 if outtype == "f16" else np.float32)
     for new, (what, i) in enumerate(order):
         if what == "block":  # a normed boundary: x + n(x) A, gain 1 (the format's eps is 1e-6)
-            linear_attention(new, None, blocks[i])
-            zero_ffn(new)
+            layers.linear_attention(new, None, blocks[i])
         elif what == "mlp":  # layer i's MLP as a map of its normed input, after the layer's attention
-            linear_attention(new, base_tensor(i, "ffn_norm.weight"), maps.mlp[i])
-            zero_ffn(new)
+            layers.linear_attention(new, layers.base_tensor(i, "ffn_norm.weight"), maps.mlp[i])
         else:
-            dropped = {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight"} \
-                if i in maps.attention else set()
-            dropped |= {"ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"} if i in maps.mlp else set()
-            for tensor in layer_tensors[i]:
-                suffix = tensor.name.split(".", 2)[2]
-                if suffix not in dropped:
-                    writer.add_tensor(f"blk.{new}.{suffix}", np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
-            if i in maps.attention:
-                writer.add_tensor(f"blk.{new}.attn_output.weight",
-                                  np.ascontiguousarray(maps.attention[i].numpy().T.astype(dtype)))
+            layers.base(new, i, (layers.ATTENTION if i in maps.attention else ()) + (layers.FFN if i in maps.mlp else ()))
+            if i in maps.attention:  # its own norm gain stays: linear attention
+                layers.output(new, maps.attention[i])
             if i in maps.mlp:
-                zero_ffn(new)
+                layers.zero_ffn(new)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

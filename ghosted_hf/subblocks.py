@@ -146,12 +146,12 @@ def resumed(model: nn.Module, start: int, state: torch.Tensor | None) -> Iterato
             layers[j] = layer
 
 
-def _run(model: nn.Module, batch: Batch, start: int, state: torch.Tensor | None, **extra: Any) -> Any:
+def _run(model: nn.Module, batch: Batch, start: int, state: torch.Tensor | None) -> Any:
     """One forward of `batch` resumed at layer `start` (None where a hook stopped it)."""
     device = model.get_input_embeddings().weight.device
     with resumed(model, start, state), torch.no_grad():
         try:
-            return model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False, **extra)
+            return model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False)
         except _Stop:
             return None
 
