@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from .architectures import ARCHITECTURES, architecture
+from .architectures import ARCHITECTURES, architecture, layer_prefix
 from .errors import GhostedError
 from .network import check_timeout
 from .remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
@@ -44,6 +44,11 @@ logger = logging.getLogger(__name__)
 
 FFN_WIDTH = 32
 OUTTYPES = ("f32", "f16")  # quantize the result with llama-quantize
+
+
+def llama_cpp_families() -> str:
+    """The registry's families whose pruned checkpoints llama.cpp reads in the llama layout."""
+    return ", ".join(sorted(t for t, a in ARCHITECTURES.items() if a.llama_cpp))
 
 
 def normed_blocks(model: GhostedForCausalLM) -> dict[int, torch.Tensor]:
@@ -92,7 +97,7 @@ def pruned_base(model: GhostedForCausalLM) -> PreTrainedModel:
     is a zero placeholder of the family's module (the converter writes it, the rewrite replaces it)."""
     with torch.device("meta"):
         stock = AutoModelForCausalLM.from_config(copy.deepcopy(model.config.text_config))
-    placeholders = tuple(f"model.layers.{r['layer']}.{r['module']}." for r in getattr(model.config, "ghost_subblocks",
+    placeholders = tuple(f"{layer_prefix(r['layer'])}{r['module']}." for r in getattr(model.config, "ghost_subblocks",
                                                                                    None) or [])
     for prefix in placeholders:
         module = stock.get_submodule(prefix[:-1]).to_empty(device="cpu")
@@ -223,7 +228,7 @@ def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], o
     architecture = reader.fields["general.architecture"].contents()
     if architecture != "llama":
         raise GhostedError(f"llama.cpp converts this base model as {architecture!r}; the deci block maps only onto "
-                           "the llama layout (Llama, SmolLM, Mistral). Use export-stock for a folded checkpoint.")
+                           f"the llama layout ({llama_cpp_families()}). Use export-stock for a folded checkpoint.")
     order = layer_order(int(reader.fields["llama.block_count"].contents()), blocks, maps.mlp)
     writer = gguf.GGUFWriter(str(output), arch="deci")
     write_deci_metadata(writer, reader.fields, order, maps)
@@ -267,7 +272,7 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
     if not family.llama_cpp:
         raise GhostedError(f"export-gguf writes llama.cpp's DeciLM blocks into a Llama-layout GGUF, which a pruned "
                            f"{family.name} model is not (llama.cpp families: "
-                           f"{', '.join(sorted(t for t, a in ARCHITECTURES.items() if a.llama_cpp))}). Serve it with "
+                           f"{llama_cpp_families()}). Serve it with "
                            "transformers (trust_remote_code=True).")
     blocks, maps = normed_blocks(model), subblock_maps(model)
     eps = getattr(model.config.text_config, "rms_norm_eps", NORMED_EPS)

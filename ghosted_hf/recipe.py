@@ -67,7 +67,6 @@ def ghost_prune(
             raise GhostedError("unit='subblock' fits from calibration text, not precomputed statistics (they hold "
                                "whole-layer boundaries): pass the calibration text.")
         return prune_subblocks(calibration_pass, tokenizer, calibration, options, started)
-    check_request(calibration_pass.config, options)
     data, statistics = prepare_calibration(calibration_pass, tokenizer, calibration, statistics, options)
     calibrator = Calibrator(calibration_pass, data, statistics, device=options.stats_device)
     calibrator.check_agreement(options)
@@ -151,14 +150,14 @@ def resolve_budget(calibration_pass: CalibrationPass, options: PruneOptions) -> 
     if options.unit != "layer" or (options.remove is None and options.num_parameters is None):
         return options
     model = dense_in_memory(calibration_pass, "A parameter budget")
-    per_layer = decoder_parameters(model) / calibration_pass.config.num_hidden_layers
-    width = calibration_pass.config.hidden_size
-    added = 0 if operator_kind(options.operator).stock else operator_kind(options.operator).regressors * width * width
-    num_layers = max(1, math.ceil((parameter_budget(model, options) + added) / per_layer))
-    if num_layers >= calibration_pass.config.num_hidden_layers:
-        raise GhostedError(f"Removing {parameter_budget(model, options):,} parameters takes {num_layers} whole layers of "
-                           f"the model's {calibration_pass.config.num_hidden_layers}: ask for less.")
-    logger.info("A budget of %d parameters: %d whole layers.", parameter_budget(model, options), num_layers)
+    depth, width = calibration_pass.config.num_hidden_layers, calibration_pass.config.hidden_size
+    kind, budget = operator_kind(options.operator), parameter_budget(model, options)
+    added = 0 if kind.stock else kind.regressors * width * width
+    num_layers = max(1, math.ceil((budget + added) / (decoder_parameters(model) / depth)))
+    if num_layers >= depth - kind.first_removable:  # what check_request refuses for num_layers, said for a budget
+        raise GhostedError(f"Removing {budget:,} parameters takes {num_layers} whole layers of the "
+                           f"{depth - kind.first_removable} that operator {kind.name!r} can remove: ask for less.")
+    logger.info("A budget of %d parameters: %d whole layers.", budget, num_layers)
     return PruneOptions.build(options, num_layers=num_layers)
 
 

@@ -224,7 +224,7 @@ def prune_layers(
     for boundary in records:
         key = ghost_tensor_key(boundary)
         parent = pruned.get_submodule(key.rsplit(".", 2)[0])
-        device = next(p.device for n, p in parent.named_parameters() if GHOST_MODULE not in n.split("."))
+        device = _weight_device(parent)
         value = stored.get(start_of(boundary), torch.eye(hidden, dtype=operator_dtype))
         _take_tensor(pruned, key, nn.Parameter(value.to(device=device).clone()))
         if boundary.get("normed"):
@@ -232,8 +232,7 @@ def prune_layers(
                          nn.Parameter(terms[start_of(boundary)].to(device=device).clone()))
 
     for record, value in replaced:
-        device = next(p.device for n, p in dense_layers[record["original_layer"]].named_parameters()
-                      if GHOST_MODULE not in n.split("."))
+        device = _weight_device(dense_layers[record["original_layer"]])
         _take_tensor(pruned, ghost_tensor_key(record), nn.Parameter(value.to(device=device).clone()))
 
     still_meta = [n for n, t in {**dict(pruned.named_parameters()), **dict(pruned.named_buffers())}.items()
@@ -245,6 +244,11 @@ def prune_layers(
     logger.info("Removed layers %s of %d; %d boundaries; %d sub-blocks replaced.", removed, depth, len(boundaries),
                 len(replaced))
     return pruned
+
+
+def _weight_device(module: nn.Module) -> torch.device:
+    """Where a module's own weights sit (its ghost tensors aside): where a ghost tensor beside them goes."""
+    return next(p.device for n, p in module.named_parameters() if GHOST_MODULE not in n.split("."))
 
 
 def refuse_subblocks(model: nn.Module, what: str) -> None:
@@ -261,7 +265,7 @@ def _subblock_records(model: PreTrainedModel, subblocks: Mapping[tuple[int, str]
     """(config record, map checked and cast to `dtype`) per replaced sub-block, in network order."""
     family, layers = architecture(model), decoder_layers(model)
     out = []
-    for (layer, block), (value, outputs) in sorted(subblocks.items(), key=lambda item: (item[0][0], item[0][1] != "attention")):
+    for (layer, block), (value, outputs) in subblocks.items():
         layer = as_layer_index(layer)
         if layer not in kept:
             raise GhostedError(f"The {block} of layer {layer} is replaced, but layer {layer} is removed whole: replace "
@@ -272,7 +276,7 @@ def _subblock_records(model: PreTrainedModel, subblocks: Mapping[tuple[int, str]
                   "module": getattr(family, block).attribute(layers[layer]), "outputs": int(outputs), "fit": {}}
         out.append((record, _validate_ghost_tensor(value, (hidden, hidden), "Map", f"the {block} of layer {layer}",
                                                    "hidden size x hidden size", dtype)))
-    return out
+    return sorted(out, key=lambda item: (item[0]["layer"], SUBBLOCK_KINDS.index(item[0]["block"])))  # network order
 
 
 def fold_into_mlp_writers(model: GhostedForCausalLM, dense_layer: int, transform: torch.Tensor) -> str:
