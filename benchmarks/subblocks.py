@@ -10,6 +10,8 @@ Rows per budget (12.5%, 25%, 37.5% of the decoder layers' parameters, net of the
 - sub-blocks / ghost-aware: what `ghost_prune(unit="subblock", remove=b)` chooses (measured damage per parameter
   saved; the damages are computed once per model, as ghost_prune computes them, and the chosen sub-blocks then
   fitted by `ghost_prune(unit="subblock", criterion="manual")`: sequential float64 fits);
+- mixed / ghost-aware: what `ghost_prune(unit="mixed", remove=b)` chooses (whole layers are candidates too, from the
+  same damages; a run of removed layers gets one ghost operator);
 - sub-blocks / fit residual: the same maps and fits, the sub-blocks ranked by their own fit's relative residual
   (what the probe found misleading), for the criterion's sake.
 Scored on held-out text of two sources: the packaged Wikipedia evaluation articles and gensim's news articles
@@ -21,6 +23,7 @@ windows of 512 tokens of the Wikipedia calibration articles for every row.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -79,14 +82,27 @@ def main() -> None:
     # What ghost_prune(unit="subblock") computes before it chooses, once for every budget (the same for each): every
     # sub-block's map on the dense model, its relative residual, and its measured damage.
     options, started = PruneOptions(**CALIBRATION), time.perf_counter()
-    batches = tokenize_texts(tokenizer, calibration, **CALIBRATION).batches
-    sums = sb.collect(dense, batches, sb.all_subblocks(dense.config.num_hidden_layers), "every sub-block")
-    fits = {ref: sb.fit_map(ref, s, options.ridge) for ref, s in sums.items()}
-    residual = {ref: fit.figures["relative_residual"] for ref, fit in fits.items()}
-    damage = sb.damages(dense, batches[:-(-options.damage_sequences // options.batch_size)], fits)
+    cache = Path("benchmark-cache") / f"subblock-criterion-{args.model}.json"  # reused by later runs on this model
+    if cache.is_file():
+        stored = json.loads(cache.read_text())
+    else:
+        batches = tokenize_texts(tokenizer, calibration, **CALIBRATION).batches
+        sums = sb.collect(dense, batches, sb.all_subblocks(dense.config.num_hidden_layers, whole_layers=True),
+                          "every candidate")
+        fits = {ref: sb.fit_map(ref, s, options.ridge) for ref, s in sums.items()}
+        stored = {"residual": {ref.name: fit.figures["relative_residual"] for ref, fit in fits.items()},
+                  "damage": sb.damages(dense, batches[:-(-options.damage_sequences // options.batch_size)], fits),
+                  "seconds": time.perf_counter() - started}
+        stored["damage"] = {ref.name: value for ref, value in stored["damage"].items()}
+        cache.parent.mkdir(exist_ok=True)
+        cache.write_text(json.dumps(stored, indent=1))
+        del sums, fits
+    residual = {sb.parse_subblock(name, sb.CANDIDATE_KINDS): value for name, value in stored["residual"].items()}
+    damage = {sb.parse_subblock(name, sb.CANDIDATE_KINDS): value for name, value in stored["damage"].items()}
     saved = {ref: sb.subblock_parameters(dense, ref) - width * width for ref in residual}
-    selection_seconds = time.perf_counter() - started
-    del dense, sums, fits
+    alone = {ref: value for ref, value in damage.items() if ref.block != sb.LAYER}  # what unit 'subblock' weighs
+    selection_seconds = stored["seconds"]
+    del dense
 
     lines = [f"## {args.model} ({time.strftime('%Y-%m-%d')}): {total / 1e6:.1f} M decoder-layer parameters; dense "
              f"perplexity wiki {reference['wiki']:.2f}, news {reference['news']:.2f}, LAMBADA {reference['lambada']:.3f}, "
@@ -95,6 +111,11 @@ def main() -> None:
              "| budget | unit / selection | removed (net) | wiki ppl ratio | news ppl ratio | LAMBADA | KV B/token | what | s |",
              "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
+    def mixed(chosen):
+        return ghost_prune(load(), tokenizer, calibration, unit="mixed", criterion="manual",
+                           subblocks=[r.name for r in chosen if r.block != sb.LAYER],
+                           layers=[r.layer for r in chosen if r.block == sb.LAYER], **CALIBRATION)
+
     for budget in args.budgets:
         target = round(budget_share(budget) * total)
         runs = {
@@ -103,10 +124,12 @@ def main() -> None:
                                                             criterion="shortgpt", operator="none", **CALIBRATION),
             "sub-blocks / ghost-aware": lambda: ghost_prune(
                 load(), tokenizer, calibration, unit="subblock", criterion="manual",
-                subblocks=[r.name for r in sb.choose_to_budget(damage, saved, target)], **CALIBRATION),
+                subblocks=[r.name for r in sb.choose_to_budget(alone, saved, target)], **CALIBRATION),
+            "mixed / ghost-aware": lambda: mixed(sb.choose_to_budget(damage, saved, target)),
             "sub-blocks / fit residual": lambda: ghost_prune(
                 load(), tokenizer, calibration, unit="subblock", criterion="manual",
-                subblocks=[r.name for r in sb.choose_to_budget(residual, saved, target)], **CALIBRATION),
+                subblocks=[r.name for r in sb.choose_to_budget(
+                    {r: v for r, v in residual.items() if r.block != sb.LAYER}, saved, target)], **CALIBRATION),
         }
         for name, run in runs.items():
             started = time.perf_counter()
@@ -115,7 +138,8 @@ def main() -> None:
             provenance = model.config.ghost_provenance  # a stock export (operator none) keeps it too
             removed_net = provenance["parameters"]["dense"] - provenance["parameters"]["pruned"] - \
                 provenance["parameters"].get("operators", 0)
-            what = ", ".join(provenance["selection"].get("subblocks") or [str(provenance["selection"]["removed"])])
+            picked = provenance["selection"]
+            what = ", ".join(([f"layers {picked['removed']}"] if picked["removed"] else []) + picked.get("subblocks", []))
             result = score(model)
             lines.append(f"| {budget} | {name} | {removed_net / 1e6:.2f} M ({removed_net / total:.1%}) | "
                          f"{result['wiki'] / reference['wiki']:.3f} | {result['news'] / reference['news']:.3f} | "

@@ -58,10 +58,12 @@ def normed_blocks(model: GhostedForCausalLM) -> dict[int, torch.Tensor]:
     for boundary in model.config.ghost_boundaries:
         operator = model.get_parameter(ghost_tensor_key(boundary)).detach()
         if not torch.equal(operator, torch.eye(operator.shape[0], dtype=operator.dtype, device=operator.device)):
-            healing = (getattr(model.config, "ghost_provenance", None) or {}).get("healing") or {}
-            trained = bool(healing.get("trained_operators"))  # healed with --train-operators: W moved off I
+            provenance = getattr(model.config, "ghost_provenance", None) or {}
+            trained = bool((provenance.get("healing") or {}).get("trained_operators"))  # --train-operators moved W
+            mixed = (provenance.get("options") or {}).get("unit") == "mixed"
             remedy = ("It was trained away from the identity (heal with --train-operators): heal the pruned folder "
                       "without --train-operators to export it" if trained else
+                      "Prune with --unit subblock (every map a DeciLM block)" if mixed else
                       "Prune with --operator normed (x + n(x) A, which llama.cpp runs as a DeciLM linear-attention "
                       "block)")
             raise GhostedError(

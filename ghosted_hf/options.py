@@ -18,7 +18,7 @@ from .remote.configuration_ghosted import OPERATOR_DTYPES
 from .selection import CRITERIA
 
 FITTINGS = ("sequential", "independent")
-UNITS = ("layer", "subblock")
+UNITS = ("layer", "subblock", "mixed")
 SUBBLOCK_CRITERIA = ("ghost-aware", "manual")  # measured damage of each fitted replacement; the given list
 
 T = TypeVar("T")
@@ -129,15 +129,16 @@ class PruneOptions(Options):
 
     num_layers: int = option(8, "Number of decoder layers to remove (ignored with --criterion manual, --remove and "
                                 "--num-parameters).")
-    unit: str = option("layer", "What is removed: whole decoder layers (each boundary recovered by an operator), or "
-                       "attention and MLP sub-blocks (each replaced by a closed-form linear map of the input it read).",
+    unit: str = option("layer", "What is removed: whole decoder layers (each boundary recovered by an operator), "
+                       "attention and MLP sub-blocks (each replaced by a closed-form linear map of the input it read), "
+                       "or both chosen together (mixed: a whole layer is one more candidate, its map the operator).",
                        UNITS)
     remove: str | None = option(None, "How much to remove as a share of the decoder layers' parameters, net of the "
                                 "operators and maps added: '25%' or 0.25. Instead of --num-layers.")
     num_parameters: int | None = option(None, "How many decoder parameters to remove, net of the operators and maps "
                                         "added. Instead of --num-layers.")
-    subblocks: list[str] | None = option(None, "Sub-blocks to replace with unit 'subblock' and criterion 'manual', as "
-                                         "LAYER.KIND in dense numbering (12.attention 3.mlp).")
+    subblocks: list[str] | None = option(None, "Sub-blocks to replace with unit 'subblock' or 'mixed' and criterion "
+                                         "'manual', as LAYER.KIND in dense numbering (12.attention 3.mlp).")
     criterion: str = option("ghost-aware", "How to choose the layers to remove.", lambda: tuple(CRITERIA))
     layers: list[int] | None = option(None, "Layer indices to remove with criterion 'manual' (dense numbering).")
     operator: str = option("ghost", "Operator kind that recovers each boundary.", lambda: tuple(OPERATOR_KINDS))
@@ -153,17 +154,17 @@ class PruneOptions(Options):
     batch_size: int = option(4, "Calibration sequences per forward pass.")
     operator_dtype: str = option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
     stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
-    damage_sequences: int = option(16, "Calibration sequences on which unit 'subblock' measures each candidate's "
+    damage_sequences: int = option(16, "Calibration sequences on which units 'subblock' and 'mixed' measure each candidate's "
                                    "damage (one forward over them per candidate).")
 
     def check(self) -> None:
         takes_layers = CRITERIA[self.criterion].takes_layers
-        if self.unit == "subblock":
+        if self.unit != "layer":
             self._check_subblocks(takes_layers)
         elif takes_layers and not self.layers:
             raise GhostedError(f"criterion {self.criterion!r} needs the layer indices to remove (layers=[...]).")
         elif self.subblocks:
-            raise GhostedError("subblocks=[...] is only used with unit='subblock' (and criterion='manual').")
+            raise GhostedError("subblocks=[...] is only used with unit='subblock' or 'mixed' (and criterion='manual').")
         if self.layers and not takes_layers:
             raise GhostedError(f"layers=[...] is only used with criterion='manual', not {self.criterion!r}.")
         if takes_layers and (self.remove is not None or self.num_parameters is not None):
@@ -179,19 +180,20 @@ class PruneOptions(Options):
         check_calibration(self)
 
     def _check_subblocks(self, takes_layers: bool) -> None:
-        if self.layers:
-            raise GhostedError("layers=[...] names whole layers; with unit='subblock' pass subblocks=[...].")
+        unit = f"unit={self.unit!r}"
+        if self.layers and self.unit == "subblock":
+            raise GhostedError("layers=[...] names whole layers; with unit='subblock' pass subblocks=[...] (or use "
+                               "unit='mixed' for both).")
         if self.criterion not in SUBBLOCK_CRITERIA:
-            raise GhostedError(f"unit='subblock' chooses sub-blocks by criterion {' or '.join(SUBBLOCK_CRITERIA)}, "
-                               f"not {self.criterion!r}.")
-        if takes_layers and not self.subblocks:
-            raise GhostedError("unit='subblock' with criterion 'manual' needs the sub-blocks to replace "
-                               "(subblocks=['12.attention', ...]).")
+            raise GhostedError(f"{unit} chooses by criterion {' or '.join(SUBBLOCK_CRITERIA)}, not {self.criterion!r}.")
+        if takes_layers and not (self.subblocks or self.layers):
+            raise GhostedError(f"{unit} with criterion 'manual' needs what to replace (subblocks=['12.attention', "
+                               "...]" + (", layers=[...]" if self.unit == "mixed" else "") + ").")
         if not takes_layers and self.remove is None and self.num_parameters is None:
-            raise GhostedError("unit='subblock' removes a parameter budget: pass remove='25%' or num_parameters.")
+            raise GhostedError(f"{unit} removes a parameter budget: pass remove='25%' or num_parameters.")
         if self.operator != "ghost" or self.fitting != "sequential":
-            raise GhostedError("unit='subblock' fits each sub-block's map sequentially; operator and fitting apply to "
-                               "whole layers: leave them at their defaults.")
+            raise GhostedError(f"{unit} fits each map sequentially down the network (a whole layer's map is its "
+                               "boundary's operator): leave operator and fitting at their defaults.")
 
 
 def budget_share(text: str) -> float:

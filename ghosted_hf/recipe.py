@@ -62,9 +62,9 @@ def ghost_prune(
     calibration_pass = as_calibration_pass(model)
     check_request(calibration_pass.config, options)
     options = resolve_budget(calibration_pass, options)
-    if options.unit == "subblock":
+    if options.unit != "layer":
         if statistics is not None:
-            raise GhostedError("unit='subblock' fits from calibration text, not precomputed statistics (they hold "
+            raise GhostedError(f"unit={options.unit!r} fits from calibration text, not precomputed statistics (they hold "
                                "whole-layer boundaries): pass the calibration text.")
         return prune_subblocks(calibration_pass, tokenizer, calibration, options, started)
     data, statistics = prepare_calibration(calibration_pass, tokenizer, calibration, statistics, options)
@@ -83,24 +83,27 @@ def ghost_prune(
 
 def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibration: TextSource | None,
                     options: PruneOptions, started: float) -> GhostedForCausalLM:
-    """`ghost_prune` with unit 'subblock': calibration text -> each candidate's map and measured damage -> the
-    sub-blocks that meet the budget with the least damage -> their maps fitted down the network -> the model."""
-    model = dense_in_memory(calibration_pass, "unit='subblock'")
+    """`ghost_prune` with unit 'subblock' (or 'mixed'): calibration text -> each candidate's map and measured damage ->
+    the sub-blocks (and whole layers) that meet the budget with the least damage -> their maps fitted down the network
+    -> the model, a whole layers' run of maps its boundary's operator."""
+    unit = f"unit={options.unit!r}"
+    model = dense_in_memory(calibration_pass, unit)
     depth, width = calibration_pass.config.num_hidden_layers, calibration_pass.config.hidden_size
     if calibration is None or tokenizer is None:
-        raise GhostedError("unit='subblock' fits each map on calibration text: pass a tokenizer and calibration text.")
+        raise GhostedError(f"{unit} fits each map on calibration text: pass a tokenizer and calibration text.")
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
     check_token_ids(data, calibration_pass.vocab_size)
     check_token_budget(data.num_tokens, width)
     calibrator = Calibrator(calibration_pass, data)
     if calibrator.world > 1:
-        raise GhostedError("unit='subblock' runs in one process: launch it without torch.distributed.")
+        raise GhostedError(f"{unit} runs in one process: launch it without torch.distributed.")
     dense_parameters = count_parameters(model)
     if options.criterion == "manual":
-        chosen = subblocks.validate_subblocks(options.subblocks, depth)
+        chosen = subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
         selection = Selection([], "manual", {}, "n/a", [ref.name for ref in chosen])
     else:
-        sums = subblocks.collect(model, data.batches, subblocks.all_subblocks(depth), "statistics of every sub-block")
+        candidates = subblocks.all_subblocks(depth, whole_layers=options.unit == "mixed")
+        sums = subblocks.collect(model, data.batches, candidates, "statistics of every candidate")
         fits = {ref: subblocks.fit_map(ref, total, options.ridge) for ref, total in sums.items()}
         scored = data.batches[:max(1, -(-options.damage_sequences // options.batch_size))]
         damage = subblocks.damages(model, scored, fits)
@@ -112,10 +115,18 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
                               {"purpose": "damage of each replacement", "batches": len(scored) * (len(fits) + 1)}]
     fitted = subblocks.fit_sequentially(model, data.batches, chosen, options.ridge)
     calibrator.passes.append({"purpose": "sequential fits", "batches": len(data.batches) * len(fitted)})
-    ghosted = prune_layers(model, [], subblocks={(f.ref.layer, f.ref.block): (f.map, f.outputs) for f in fitted},
+    whole = [f for f in fitted if f.ref.block == subblocks.LAYER]
+    maps = [f for f in fitted if f.ref.block != subblocks.LAYER]
+    selection.removed, selection.subblocks = [f.ref.layer for f in whole], [f.ref.name for f in maps]
+    ghosted = prune_layers(model, selection.removed, subblocks.layer_operators(whole), operator_kind="ghost",
+                           subblocks={(f.ref.layer, f.ref.block): (f.map, f.outputs) for f in maps},
                            operator_dtype=getattr(torch, options.operator_dtype))
-    for fit, record in zip(fitted, ghosted.config.ghost_subblocks):
+    for fit, record in zip(maps, ghosted.config.ghost_subblocks):
         record["fit"] = fit.figures
+    for boundary in ghosted.config.ghost_boundaries:  # one map per removed layer, multiplied: the worst one's residual
+        run = [f.figures for f in whole if f.ref.layer in boundary["removed"]]
+        boundary["fit"] = {"relative_residual": max(f["relative_residual"] for f in run),
+                           "fitted_on": run[0]["fitted_on"], "layer_residuals": [f["relative_residual"] for f in run]}
     ghosted.config.ghost_provenance = provenance(ghosted, calibration_pass.config._name_or_path, dense_parameters,
                                                  selection, calibrator, options, time.perf_counter() - started)
     ghosted.config.ghost_provenance["operator"] = SUBBLOCK_RECOVERY
@@ -255,7 +266,7 @@ def provenance(ghosted: GhostedForCausalLM, base_name: str | None, dense_paramet
         "fitting": options.fitting,
         "solver": {"dtype": "float64", "solve": "torch.linalg.solve", "ridge": options.ridge,
                    "ridge_scale": "mean diagonal of X^T X"},
-        "calibration": {**data, "tokens_used": stats.tokens if stats else None, "processes": calibrator.world,
+        "calibration": {**data, "tokens_used": stats.tokens if stats else data.get("tokens"), "processes": calibrator.world,
                         **({"statistics": {k: v for k, v in stats.origin.items() if k != "plan"}}
                            if stats is not None and not data else {})},
         "cost": {"seconds": round(seconds, 2), "passes": calibrator.passes},
@@ -275,9 +286,9 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
                            f"got a {type(config).__name__}.")
     kind = operator_kind(options.operator)
     family = architecture(config)
-    if options.unit == "subblock":
-        if options.subblocks:
-            subblocks.validate_subblocks(options.subblocks, depth)
+    if options.unit != "layer":
+        if options.subblocks or options.layers:
+            subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
         return
     if kind.stock and kind.name != "none":
         family.refuse_fold(kind.name)
@@ -332,8 +343,8 @@ def calibrate(model: PreTrainedModel | CalibrationPass, tokenizer: Any, calibrat
     and for the check that `ghost_prune(statistics=...)` is given the same model."""
     options = PruneOptions.build(options, **overrides)
     calibration_pass = as_calibration_pass(model)
-    if options.unit == "subblock":
-        raise GhostedError("unit='subblock' fits each map on the model with the maps before it installed, in one "
+    if options.unit != "layer":
+        raise GhostedError(f"unit={options.unit!r} fits each map on the model with the maps before it installed, in one "
                            "process: it has no statistics to collect ahead; run ghost_prune (ghosted prune) directly.")
     options = resolve_budget(calibration_pass, options)
     check_request(calibration_pass.config, options)

@@ -37,7 +37,7 @@ class Selection:
     criterion: str
     scores: dict[str, float]  # candidate name (see `candidate_name`) -> score
     better: str  # "higher", "lower" or "n/a"
-    subblocks: list[str] = field(default_factory=list)  # replaced sub-blocks ("12.attention"), unit 'subblock'
+    subblocks: list[str] = field(default_factory=list)  # replaced sub-blocks ("12.attention"), units 'subblock', 'mixed'
 
     def describe(self) -> dict[str, Any]:
         """The JSON form saved in the provenance."""

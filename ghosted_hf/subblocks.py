@@ -1,5 +1,7 @@
 """Sub-blocks as the unit of removal: an attention or MLP sub-block replaced by a closed-form linear map of the input
-it read (its norm's output), fitted in float64 on what it returned, sequentially down the network.
+it read (its norm's output), fitted in float64 on what it returned, sequentially down the network. A whole layer is
+one more candidate of the same machinery (a map of the residual stream it read onto what it added), so whole layers
+and sub-blocks can be chosen together.
 
 Selection is recovery-aware and measured, not guessed: each candidate's map is fitted on the dense model and the
 damage it does is the rise of the calibration loss with that one sub-block replaced; the cheapest damage per
@@ -28,17 +30,20 @@ from .remote.modeling_ghosted import SubBlockBypass
 
 
 Batch = Mapping[str, torch.Tensor]
+LAYER = "layer"  # a whole decoder layer as a candidate (saved as a removed layer and its boundary's operator)
+CANDIDATE_KINDS = (*SUBBLOCK_KINDS, LAYER)  # a layer's own hooks run after its sub-blocks'
 
 
 @dataclass(frozen=True)
 class SubBlockRef:
-    """A sub-block of the dense model: its layer (dense numbering) and kind, in network order."""
+    """A sub-block of the dense model (or, as block "layer", the whole layer): its layer (dense numbering) and kind, in
+    network order."""
 
     layer: int
-    block: str  # "attention" or "mlp" (attention runs first in every family)
+    block: str  # "attention" or "mlp" (attention runs first in every family), or "layer"
 
     def __post_init__(self) -> None:
-        if self.block not in SUBBLOCK_KINDS:
+        if self.block not in CANDIDATE_KINDS:
             raise GhostedError(f"A sub-block is {' or '.join(SUBBLOCK_KINDS)}, got {self.block!r}.")
 
     @property
@@ -46,33 +51,42 @@ class SubBlockRef:
         return f"{self.layer}.{self.block}"
 
     def __lt__(self, other: SubBlockRef) -> bool:  # network order: a layer's attention before its MLP
-        return (self.layer, SUBBLOCK_KINDS.index(self.block)) < (other.layer, SUBBLOCK_KINDS.index(other.block))
+        return (self.layer, CANDIDATE_KINDS.index(self.block)) < (other.layer, CANDIDATE_KINDS.index(other.block))
 
 
-def parse_subblock(text: str) -> SubBlockRef:
-    """"12.attention" or "12.mlp" (dense layer numbering)."""
+def parse_subblock(text: str, kinds: tuple[str, ...] = SUBBLOCK_KINDS) -> SubBlockRef:
+    """"12.attention" or "12.mlp" (dense layer numbering; "12.layer" too where `kinds` has it, as in recorded
+    scores)."""
     match = re.fullmatch(r"\s*(\d+)\.(\w+)\s*", str(text))
-    if match is None or match.group(2) not in SUBBLOCK_KINDS:
-        raise GhostedError(f"A sub-block is written LAYER.KIND with KIND one of {', '.join(SUBBLOCK_KINDS)} (e.g. "
+    if match is None or match.group(2) not in kinds:
+        raise GhostedError(f"A sub-block is written LAYER.KIND with KIND one of {', '.join(kinds)} (e.g. "
                            f"12.attention), got {text!r}.")
     return SubBlockRef(int(match.group(1)), match.group(2))
 
 
-def validate_subblocks(names: Iterable[str], depth: int) -> list[SubBlockRef]:
-    """Sorted sub-blocks, or a GhostedError that says what is wrong with them."""
-    refs = [parse_subblock(n) for n in names]
+def validate_subblocks(names: Iterable[str], depth: int, layers: Iterable[int] = ()) -> list[SubBlockRef]:
+    """Sorted sub-blocks (and whole `layers`), or a GhostedError that says what is wrong with them."""
+    refs = [parse_subblock(n) for n in names] + [SubBlockRef(int(i), LAYER) for i in layers]
     outside = [r.name for r in refs if not 0 <= r.layer < depth]
     if outside:
         raise GhostedError(f"Sub-blocks {outside} are out of range: the model has layers 0..{depth - 1}.")
     if len(set(refs)) != len(refs):
         raise GhostedError(f"Sub-blocks {sorted({r.name for r in refs if refs.count(r) > 1})} are listed more than once.")
+    whole = {r.layer for r in refs if r.block == LAYER}
+    inside = sorted(r.name for r in refs if r.block != LAYER and r.layer in whole)
+    if inside:
+        raise GhostedError(f"Sub-blocks {inside} belong to layers that are removed whole: list the layer or its "
+                           "sub-blocks, not both.")
     if not refs:
         raise GhostedError("No sub-block to replace: pass at least one (e.g. 12.attention).")
     return sorted(refs)
 
 
 def slot(model: nn.Module, ref: SubBlockRef) -> tuple[nn.Module, str]:
-    """(the decoder layer, the attribute that holds the sub-block), by the architecture registry's names."""
+    """(the decoder layer, the attribute that holds the sub-block), by the architecture registry's names; for a whole
+    layer, (the layer list, its index)."""
+    if ref.block == LAYER:
+        return decoder_layers(model), str(ref.layer)
     layer = decoder_layers(model)[ref.layer]
     return layer, getattr(architecture(model), ref.block).attribute(layer)
 
@@ -83,9 +97,10 @@ def subblock_parameters(model: nn.Module, ref: SubBlockRef) -> int:
     return sum(p.numel() for p in getattr(layer, name).parameters())
 
 
-def all_subblocks(depth: int) -> list[SubBlockRef]:
-    """Every candidate of a model of `depth` layers, in network order."""
-    return [SubBlockRef(i, kind) for i in range(depth) for kind in SUBBLOCK_KINDS]
+def all_subblocks(depth: int, whole_layers: bool = False) -> list[SubBlockRef]:
+    """Every candidate of a model of `depth` layers (whole layers among them with `whole_layers`), in network order."""
+    kinds = CANDIDATE_KINDS if whole_layers else SUBBLOCK_KINDS
+    return sorted(SubBlockRef(i, kind) for i in range(depth) for kind in kinds)
 
 
 # ------------------------------------------------------------------------------------------------- statistics
@@ -191,6 +206,8 @@ def collect(model: nn.Module, batches: Iterable[Batch], refs: Iterable[SubBlockR
     def hook(ref: SubBlockRef):
         def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             h, y = _input(args, kwargs), output[0] if isinstance(output, tuple) else output
+            if ref.block == LAYER:  # what the layer added to the residual stream
+                y = y - h
             rows = keep[0].to(h.device)
             sums[ref].add(h.reshape(-1, h.shape[-1])[rows], y.reshape(-1, y.shape[-1])[rows])
             sums[ref].outputs = len(output) if isinstance(output, tuple) else 0
@@ -250,13 +267,29 @@ def replaced(model: nn.Module, fits: Iterable[SubBlockFit]) -> Iterator[None]:
             setattr(layer, name, getattr(layer, name).original)
 
 
+class _LayerMap(nn.Module):
+    """A whole layer while it is fitted and scored: the stream plus the map of it (h + h A); the saved model removes
+    the layer and applies I + A (with the rest of its run) at the boundary instead."""
+
+    def __init__(self, operator: torch.Tensor) -> None:
+        super().__init__()
+        self.operator = nn.Parameter(operator, requires_grad=False)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden_states + hidden_states @ self.operator.to(hidden_states.dtype)
+
+
 def install(model: nn.Module, fit: SubBlockFit) -> None:
     """Put `fit`'s map in its sub-block's place in `model` (the module is kept as `.original` for `replaced`)."""
     layer, name = slot(model, fit.ref)
     original = getattr(layer, name)
     weight = next(original.parameters())
-    bypass = SubBlockBypass(fit.map.shape[0], torch.float32, fit.ref.block, fit.ref.layer, fit.outputs)
-    bypass.ghost.operator.data = fit.map.to(device=weight.device, dtype=torch.float32)
+    value = fit.map.to(device=weight.device, dtype=torch.float32)
+    if fit.ref.block == LAYER:
+        bypass = _LayerMap(value)
+    else:
+        bypass = SubBlockBypass(fit.map.shape[0], torch.float32, fit.ref.block, fit.ref.layer, fit.outputs)
+        bypass.ghost.operator.data = value
     object.__setattr__(bypass, "original", original)  # not a child: its weights stay out of the bypass
     setattr(layer, name, bypass)
 
@@ -293,12 +326,15 @@ def damages(model: nn.Module, batches: list[Batch], fits: Mapping[SubBlockRef, S
 
 def choose_to_budget(damage: Mapping[SubBlockRef, float], saved: Mapping[SubBlockRef, int], budget: int) -> list[SubBlockRef]:
     """The sub-blocks that remove at least `budget` parameters (net of their maps) with the least damage per parameter
-    saved, cheapest first."""
+    saved, cheapest first; a whole layer and its own sub-blocks exclude each other."""
     order = sorted((ref for ref in damage if saved[ref] > 0), key=lambda ref: (max(damage[ref], 0.0) / saved[ref], ref))
-    chosen, total = [], 0
+    chosen, total, taken = [], 0, {}  # taken: layer -> a block chosen there
     for ref in order:
         if total >= budget:
             break
+        if ref.layer in taken and LAYER in (ref.block, taken[ref.layer]):
+            continue
+        taken[ref.layer] = ref.block
         chosen.append(ref)
         total += saved[ref]
     if total < budget:
@@ -322,3 +358,19 @@ def fit_sequentially(model: nn.Module, batches: list[Batch], refs: list[SubBlock
         install(model, fit)
         fits.append(fit)
     return fits
+
+
+def layer_operators(fits: Iterable[SubBlockFit]) -> dict[int, torch.Tensor]:
+    """{first layer of a run of consecutive whole layers: its boundary's operator} from the layers' fitted maps: the
+    product of their (I + A) in network order, which is what the fitted model applied to the stream (x @ W)."""
+    runs: dict[int, torch.Tensor] = {}
+    last = None
+    for fit in sorted((f for f in fits if f.ref.block == LAYER), key=lambda f: f.ref):
+        step = torch.eye(fit.map.shape[0], dtype=torch.float64) + fit.map.double().cpu()
+        if last is not None and fit.ref.layer == last + 1:
+            first = max(runs)
+            runs[first] = runs[first] @ step
+        else:
+            runs[fit.ref.layer] = step
+        last = fit.ref.layer
+    return runs

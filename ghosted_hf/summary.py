@@ -107,6 +107,8 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
     scores = selection.get("scores") or {}
     removed = set(removed_layers)
     chosen = set(selection.get("subblocks") or ())
+    if chosen or any("." in name for name in scores):  # sub-block candidates are LAYER.KIND, a whole layer LAYER.layer
+        chosen |= {f"{i}.layer" for i in removed}
     ranked = sorted(scores.items(), key=lambda kv: kv[1], reverse=selection.get("better") == "higher")
     cal = prov.get("calibration") or {}
     healing = prov.get("healing")

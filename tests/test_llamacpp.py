@@ -126,6 +126,13 @@ def test_a_sub_block_models_base_holds_placeholders_where_the_maps_go() -> None:
     assert torch.equal(maps.attention[1], random_operator(1)) and torch.equal(maps.mlp[3], random_operator(2))
 
 
+def test_a_mixed_model_with_removed_layers_is_refused_with_its_own_remedy() -> None:
+    model = ghost_prune(build("llama"), char_tokenizer(), texts(), unit="mixed", criterion="manual", layers=[2],
+                        subblocks=["4.mlp"], seq_len=48, num_sequences=8)
+    with pytest.raises(GhostedError, match="llama.cpp has no block for it. Prune with --unit subblock"):
+        normed_blocks(model)
+
+
 def test_the_bases_own_head_size_is_kept(tmp_path: Path) -> None:
     """A config whose head_dim is not hidden / heads (Mistral-Nemo-like): llama.cpp checks the head size against
     the rope dimensions, so the rewrite must carry the base's, not recompute it."""

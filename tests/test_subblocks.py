@@ -65,10 +65,13 @@ def test_replaced_subblocks_generate_with_an_empty_cache_entry_and_reload(arch, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_every_family_replaces_subblocks(model_type, tmp_path) -> None:
+def test_every_family_replaces_subblocks_and_whole_layers(model_type, tmp_path) -> None:
     dense = tiny_family(model_type)
     names = ["0.attention", "1.mlp", f"{dense.config.num_hidden_layers - 1}.attention"]
-    check_cache_and_reload(replaced_model(dense, names), tmp_path, names)
+    model = ghost_prune(dense, char_tokenizer(), texts(), unit="mixed", criterion="manual", subblocks=names,
+                        layers=[2], **CALIBRATION)
+    assert model.config.removed_layers == [2]
+    check_cache_and_reload(model, tmp_path, names)
 
 
 def test_a_subblock_model_loads_without_ghosted_hf(tmp_path) -> None:
@@ -119,6 +122,75 @@ def test_maps_are_least_squares_fits_down_the_network() -> None:
     assert fitted_on == ["dense model", "model with the sub-blocks before it replaced"]
 
 
+def captured_layer(model, layer: int, batches) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, what the layer added) of a whole decoder layer over the real tokens, float64."""
+    inputs, outputs = [], []
+
+    def hook(module, args, kwargs, output):
+        h = args[0] if args else kwargs["hidden_states"]
+        inputs.append(h.reshape(-1, HIDDEN).double())
+        outputs.append((output[0] if isinstance(output, tuple) else output).reshape(-1, HIDDEN).double())
+
+    handle = decoder_layers(model)[layer].register_forward_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch, use_cache=False)
+    handle.remove()
+    keep = torch.cat([b["attention_mask"].flatten().bool() for b in batches])
+    h = torch.cat(inputs)[keep]
+    return h, torch.cat(outputs)[keep] - h
+
+
+def test_mixed_fits_whole_layers_and_sub_blocks_down_the_network(tmp_path) -> None:
+    from ghosted_hf.data import tokenize_texts
+
+    dense = build("llama")
+    batches = tokenize_texts(char_tokenizer(), texts(), 64, 8, 4).batches
+    model = ghost_prune(copy.deepcopy(dense), char_tokenizer(), texts(), unit="mixed", criterion="manual",
+                        subblocks=["0.mlp", "4.attention"], layers=[2, 3], **CALIBRATION)
+    assert model.config.removed_layers == [2, 3]
+    assert [b["removed"] for b in model.config.ghost_boundaries] == [[2, 3]]
+    first, last = (model.get_parameter(f"model.layers.{r['layer']}.{r['module']}.ghost.operator").double()
+                   for r in model.config.ghost_subblocks)
+    # each fit on the model with everything before it replaced; the run's operator is the product of its layers' I + A
+    sb.install(dense, sb.SubBlockFit(sb.parse_subblock("0.mlp"), first, 0))
+    steps = []
+    for layer in (2, 3):
+        h, y = captured_layer(dense, layer, batches)
+        a = torch.linalg.lstsq(h, y).solution
+        steps.append(torch.eye(HIDDEN, dtype=torch.float64) + a)
+        sb.install(dense, sb.SubBlockFit(sb.SubBlockRef(layer, sb.LAYER), a, 0))
+    names = [n for n, _ in model.named_parameters() if n.endswith("ghost.operator") and "attn" not in n
+             and "mlp" not in n]
+    assert len(names) == 1
+    torch.testing.assert_close(model.get_parameter(names[0]).double(), steps[0] @ steps[1], atol=3e-3, rtol=3e-3)
+    h, y = captured(dense, "4.attention", batches)  # ill-conditioned here (cond ~4e3): the residual, not the map
+    best = (h @ torch.linalg.lstsq(h, y).solution - y).norm()
+    assert (h @ last - y).norm() <= 1.01 * best
+    # the saved model is the model the fits were made on
+    sb.install(dense, sb.SubBlockFit(sb.parse_subblock("4.attention"), last, model.config.ghost_subblocks[1]["outputs"]))
+    ids = batches[0]["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits, atol=2e-3, rtol=2e-3)
+    check_cache_and_reload(model, tmp_path, ["0.mlp", "4.attention"])
+
+
+def test_mixed_chooses_whole_layers_and_sub_blocks_at_a_budget() -> None:
+    dense = build("llama")
+    total = decoder_parameters(dense)
+    model = ghost_prune(copy.deepcopy(dense), char_tokenizer(), texts(), unit="mixed", remove="40%", **CALIBRATION)
+    selection = model.config.ghost_provenance["selection"]
+    damage = {sb.parse_subblock(k, sb.CANDIDATE_KINDS): v
+              for k, v in selection["scores"].items()}
+    assert len(damage) == 3 * dense.config.num_hidden_layers
+    saved = {ref: sb.subblock_parameters(dense, ref) - HIDDEN * HIDDEN for ref in damage}
+    chosen = sb.choose_to_budget(damage, saved, round(0.4 * total))
+    assert selection["subblocks"] == [r.name for r in chosen if r.block != sb.LAYER]
+    assert model.config.removed_layers == [r.layer for r in chosen if r.block == sb.LAYER]
+    parameters = model.config.ghost_provenance["parameters"]
+    assert parameters["dense"] - parameters["pruned"] - parameters["operators"] >= 0.4 * total
+
+
 def test_the_budget_is_met_with_the_least_measured_damage() -> None:
     dense = build("llama")
     total = decoder_parameters(dense)
@@ -141,6 +213,10 @@ def test_choose_to_budget_takes_the_least_damage_per_parameter() -> None:
     assert sb.choose_to_budget({a: -0.1, b: 0.5, c: 0.1}, {a: 10, b: 10, c: 1}, 5) == [a]
     with pytest.raises(GhostedError, match="short of"):
         sb.choose_to_budget({a: 0.0}, {a: 10}, 11)
+    # a whole layer and its own sub-blocks exclude each other, whichever comes first
+    whole = sb.SubBlockRef(0, sb.LAYER)
+    assert sb.choose_to_budget({a: 0.0, whole: 0.1, b: 0.5}, {a: 10, whole: 30, b: 10}, 15) == [a, b]
+    assert sb.choose_to_budget({whole: 0.0, a: 0.1, b: 0.5}, {a: 10, whole: 30, b: 10}, 35) == [whole, b]
 
 
 def test_a_share_of_parameters_sets_the_number_of_whole_layers() -> None:
@@ -157,7 +233,7 @@ def test_a_share_of_parameters_sets_the_number_of_whole_layers() -> None:
 @pytest.mark.parametrize(("overrides", "message"), [
     (dict(unit="subblock"), "parameter budget"),
     (dict(unit="subblock", criterion="shortgpt", remove="25%"), "criterion"),
-    (dict(unit="subblock", criterion="manual"), "needs the sub-blocks"),
+    (dict(unit="subblock", criterion="manual"), "needs what to replace"),
     (dict(unit="subblock", remove="25%", operator="normed"), "defaults"),
     (dict(unit="subblock", criterion="manual", subblocks=["1.mlp"], remove="25%"), "budget"),
     (dict(unit="subblock", criterion="manual", layers=[1], subblocks=["1.mlp"]), "whole layers"),
@@ -168,6 +244,9 @@ def test_a_share_of_parameters_sets_the_number_of_whole_layers() -> None:
     (dict(unit="subblock", criterion="manual", subblocks=["1.attn"]), "LAYER.KIND"),
     (dict(unit="subblock", criterion="manual", subblocks=["9.mlp"]), "out of range"),
     (dict(unit="subblock", criterion="manual", subblocks=["1.mlp", "1.mlp"]), "more than once"),
+    (dict(unit="mixed", criterion="manual", subblocks=["1.mlp"], layers=[1]), "removed whole"),
+    (dict(unit="mixed", criterion="manual"), "layers="),
+    (dict(unit="mixed", criterion="manual", layers=[9]), "out of range"),
 ])
 def test_bad_subblock_requests_are_refused_by_name(overrides, message) -> None:
     with pytest.raises(GhostedError, match=message):
