@@ -20,7 +20,8 @@ import time
 import torch
 
 from ghosted_hf import assets
-from ghosted_hf.corpus import Corpus, training_sequences
+from ghosted_hf.data import training_sequences
+from ghosted_hf.text import Documents
 from ghosted_hf.data import pack_tokens, text_hash
 
 from common import packaged_model
@@ -59,7 +60,7 @@ def measure(packing: str, passes: int) -> dict[str, float]:
         train, digest = legacy_sequences(tokenizer, texts, SEQ_LEN)
         rows = len(train)
     else:
-        sequences = training_sequences(tokenizer, Corpus(texts, "articles"), SEQ_LEN, held_out=0)
+        sequences = training_sequences(tokenizer, Documents(texts, "articles"), SEQ_LEN, held_out=0)
         rows, digest = len(sequences.train), sequences.text_sha256
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -71,7 +72,7 @@ def check_equal() -> None:
     tokenizer, _ = packaged_model()
     texts = assets.wikipedia_split("calibration") * 2
     legacy, digest = legacy_sequences(tokenizer, texts, SEQ_LEN)
-    sequences = training_sequences(tokenizer, Corpus(texts, "articles"), SEQ_LEN, held_out=0)
+    sequences = training_sequences(tokenizer, Documents(texts, "articles"), SEQ_LEN, held_out=0)
     assert sequences.train.tolist() == legacy and sequences.text_sha256 == digest, "the packings differ"
 
 

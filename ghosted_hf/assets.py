@@ -23,7 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
-from .data import NamedTexts
+from .text import NamedTexts
 from .errors import GhostedError, MissingDependencyError, MissingFileError
 
 logger = logging.getLogger(__name__)

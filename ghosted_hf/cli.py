@@ -23,6 +23,9 @@ logger = logging.getLogger("ghosted_hf")
 
 MODEL_HELP = (f"Local folder, Hub id or packaged model ({', '.join(assets.PACKAGED_MODELS)}) of a causal LM of a "
               f"supported family (docs/architectures.md); None: the packaged {assets.DEFAULT_MODEL}.")
+TEXT_HELP = ("a text file (documents separated by blank lines), a .jsonl/.json/.parquet/.arrow/.csv file, a datasets "
+             "folder or a Hub dataset id (--text-column, --split, --streaming)")
+CALIBRATION_HELP = f"Calibration text: {TEXT_HELP} (None: the packaged Wikipedia calibration articles)."
 TRUST_HELP = ("Run Python code that the model folder or repository carries (its model's, tokenizer's or custom_generate/ "
               "code). Never needed for ghosted models (ghosted_hf's own classes load them) or for families transformers "
               "ships; without it no file of the folder is imported.")
@@ -62,8 +65,7 @@ class PruneArgs(LoadArgs, MemoryArgs, OutputArgs):
     """Arguments of `ghosted prune` besides the `PruneOptions`."""
 
     model: str | None = option(None, MODEL_HELP, positional=True)
-    calibration: str | None = option(None, "Calibration text file, documents separated by blank lines "
-                                           "(None: the packaged Wikipedia calibration articles).")
+    calibration: str | None = option(None, CALIBRATION_HELP)
     output: str | None = option(None, "New folder to write the pruned model to (needed unless --dry-run).")
     dry_run: bool = option(False, "Select the layers and fit the operators (the calibration passes run), print the "
                                   "result, write nothing.")
@@ -76,7 +78,7 @@ class StatsCollectArgs(LoadArgs, MemoryArgs, OutputArgs):
     """Arguments of `ghosted stats collect` besides the `PruneOptions`."""
 
     model: str | None = option(None, MODEL_HELP, positional=True)
-    calibration: str | None = option(None, "Calibration text file (None: the packaged Wikipedia calibration articles).")
+    calibration: str | None = option(None, CALIBRATION_HELP)
     shard: str = option("0/1", "Which shard I/N of the calibration batches to collect (every N-th batch from batch I).")
     output: str | None = option(None, "New statistics file to write (safetensors).", required=True)
     device: str | None = option(None, "device_map for loading (e.g. cpu, cuda, auto).")
@@ -133,8 +135,7 @@ class HealArgs(LoadArgs, OutputArgs):
 
     folder: str = option(help="A model ghosted_hf pruned (a ghosted model or a stock export): folder or Hub id.")
     output: str | None = option(None, "New folder to save the healed model (or adapter) to.", required=True)
-    data: str | None = option(None, "Training text: a text file, a .jsonl/.json/.parquet/.arrow/.csv file, a datasets "
-                                    "folder or a Hub dataset id (None: the packaged calibration articles).")
+    data: str | None = option(None, f"Training text: {TEXT_HELP} (None: the packaged calibration articles).")
     eval_data: str | None = option(None, "Held-out text, read like --data (None: carved off --data).")
     teacher: str = option("none", "'none': language-modelling loss on the text; or a dense model to distill from (KL to "
                                   "its logits): a folder or Hub id, or 'base': the model it was pruned from (recorded "
@@ -154,7 +155,7 @@ class ExportArgs(LoadArgs, OutputArgs):
 
     folder: str = option(help="Saved ghosted model folder or Hub id.")
     output: str | None = option(None, "New folder for the stock checkpoint.", required=True)
-    calibration: str | None = option(None, "Calibration text file (None: the packaged Wikipedia calibration articles).")
+    calibration: str | None = option(None, CALIBRATION_HELP)
 
 
 @dataclass(kw_only=True)
@@ -191,7 +192,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         if run.output is None:
             raise GhostedError("--output DIR is required (or --dry-run to write nothing).")
         check_output(run.output, (run.model, run.calibration, run.statistics), overwrite=run.overwrite)
-    calibration = calibration_text(run.calibration, statistics=run.statistics)
+    calibration = calibration_text(run.calibration, options, statistics=run.statistics)
     config = load_config(run.model, trust_remote_code=run.trust_remote_code, revision=run.revision)
     check_request(config, options)
     model, tokenizer = load_for_calibration(run, config)  # only once everything the config can tell was checked
@@ -224,7 +225,7 @@ def cmd_stats_collect(args: argparse.Namespace) -> int:
     run, options = from_namespace(StatsCollectArgs, args), from_namespace(PruneOptions, args)
     shard = ShardSpec.parse(run.shard)
     path = check_output(run.output, (run.model, run.calibration), overwrite=run.overwrite, file=True)
-    calibration = calibration_text(run.calibration)
+    calibration = calibration_text(run.calibration, options)
     model, tokenizer = load_for_calibration(run)
     stats = calibrate(model, tokenizer, calibration, options, shard=shard)
     write_statistics(stats, path)
@@ -245,14 +246,17 @@ def cmd_stats_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def calibration_text(path: str | None, statistics: str | None = None):
-    """The calibration file, read once here so that a missing, unreadable or non-UTF-8 one fails before the
-    model loads; else the packaged corpus (none when precomputed statistics are given)."""
-    from .data import check_not_empty, load_texts
+def calibration_text(path: str | None, options: Any, statistics: str | None = None):
+    """The calibration data, its first document read here so that a missing, unreadable or empty one fails before
+    the model loads; else the packaged corpus (none when precomputed statistics are given)."""
+    from .text import read_documents
 
     if path is not None:
-        texts, name = load_texts(path)
-        check_not_empty(texts, name)
+        documents = read_documents(path, split=options.split, text_column=options.text_column,
+                                   streaming=options.streaming)
+        if next(iter(documents.texts), None) is None:
+            raise GhostedError(f"The calibration text ({documents.name}) is empty: provide at least a few paragraphs "
+                               "of text.")
         return path
     return None if statistics is not None else assets.wikipedia_split("calibration")
 
@@ -407,7 +411,7 @@ def cmd_export_stock(args: argparse.Namespace) -> int:
     if getattr(model.config, "model_type", None) != "ghosted":
         raise GhostedError(f"{run.folder} holds a {model.config.model_type!r} model, not a ghosted one: it is a stock "
                            "checkpoint already.")
-    stock = export_stock(model, tokenizer, calibration_text(run.calibration), options)
+    stock = export_stock(model, tokenizer, calibration_text(run.calibration, options), options)
     print(render_text(summarize(stock.config)))
     save_with_card(stock, run.output, tokenizer)
     print(f"\nSaved the stock checkpoint to {run.output} (loads with AutoModelForCausalLM, no trust_remote_code).")

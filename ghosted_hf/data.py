@@ -1,22 +1,24 @@
-"""Calibration text -> token batches, with the token count and a hash that identify the data in reports."""
+"""Documents -> tokens: calibration and evaluation windows (`TokenBatches`) and training rows (`TrainingSequences`),
+each recording the identity of the documents it read."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import GhostedError, MissingFileError
+from .errors import GhostedError
+from .text import DataIdentity, Documents, TextSource, read_documents
 
 logger = logging.getLogger(__name__)
 
-TextSource = str | os.PathLike | Iterable[str] | Any  # text file, list of strings, or a datasets.Dataset
+__all__ = ["TextSource", "TokenBatches", "TrainingSequences", "tokenize_texts", "training_sequences"]
+
 
 @dataclass
 class TokenBatches:
@@ -24,8 +26,8 @@ class TokenBatches:
 
     batches: list[dict[str, torch.Tensor]]
     name: str
-    text_sha256: str
-    num_texts: int
+    text_sha256: str  # the `text.DataIdentity` of the documents read
+    documents: int
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -46,85 +48,11 @@ class TokenBatches:
         return {
             "name": self.name,
             "sha256": self.text_sha256,
-            "texts": self.num_texts,
+            "documents": self.documents,
             "tokens": self.num_tokens,
             "sequences": sum(len(b["input_ids"]) for b in self.batches),
             "sequence_length": max(b["input_ids"].shape[1] for b in self.batches),
         }
-
-
-class NamedTexts(list):
-    """A list of documents that carries a display name into reports (e.g. the packaged corpus)."""
-
-    def __init__(self, texts: Iterable[str], name: str) -> None:
-        super().__init__(texts)
-        self.name = name
-
-
-def _read_text_file(path: Path, what: str = "Calibration") -> list[str]:
-    if path.is_dir():
-        raise MissingFileError(f"{what} path {path} is a folder; pass a text file (documents separated by blank "
-                               "lines), a list of strings or a datasets.Dataset.")
-    if path.exists() and not path.is_file():
-        raise GhostedError(f"{what} file {path} is not a regular file (a FIFO or a device?); pass a text file.")
-    if not path.is_file():
-        raise MissingFileError(f"{what} file {path} does not exist (pass a text file, a list of strings or a Dataset).")
-    try:
-        content = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise GhostedError(f"{what} file {path} is not UTF-8 text ({error.reason} at byte {error.start}); "
-                           "convert it to UTF-8.") from None
-    return [b for b in (block.strip() for block in content.split("\n\n")) if b]
-
-
-def load_texts(text: TextSource, text_column: str = "text", what: str = "Calibration") -> tuple[list[str], str]:
-    """Texts and a display name from a text file (one document per blank-line-separated block), a list
-    of strings, or a `datasets.Dataset` with a text column; `what` the text is for, in messages."""
-    if isinstance(text, str) and ("\n" in text or len(text) > 255):  # longer than any file name
-        raise GhostedError(
-            f"The calibration text is one string of {len(text)} characters that is not a file path: pass a "
-            "list of strings (e.g. [text]) for text, or the path of a text file."
-        )
-    if isinstance(text, (str, os.PathLike)):
-        path = Path(text)
-        return _read_text_file(path, what), path.name
-    if isinstance(text, (bytes, Mapping)) or not isinstance(text, Iterable):
-        raise GhostedError(
-            f"Calibration text must be a list of strings, a text file path or a datasets.Dataset, got a "
-            f"{type(text).__name__}" + (" (for a dict of columns, use datasets.Dataset.from_dict)." if isinstance(text, Mapping) else ".")
-        )
-    column_names = getattr(text, "column_names", None)
-    if column_names is not None:
-        if text_column not in column_names:
-            raise GhostedError(f"The dataset has no {text_column!r} column (columns: {column_names}); pass text_column=.")
-        name = getattr(getattr(text, "info", None), "dataset_name", None) or "datasets.Dataset"
-        return [t for t in text[text_column] if t and t.strip()], name
-    texts = list(text)
-    bad = next((t for t in texts if not isinstance(t, str)), None)
-    if bad is not None:
-        raise GhostedError(f"Calibration texts must be strings, got a {type(bad).__name__}: {bad!r:.60}.")
-    name = getattr(text, "name", None) or f"{len(texts)} texts given as a list of strings"
-    return [t for t in texts if t.strip()], name
-
-
-def check_not_empty(texts: list[str], name: str) -> None:
-    """Refuse calibration text that holds no text at all."""
-    if not texts:
-        raise GhostedError(f"The calibration text ({name}) is empty: provide at least a few paragraphs of text.")
-
-
-def add_to_text_hash(digest: Any, text: str) -> None:
-    """One text more in a `text_hash` digest (for texts hashed as they are read)."""
-    digest.update(text.encode("utf-8"))
-    digest.update(b"\x00")
-
-
-def text_hash(texts: list[str]) -> str:
-    """sha256 of the texts joined by NUL bytes: identifies the calibration text in reports."""
-    digest = hashlib.sha256()
-    for text in texts:
-        add_to_text_hash(digest, text)
-    return digest.hexdigest()
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -206,6 +134,10 @@ def tokenize_texts(
     batch_size: int = 4,
     text_column: str = "text",
     shuffle_seed: int | None = None,
+    *,
+    split: str | None = None,
+    streaming: bool = False,
+    what: str = "Calibration text",
 ) -> TokenBatches:
     """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens (documents joined by EOS, every
     sequence starting with the tokenizer's BOS where it adds one) and batch them. Chat-formatted calibration is the caller's choice: render the texts with the tokenizer's chat
@@ -213,14 +145,115 @@ def tokenize_texts(
     document's consecutive windows, and a short run would see only the first documents)."""
     if seq_len < 2 or batch_size < 1:
         raise GhostedError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}.")
-    texts, name = load_texts(text, text_column)
-    check_not_empty(texts, name)
-    # Tokenized lazily: packing stops reading once it has the sequences asked for.
-    token_lists = (tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts)
+    documents, identity = read_documents(text, split=split, text_column=text_column, streaming=streaming,
+                                         what=what), DataIdentity()
+    name = documents.name
+    # Read and tokenized lazily: packing stops reading once it has the sequences asked for.
+    token_lists = (tokenizer(t, add_special_tokens=True)["input_ids"] for t in identity.read(documents.texts))
     sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id, leading_token(tokenizer))
+    if not identity.documents:
+        raise GhostedError(f"The {what.lower()} ({name}) is empty: provide at least a few paragraphs of text.")
     if num_sequences is not None and len(sequences) < num_sequences:
         logger.warning("Only %d sequences of %d tokens in %s (asked for %d).", len(sequences), seq_len, name, num_sequences)
     if shuffle_seed is not None:
         order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(shuffle_seed))
         sequences = [sequences[i] for i in order]
-    return TokenBatches(batch_sequences(sequences, batch_size, pad_token_id(tokenizer)), name, text_hash(texts), len(texts))
+    return TokenBatches(batch_sequences(sequences, batch_size, pad_token_id(tokenizer)), name, identity.sha256,
+                        identity.documents)
+
+
+@dataclass
+class TrainingSequences:
+    """Packed token sequences of one length, as (sequences, seq_len) int32 rows: the training set (shuffled) and
+    the held-out set (whole documents the training never sees), with what identifies them in the provenance. Rows
+    of a tensor, not lists of Python ints: those cost about 36 bytes a token, these 4."""
+
+    train: torch.Tensor
+    held_out: torch.Tensor
+    name: str
+    text_sha256: str
+    documents: int
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "sha256": self.text_sha256, "documents": self.documents,
+                "sequence_length": self.train.shape[1], "train_sequences": len(self.train),
+                "held_out_sequences": len(self.held_out)}
+
+
+def pack_rows(token_lists: Iterable[list[int]], seq_len: int, max_rows: int | None, separator: int,
+              prefix: int | None = None) -> torch.Tensor:
+    """Documents joined by `separator` and cut into full rows of `seq_len` tokens, each starting with `prefix` when
+    given (`data.leading_token`; the rest is dropped: every batch then holds as many tokens, however its rows are
+    split over processes or micro-batches), at most `max_rows`. Reads `token_lists` only as far as those rows
+    need; finished rows are moved out of Python lists in blocks."""
+    blocks: list[torch.Tensor] = [torch.empty(0, seq_len, dtype=torch.int32)]
+    stream: list[int] = []
+
+    def move_full_rows() -> None:
+        rows, used = cut_windows(stream, seq_len, prefix, partial=False)
+        blocks.append(torch.tensor(rows, dtype=torch.int32).view(-1, seq_len))
+        del stream[:used]
+
+    rows = 0
+    block = max(1, (1 << 20) // seq_len) * seq_len  # about a million tokens per block
+    for index, tokens in enumerate(token_lists):
+        if index:
+            stream.append(separator)
+        stream.extend(tokens)
+        if len(stream) >= block:
+            move_full_rows()
+            rows += len(blocks[-1])
+        if max_rows is not None and rows + len(stream) // seq_len >= max_rows:
+            break
+    move_full_rows()
+    packed = torch.cat(blocks)
+    return packed if max_rows is None else packed[:max_rows]
+
+
+def _batches(texts: Iterable[str], largest: int = 64) -> Iterator[list[str]]:
+    """Documents in batches that double up to `largest`: a fast tokenizer encodes a batch on every core, and a
+    stream read only as far as it is needed is read at most about twice as far."""
+    texts, size = iter(texts), 1
+    while batch := list(itertools.islice(texts, size)):
+        yield batch
+        size = min(2 * size, largest)
+
+
+def training_sequences(
+    tokenizer: Any,
+    corpus: Documents,
+    seq_len: int,
+    *,
+    held_out: int,
+    held_out_corpus: Documents | None = None,
+    max_sequences: int | None = None,
+    seed: int = 0,
+) -> TrainingSequences:
+    """Tokenize and pack `corpus` into sequences of `seq_len` tokens (documents joined by EOS). Without a
+    `held_out_corpus`, the first documents up to `held_out` sequences are carved off as whole documents, so no
+    document is in both sets. `max_sequences` bounds what is read (a streamed corpus is read only that far)."""
+    identity = DataIdentity()  # of the documents used, kept as they are read
+
+    def tokens(texts: Iterable[str]) -> Iterator[list[int]]:
+        for batch in _batches(texts):  # a document counts once its tokens are taken
+            ids = tokenizer(batch, add_special_tokens=True)["input_ids"]
+            yield from (tokens for _, tokens in zip(identity.read(batch), ids))
+
+    eos, bos = tokenizer.eos_token_id, leading_token(tokenizer)
+    documents = tokens(corpus.texts)  # one stream: the held-out documents are carved off its start
+    if held_out_corpus is not None:
+        held = pack_rows(tokens(held_out_corpus.texts), seq_len, held_out, eos, bos)
+    elif held_out:  # whole documents until `held_out` sequences are filled
+        carved: list[list[int]] = []
+        length = 0
+        for ids in documents:
+            carved.append(ids)
+            length += len(ids) + 1  # with the EOS that joins it to the next
+            if length >= held_out * seq_len:
+                break
+        held = pack_rows(carved, seq_len, held_out, eos, bos)
+    else:
+        held = torch.empty(0, seq_len, dtype=torch.int32)
+    train = pack_rows(documents, seq_len, max_sequences, eos, bos)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+    return TrainingSequences(train[order], held, corpus.name, identity.sha256, identity.documents)

@@ -12,10 +12,10 @@ import torch
 from transformers import PreTrainedModel
 
 from .errors import GhostedError
-from .data import TextSource, TokenBatches, tokenize_texts
+from .data import TextSource, TokenBatches
 from .operators import operator_kind
 from .options import ExportOptions
-from .recipe import check_token_budget, check_token_ids
+from .recipe import calibration_tokens
 from .remote.configuration_ghosted import LAYER_TARGET
 from .remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
 from .statistics import CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, CalibrationStatistics, StatisticsPlan
@@ -35,9 +35,8 @@ def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSou
     if normed:
         raise GhostedError(f"The boundaries after removed layers {normed} have a normed term, which export_stock "
                            "cannot imitate: prune the dense model with operator='folded' for a stock checkpoint.")
-    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
-    check_token_ids(data, model.get_input_embeddings().weight.shape[0])
-    check_token_budget(data.num_tokens, model.config.hidden_size)  # the rule `ghost_prune` applies
+    data = calibration_tokens(tokenizer, calibration, options, model.get_input_embeddings().weight.shape[0],
+                              model.config.hidden_size)  # the rules `ghost_prune` applies
     depth = model.config.num_hidden_layers
     for record in model.config.ghost_boundaries:
         operator = model.get_parameter(ghost_tensor_key(record))

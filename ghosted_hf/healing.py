@@ -35,7 +35,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArgu
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from .assets import file_sha256
-from .corpus import TrainingSequences, read_corpus, training_sequences
+from .data import TrainingSequences, training_sequences
 from .distillation import Head, chunked_kd_loss, final_hidden_states, head_is_plain, shifted_labels
 from .distributed import check_agreement, is_main_process, timeout_s
 from .architectures import lora_target_parameters, lora_targets
@@ -43,8 +43,9 @@ from .diskio import atomic_write_text, read_json_object
 from .files import relation
 from .errors import GhostedError, MissingDependencyError, MissingFileError
 from .statistics.origin import config_sha256, model_fingerprint
+from .text import read_documents
 from .statistics.store import tensor_sha256
-from .options import Options, option, positive
+from .options import Options, PruneOptions, option, positive, same_as
 from .remote.modeling_ghosted import GHOST_MODULE, process_gone, process_tag, scratch_folder
 
 logger = logging.getLogger(__name__)
@@ -92,9 +93,9 @@ class HealOptions(Options):
                                      "evaluation data is given (0: no held-out evaluation).")
     save_every: int | None = option(None, "Save a resumable checkpoint every N steps (the last two are kept).")
     report_to: str = option("none", "Where to log losses and evaluations.", REPORTERS)
-    text_column: str = option("text", "Column of the dataset that holds the text.")
-    split: str | None = option(None, "Dataset split (None: 'train', or a folder's only split).")
-    streaming: bool = option(False, "Stream a Hub or file dataset: read only the documents the step budget needs.")
+    text_column: str = same_as(PruneOptions, "text_column")
+    split: str | None = same_as(PruneOptions, "split")
+    streaming: bool = same_as(PruneOptions, "streaming")
     seed: int = option(0, "Random seed of the adapters' initialisation and of the order of the training sequences.")
 
     def check(self) -> None:
@@ -566,7 +567,7 @@ def heal(
     clock: Callable[[], float] = time.perf_counter,
     **overrides: Any,
 ) -> HealResult:
-    """Train LoRA adapters (and, with `train_operators`, the ghost operators) on `data` (anything `corpus.read_corpus`
+    """Train LoRA adapters (and, with `train_operators`, the ghost operators) on `data` (anything `text.read_documents`
     reads) for `steps` steps, `tokens` tokens or `minutes` by `clock` (seconds). With a `teacher` the loss is
     KL(teacher || student) (mixed with the next-token loss by `kd_weight`), otherwise next-token cross-entropy.
     `eval_data`: held-out text (else carved off `data`). `checkpoints`: the folder of resumable checkpoints (with
@@ -703,8 +704,9 @@ def _training_data(tokenizer: Any, data: Any, eval_data: Any, options: HealOptio
     """The packed training and held-out sequences, refused when there is less than one step of training text or
     no held-out text was left to evaluate on. The training set is cut to whole steps of `per_step` sequences:
     every step then has as many tokens, however the sequences are split over processes."""
-    corpus = read_corpus(data, split=options.split, text_column=options.text_column, streaming=options.streaming)
-    held_out = None if eval_data is None else read_corpus(eval_data, text_column=options.text_column,
+    corpus = read_documents(data, split=options.split, text_column=options.text_column, streaming=options.streaming,
+                            what="Training data")
+    held_out = None if eval_data is None else read_documents(eval_data, text_column=options.text_column,
                                                           what="Evaluation data")
     # A streamed corpus is read only as far as the step budget needs (a timed run cycles over that).
     sequences = training_sequences(tokenizer, corpus, options.seq_len, held_out=options.eval_sequences,

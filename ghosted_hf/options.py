@@ -151,6 +151,9 @@ class PruneOptions(Options):
     ridge: float = option(1e-6, "Ridge eps relative to the mean diagonal of the Gram matrix X^T X.")
     seq_len: int = option(512, "Calibration sequence length in tokens.")
     num_sequences: int = option(128, "Number of calibration sequences.")
+    text_column: str = option("text", "Column of a dataset (data file, datasets folder, Hub id) that holds the text.")
+    split: str | None = option(None, "Dataset split (None: 'train', or a folder's only split).")
+    streaming: bool = option(False, "Stream a Hub or file dataset: read only the documents needed.")
     batch_size: int = option(4, "Calibration sequences per forward pass.")
     operator_dtype: str = option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
     stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
@@ -253,6 +256,9 @@ class ExportOptions(Options):
     seq_len: int = same_as(PruneOptions, "seq_len")
     num_sequences: int = same_as(PruneOptions, "num_sequences")
     batch_size: int = same_as(PruneOptions, "batch_size")
+    text_column: str = same_as(PruneOptions, "text_column")
+    split: str | None = same_as(PruneOptions, "split")
+    streaming: bool = same_as(PruneOptions, "streaming")
     stats_device: str | None = same_as(PruneOptions, "stats_device")
 
     def check(self) -> None:

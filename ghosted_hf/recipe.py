@@ -23,7 +23,7 @@ from .assets import base_model_info
 from .data import TextSource, TokenBatches, tokenize_texts
 from .errors import GhostedError
 from .operators import BoundaryFit, operator_kind
-from .options import PruneOptions, budget_share
+from .options import ExportOptions, PruneOptions, budget_share
 from .remote.configuration_ghosted import expected_boundaries
 from .remote.modeling_ghosted import GhostedForCausalLM
 from .selection import ContiguousCriterion, Selection, SelectionRequest, check_num_layers, criterion
@@ -91,9 +91,7 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
     depth, width = calibration_pass.config.num_hidden_layers, calibration_pass.config.hidden_size
     if calibration is None or tokenizer is None:
         raise GhostedError(f"{unit} fits each map on calibration text: pass a tokenizer and calibration text.")
-    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
-    check_token_ids(data, calibration_pass.vocab_size)
-    check_token_budget(data.num_tokens, width)
+    data = calibration_tokens(tokenizer, calibration, options, calibration_pass.vocab_size, width)
     calibrator = Calibrator(calibration_pass, data)
     if calibrator.world > 1:
         raise GhostedError(f"{unit} runs in one process: launch it without torch.distributed.")
@@ -329,9 +327,8 @@ def prepare_calibration(calibration_pass: CalibrationPass, tokenizer: Any, calib
         return None, statistics
     if tokenizer is None:
         raise GhostedError("A tokenizer is needed to tokenize the calibration text.")
-    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
-    check_token_ids(data, calibration_pass.vocab_size)
-    check_token_budget(data.num_tokens, calibration_pass.config.hidden_size, operator_kind(options.operator).regressors)
+    data = calibration_tokens(tokenizer, calibration, options, calibration_pass.vocab_size,
+                              calibration_pass.config.hidden_size, operator_kind(options.operator).regressors)
     return data, statistics
 
 
@@ -354,6 +351,17 @@ def calibrate(model: PreTrainedModel | CalibrationPass, tokenizer: Any, calibrat
     stats = calibrator.collect(statistics_plan(calibrator.depth, options), f"statistics shard {calibrator.shard}")
     stats.origin["model"] = calibration_pass.fingerprint()
     return stats
+
+
+def calibration_tokens(tokenizer: Any, calibration: TextSource, options: PruneOptions | ExportOptions,
+                       vocab_size: int, hidden_size: int, regressors: int = 1) -> TokenBatches:
+    """The calibration windows `options` ask for (read by the one text reader), checked against the model's vocabulary
+    and against the text a fit of `regressors` x C inputs needs."""
+    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size,
+                          options.text_column, split=options.split, streaming=options.streaming)
+    check_token_ids(data, vocab_size)
+    check_token_budget(data.num_tokens, hidden_size, regressors)
+    return data
 
 
 def check_token_ids(data: TokenBatches, vocab_size: int) -> None:

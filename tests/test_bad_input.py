@@ -54,7 +54,7 @@ def test_numpy_and_torch_integer_layer_indices_are_accepted() -> None:
          r"one string of \d+ characters that is not a file path: pass a list of strings"),
         (lambda: ghost_prune(build("llama"), char_tokenizer(), {"text": texts()}, **FAST),
          r"got a dict \(for a dict of columns, use datasets.Dataset.from_dict\)"),
-        (lambda: ghost_prune(build("llama"), char_tokenizer(), [1, 2, 3], **FAST), r"Calibration texts must be strings, got a int: 1"),
+        (lambda: ghost_prune(build("llama"), char_tokenizer(), [1, 2, 3], **FAST), r"Calibration text: every document must be a string, got a int: 1"),
         (lambda: ghost_prune(build("llama", vocab_size=64), char_tokenizer(), texts(), **FAST),
          r"The tokenizer produced token id \d+, but the model's embedding has 64 rows"),
     ],
@@ -75,9 +75,9 @@ def test_calibration_files(tmp_path: Path) -> None:
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n\n".encode("latin-1") * 50)
     with pytest.raises(GhostedError, match=r"latin1.txt is not UTF-8 text \(invalid continuation byte at byte 3\)"):
         ghost_prune(build("llama"), char_tokenizer(), tmp_path / "latin1.txt", **FAST)
-    with pytest.raises(GhostedError, match=rf"Calibration path {tmp_path} is a folder"):
+    with pytest.raises(GhostedError, match=rf"Calibration text {tmp_path} is a folder that holds neither a saved"):
         ghost_prune(build("llama"), char_tokenizer(), tmp_path, **FAST)
-    with pytest.raises(FileNotFoundError, match="Calibration file nothing.txt does not exist"):
+    with pytest.raises(FileNotFoundError, match="Calibration text file nothing.txt does not exist"):
         ghost_prune(build("llama"), char_tokenizer(), "nothing.txt", **FAST)
 
 
@@ -107,8 +107,10 @@ def test_cli_errors_are_one_line(dense_folder: Path, tmp_path: Path, capsys) -> 
     (tmp_path / "file").write_text("x")
     err = one_line_error(capsys, "prune", dense_folder, *cal, "--output", tmp_path / "file")
     assert f"--output {tmp_path / 'file'} exists and is not a folder; name a folder" in err
-    err = one_line_error(capsys, "prune", dense_folder, "--calibration", tmp_path, "--dry-run")
-    assert f"Calibration path {tmp_path} is a folder" in err
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("a folder of text files is no dataset")
+    err = one_line_error(capsys, "prune", dense_folder, "--calibration", tmp_path / "texts", "--dry-run")
+    assert f"Calibration text {tmp_path / 'texts'} is a folder that holds neither" in err
     err = one_line_error(capsys, "prune", dense_folder, *cal, "--output", dense_folder)
     assert f"--output {dense_folder} is the input {dense_folder}; write it somewhere else" in err
     err = one_line_error(capsys, "eval", dense_folder, "--limit", "4")

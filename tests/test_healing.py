@@ -272,11 +272,12 @@ def test_gradient_checkpointing_recomputes_the_same_training() -> None:
 
 
 def test_held_out_perplexity_is_the_models_perplexity_on_text_it_never_trained_on() -> None:
-    from ghosted_hf.corpus import Corpus, training_sequences
+    from ghosted_hf.data import training_sequences
+    from ghosted_hf.text import Documents
 
     healed = heal(pruned(), char_tokenizer(), texts(), steps=3, seq_len=48, eval_sequences=4, progress=False,
                   precision="fp32")
-    held = training_sequences(char_tokenizer(), Corpus(texts(), "t"), 48, held_out=4).held_out
+    held = training_sequences(char_tokenizer(), Documents(texts(), "t"), 48, held_out=4).held_out
     ids = held.long()
     with torch.no_grad():
         loss = healed.model(input_ids=ids, labels=ids).loss

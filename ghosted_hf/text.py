@@ -1,30 +1,128 @@
-"""Training text the way people have it (a text file, .jsonl / .json / .parquet / .arrow / .csv, a `datasets`
-folder, a Hub dataset id, or texts given in Python) -> packed, shuffled training sequences and a held-out set
-that the training never sees."""
+"""Text the way people have it -> documents: one reader for calibration, evaluation, healing and export (a text
+file of blank-line-separated documents, .jsonl / .json / .parquet / .arrow / .csv, a `datasets` folder, a Hub dataset
+id, or texts given in Python), and one data identity: the sha256 of the documents read, in order, and their count."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
-import logging
 import os
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .data import NamedTexts, add_to_text_hash, cut_windows, leading_token, load_texts
-from .errors import GhostedError, MissingDependencyError
+from .errors import GhostedError, MissingDependencyError, MissingFileError
 from .network import HUB_TIMEOUT_S, bounded_network
 
-logger = logging.getLogger(__name__)
-
-# file suffix -> the `datasets` builder that reads it
+# file suffix -> the `datasets` builder that reads it; any other file is plain text
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+TEXT_SUFFIXES = (".txt", ".text", ".md")  # a missing file of these is named as missing, not looked up on the Hub
+TextSource = str | os.PathLike | Iterable[str] | Any  # a path or Hub id, a list of strings, or a datasets.Dataset
+
+@dataclass
+class Documents:
+    """Documents as a (possibly lazy) iterable, with a name for reports."""
+
+    texts: Iterable[str]
+    name: str
+
+
+@dataclass
+class DataIdentity:
+    """What every record says about the data it used: the sha256 of the documents read (each UTF-8, NUL-terminated,
+    in order) and how many; computed as they are read, so a stream is hashed only as far as it was used."""
+
+    documents: int = 0
+    digest: Any = field(default_factory=hashlib.sha256, repr=False)
+
+    def read(self, texts: Iterable[str]) -> Iterator[str]:
+        """`texts`, each added to the identity as it is taken."""
+        for text in texts:
+            self.digest.update(text.encode("utf-8"))
+            self.digest.update(b"\x00")
+            self.documents += 1
+            yield text
+
+    @property
+    def sha256(self) -> str:
+        return self.digest.hexdigest()
+
+
+def text_hash(texts: Iterable[str]) -> str:
+    """The `DataIdentity` sha256 of `texts`, all read."""
+    identity = DataIdentity()
+    for _ in identity.read(texts):
+        pass
+    return identity.sha256
+
+
+class NamedTexts(list):
+    """A list of documents that carries a display name into reports (e.g. the packaged corpus)."""
+
+    def __init__(self, texts: Iterable[str], name: str) -> None:
+        super().__init__(texts)
+        self.name = name
+
+
+def read_documents(source: TextSource, *, split: str | None = None, text_column: str = "text",
+                   streaming: bool = False, what: str = "Calibration text") -> Documents:
+    """Documents from any source: a plain text file (one document per blank-line-separated block), a data file by its
+    suffix, a datasets folder or a Hub id through `datasets` (streamed with `streaming`: read only as far as needed), a
+    list of strings or a `datasets.Dataset`. `what` the text is for, in messages."""
+    if isinstance(source, str) and ("\n" in source or len(source) > 255):  # longer than any file name
+        raise GhostedError(f"{what} is one string of {len(source)} characters that is not a file path: pass a list of "
+                           "strings (e.g. [text]), or the path of a file.")
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if path.is_file() and path.suffix.lower() not in BUILDERS:
+            if split is not None or text_column != "text":
+                raise GhostedError(f"{what} {path} is a text file (one document per blank-line-separated block): "
+                                   "split and text_column apply to datasets; leave them out.")
+            return Documents(NamedTexts(_read_text_file(path, what), path.name), path.name)
+        if not path.exists() and path.suffix.lower() in TEXT_SUFFIXES:
+            raise MissingFileError(f"{what} file {path} does not exist (give a text file, a data file, a datasets "
+                                   "folder or a Hub dataset id).")
+        dataset = open_dataset(str(source), split, streaming, what)
+        return Documents(_column(dataset, text_column, str(source)), str(source))
+    if hasattr(source, "column_names") and not hasattr(source, "__len__"):  # an IterableDataset
+        return Documents(_column(source, text_column), type(source).__name__)
+    texts, name = _in_memory(source, text_column, what)
+    return Documents(NamedTexts(texts, name), name)
+
+
+def _in_memory(text: Any, text_column: str, what: str) -> tuple[list[str], str]:
+    """Texts and a display name from a list of strings or an in-memory `datasets.Dataset` with a text column."""
+    if isinstance(text, (bytes, Mapping)) or not isinstance(text, Iterable):
+        raise GhostedError(
+            f"{what} must be a list of strings, a path, a Hub dataset id or a datasets.Dataset, got a "
+            f"{type(text).__name__}" + (" (for a dict of columns, use datasets.Dataset.from_dict)."
+                                        if isinstance(text, Mapping) else ".")
+        )
+    column_names = getattr(text, "column_names", None)
+    if column_names is not None:
+        if text_column not in column_names:
+            raise GhostedError(f"The dataset has no {text_column!r} column (columns: {column_names}); pass text_column=.")
+        name = getattr(getattr(text, "info", None), "dataset_name", None) or "datasets.Dataset"
+        return [t for t in text[text_column] if t and t.strip()], name
+    texts = list(text)
+    bad = next((t for t in texts if not isinstance(t, str)), None)
+    if bad is not None:
+        raise GhostedError(f"{what}: every document must be a string, got a {type(bad).__name__}: {bad!r:.60}.")
+    name = getattr(text, "name", None) or f"{len(texts)} texts given as a list of strings"
+    return [t for t in texts if t.strip()], name
+
+
+def _read_text_file(path: Path, what: str) -> list[str]:
+    try:
+        content = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise GhostedError(f"{what} file {path} is not UTF-8 text ({error.reason} at byte {error.start}); "
+                           "convert it to UTF-8.") from None
+    return [b for b in (block.strip() for block in content.split("\n\n")) if b]
+
+
 
 
 def _datasets() -> Any:
@@ -69,6 +167,9 @@ def open_dataset(source: str, split: str | None = None, streaming: bool = False,
         with reading(source):
             if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
                 return _one_split(datasets.load_from_disk(str(path)), split, str(path))
+            if not any(p.suffix.lower() in BUILDERS for p in path.rglob("*") if p.is_file()):
+                raise GhostedError(f"{what} {path} is a folder that holds neither a saved dataset (save_to_disk) nor "
+                                   f"data files ({', '.join(BUILDERS)}): give a text file, a data file or such a folder.")
             return datasets.load_dataset(str(path), split=split or "train", streaming=streaming)
     if path.suffix.lower() in BUILDERS or source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise GhostedError(f"{what} {source} does not exist (a file, a datasets folder or a Hub dataset id).")
@@ -127,11 +228,11 @@ def check_hub_dataset(source: str, timeout: float) -> None:
         HfApi().dataset_info(source, timeout=timeout)
     except RepositoryNotFoundError:
         raise GhostedError(f"There is no dataset {source!r} at {constants.ENDPOINT} (or it is private: log in with "
-                           "`hf auth login`); pass --data PATH to train on a local file or folder.") from None
+                           "`hf auth login`); give a local file or folder instead.") from None
     except Exception as error:  # the HTTP client's own error types (timeouts, refused connections, HTTP statuses)
         raise GhostedError(f"Cannot open the Hub dataset {source!r}: {constants.ENDPOINT} could not be reached or did "
                            f"not answer within {timeout:g} s ({type(error).__name__}: {str(error)[:200]}); check the network, HF_ENDPOINT "
-                           "and HF_HUB_OFFLINE, or pass --data PATH to train on a local file or folder.") from None
+                           "and HF_HUB_OFFLINE, or give a local file or folder instead.") from None
 
 
 def _column(dataset: Any, text_column: str, source: str = "the dataset") -> Iterator[str]:
@@ -158,129 +259,3 @@ def _rows(rows: Iterator[Any], source: str) -> Iterator[Any]:
         yield row
 
 
-@dataclass
-class Corpus:
-    """Documents as a (possibly lazy) iterator, with a name for reports."""
-
-    texts: Iterable[str]
-    name: str
-
-
-def read_corpus(source: Any, *, split: str | None = None, text_column: str = "text",
-                streaming: bool = False, what: str = "Training data") -> Corpus:
-    """Documents from any source `heal` accepts. A plain text file (one document per blank-line-separated block),
-    a list of strings and an in-memory `datasets.Dataset` read as calibration text does; data files, folders and
-    Hub ids go through `datasets` (streamed with `streaming`: read only as far as needed)."""
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        is_text = path.is_file() and path.suffix.lower() not in BUILDERS
-        if is_text and (split is not None or text_column != "text"):
-            raise GhostedError(f"{what} {path} is a text file (one document per blank-line-separated block): split "
-                               "and text_column apply to datasets; leave them out.")
-        if not is_text:
-            dataset = open_dataset(str(source), split, streaming, what)
-            return Corpus(_column(dataset, text_column, str(source)), str(source))
-    if hasattr(source, "column_names") and not hasattr(source, "__len__"):  # an IterableDataset
-        return Corpus(_column(source, text_column), type(source).__name__)
-    texts, name = load_texts(source, text_column, what)
-    return Corpus(NamedTexts(texts, name), name)
-
-
-@dataclass
-class TrainingSequences:
-    """Packed token sequences of one length, as (sequences, seq_len) int32 rows: the training set (shuffled) and
-    the held-out set (whole documents the training never sees), with what identifies them in the provenance. Rows
-    of a tensor, not lists of Python ints: those cost about 36 bytes a token, these 4."""
-
-    train: torch.Tensor
-    held_out: torch.Tensor
-    name: str
-    text_sha256: str
-    documents: int
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "sha256": self.text_sha256, "documents": self.documents,
-                "sequence_length": self.train.shape[1], "train_sequences": len(self.train),
-                "held_out_sequences": len(self.held_out)}
-
-
-def pack_rows(token_lists: Iterable[list[int]], seq_len: int, max_rows: int | None, separator: int,
-              prefix: int | None = None) -> torch.Tensor:
-    """Documents joined by `separator` and cut into full rows of `seq_len` tokens, each starting with `prefix` when
-    given (`data.leading_token`; the rest is dropped: every batch then holds as many tokens, however its rows are
-    split over processes or micro-batches), at most `max_rows`. Reads `token_lists` only as far as those rows
-    need; finished rows are moved out of Python lists in blocks."""
-    blocks: list[torch.Tensor] = [torch.empty(0, seq_len, dtype=torch.int32)]
-    stream: list[int] = []
-
-    def move_full_rows() -> None:
-        rows, used = cut_windows(stream, seq_len, prefix, partial=False)
-        blocks.append(torch.tensor(rows, dtype=torch.int32).view(-1, seq_len))
-        del stream[:used]
-
-    rows = 0
-    block = max(1, (1 << 20) // seq_len) * seq_len  # about a million tokens per block
-    for index, tokens in enumerate(token_lists):
-        if index:
-            stream.append(separator)
-        stream.extend(tokens)
-        if len(stream) >= block:
-            move_full_rows()
-            rows += len(blocks[-1])
-        if max_rows is not None and rows + len(stream) // seq_len >= max_rows:
-            break
-    move_full_rows()
-    packed = torch.cat(blocks)
-    return packed if max_rows is None else packed[:max_rows]
-
-
-def _batches(texts: Iterable[str], largest: int = 64) -> Iterator[list[str]]:
-    """Documents in batches that double up to `largest`: a fast tokenizer encodes a batch on every core, and a
-    stream read only as far as it is needed is read at most about twice as far."""
-    texts, size = iter(texts), 1
-    while batch := list(itertools.islice(texts, size)):
-        yield batch
-        size = min(2 * size, largest)
-
-
-def training_sequences(
-    tokenizer: Any,
-    corpus: Corpus,
-    seq_len: int,
-    *,
-    held_out: int,
-    held_out_corpus: Corpus | None = None,
-    max_sequences: int | None = None,
-    seed: int = 0,
-) -> TrainingSequences:
-    """Tokenize and pack `corpus` into sequences of `seq_len` tokens (documents joined by EOS). Without a
-    `held_out_corpus`, the first documents up to `held_out` sequences are carved off as whole documents, so no
-    document is in both sets. `max_sequences` bounds what is read (a streamed corpus is read only that far)."""
-    digest, read = hashlib.sha256(), 0  # `data.text_hash` of the documents used, kept as they are used
-
-    def tokens(texts: Iterable[str]) -> Iterator[list[int]]:
-        nonlocal read
-        for batch in _batches(texts):
-            for text, ids in zip(batch, tokenizer(batch, add_special_tokens=True)["input_ids"]):
-                add_to_text_hash(digest, text)
-                read += 1
-                yield ids
-
-    eos, bos = tokenizer.eos_token_id, leading_token(tokenizer)
-    documents = tokens(corpus.texts)  # one stream: the held-out documents are carved off its start
-    if held_out_corpus is not None:
-        held = pack_rows(tokens(held_out_corpus.texts), seq_len, held_out, eos, bos)
-    elif held_out:  # whole documents until `held_out` sequences are filled
-        carved: list[list[int]] = []
-        length = 0
-        for ids in documents:
-            carved.append(ids)
-            length += len(ids) + 1  # with the EOS that joins it to the next
-            if length >= held_out * seq_len:
-                break
-        held = pack_rows(carved, seq_len, held_out, eos, bos)
-    else:
-        held = torch.empty(0, seq_len, dtype=torch.int32)
-    train = pack_rows(documents, seq_len, max_sequences, eos, bos)
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
-    return TrainingSequences(train[order], held, corpus.name, digest.hexdigest(), read)

@@ -1,5 +1,5 @@
-"""Training text from every place people keep it, packed into sequences, with a held-out set the training
-never sees."""
+"""Text from every place people keep it (one reader for every command), packed into sequences, with a held-out set
+the training never sees."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ghosted_hf.corpus import Corpus, pack_rows, read_corpus, training_sequences
+from ghosted_hf.data import pack_rows, training_sequences
+from ghosted_hf.text import Documents, read_documents
 from ghosted_hf.errors import GhostedError
 from tiny import char_tokenizer, texts
 
@@ -49,27 +50,27 @@ def write(tmp_path: Path, fmt: str, docs: list[str], column: str = "text") -> Pa
 @pytest.mark.parametrize("fmt", ["txt", "jsonl", "parquet", "csv", "arrow", "saved"])
 def test_every_format_reads_the_same_documents(tmp_path: Path, fmt: str) -> None:
     docs = documents()
-    corpus = read_corpus(write(tmp_path, fmt, docs), split="train" if fmt == "saved" else None)
+    corpus = read_documents(write(tmp_path, fmt, docs), split="train" if fmt == "saved" else None)
     assert list(corpus.texts) == docs
 
 
 def test_a_folder_of_splits_needs_a_split_and_a_missing_column_is_named(tmp_path: Path) -> None:
     folder = write(tmp_path, "saved", documents())
     with pytest.raises(GhostedError, match=r"splits \['train', 'test'\] and no split was named: pass --split"):
-        read_corpus(folder)
-    assert len(list(read_corpus(folder, split="test").texts)) == 2
+        read_documents(folder)
+    assert len(list(read_documents(folder, split="test").texts)) == 2
     with pytest.raises(GhostedError, match=r"no 'body' column \(columns: \['text', 'id'\]\); pass --text-column"):
-        list(read_corpus(folder, split="train", text_column="body").texts)
+        list(read_documents(folder, split="train", text_column="body").texts)
     with pytest.raises(GhostedError, match="holds int values, not text"):
-        list(read_corpus(folder, split="train", text_column="id").texts)
+        list(read_documents(folder, split="train", text_column="id").texts)
     with pytest.raises(GhostedError, match=r"does not exist"):
-        read_corpus(tmp_path / "nowhere.jsonl")
+        read_documents(tmp_path / "nowhere.jsonl")
 
 
 def test_held_out_documents_are_whole_and_never_trained_on() -> None:
     tokenizer = char_tokenizer()
     docs = documents(12)
-    sequences = training_sequences(tokenizer, Corpus(docs, "docs"), 64, held_out=4, seed=0)
+    sequences = training_sequences(tokenizer, Documents(docs, "docs"), 64, held_out=4, seed=0)
     assert sequences.held_out.shape == (4, 64) and sequences.train.shape[1] == 64
     assert sequences.train.dtype == sequences.held_out.dtype == torch.int32
     train_text = {tokenizer.decode(s.tolist()) for s in sequences.train}
@@ -77,8 +78,8 @@ def test_held_out_documents_are_whole_and_never_trained_on() -> None:
     held_docs = [d for d in docs if d.split(":")[0] + ":" in held_text]
     assert held_docs == docs[:len(held_docs)] and 0 < len(held_docs) < len(docs)  # the first documents, whole
     assert not any(d.split(":")[0] + ":" in t for d in held_docs for t in train_text)  # none of them in training
-    again = training_sequences(tokenizer, Corpus(docs, "docs"), 64, held_out=4, seed=0)
-    other = training_sequences(tokenizer, Corpus(docs, "docs"), 64, held_out=4, seed=1)
+    again = training_sequences(tokenizer, Documents(docs, "docs"), 64, held_out=4, seed=0)
+    other = training_sequences(tokenizer, Documents(docs, "docs"), 64, held_out=4, seed=1)
     assert torch.equal(again.train, sequences.train) and not torch.equal(other.train, sequences.train)
     assert sorted(other.train.tolist()) == sorted(again.train.tolist())  # the same rows, shuffled otherwise
 
@@ -91,7 +92,7 @@ def test_a_streamed_corpus_is_read_only_as_far_as_needed() -> None:
             read.append(i)
             yield doc
 
-    sequences = training_sequences(char_tokenizer(), Corpus(lazy(), "stream"), 64, held_out=2, max_sequences=5)
+    sequences = training_sequences(char_tokenizer(), Documents(lazy(), "stream"), 64, held_out=2, max_sequences=5)
     assert len(sequences.train) == 5 and len(read) < 20
 
 
@@ -140,10 +141,10 @@ def test_a_hub_dataset_id_reads_offline_from_the_local_cache(tmp_path: Path) -> 
     from fake_hub import cache_hub_dataset
 
     cache_hub_dataset(tmp_path / "cache", "someone/texts", [{"content": d} for d in documents(6)])
-    script = ("import sys; sys.path.insert(0, 'tests'); from ghosted_hf.corpus import read_corpus\n"
+    script = ("import sys; sys.path.insert(0, 'tests'); from ghosted_hf.text import read_documents\n"
               "for streaming in (False, True):\n"
-              "    print(len(list(read_corpus('someone/texts', text_column='content', streaming=streaming).texts)))\n"
-              "read_corpus('someone/other')\n")
+              "    print(len(list(read_documents('someone/texts', text_column='content', streaming=streaming).texts)))\n"
+              "read_documents('someone/other')\n")
     env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-c", script], cwd=TESTS.parent, env=env, capture_output=True, text=True,
                          timeout=120)
@@ -159,7 +160,7 @@ def test_a_hub_dataset_on_an_endpoint_that_never_answers_ends_with_one_line(monk
 
     import huggingface_hub.constants
 
-    import ghosted_hf.corpus
+    import ghosted_hf.text
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -168,12 +169,43 @@ def test_a_hub_dataset_on_an_endpoint_that_never_answers_ends_with_one_line(monk
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
         monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-        monkeypatch.setattr(ghosted_hf.corpus, "HUB_TIMEOUT_S", 1.0)
+        monkeypatch.setattr(ghosted_hf.text, "HUB_TIMEOUT_S", 1.0)
         start = time.monotonic()
         with pytest.raises(GhostedError) as raised:
-            read_corpus("org/name")
+            read_documents("org/name")
     message = str(raised.value)
     assert time.monotonic() - start < 30, "the wait was not bounded"
     assert message.startswith(f"Cannot open the Hub dataset 'org/name': {endpoint} could not be reached or did not "
                               "answer within 1 s")
-    assert "--data PATH" in message and "\n" not in message
+    assert "give a local file or folder instead" in message and "\n" not in message
+
+
+def test_prune_and_heal_read_one_jsonl_file_as_the_same_documents_with_one_identity(dense_folder: Path,
+                                                                                    tmp_path: Path) -> None:
+    """`prune --calibration x.jsonl` calibrates on the JSON lines' text column (it used to read the raw JSON as text)
+    and records the same data identity as `heal --data x.jsonl`: the sha256 of the documents read, and their count."""
+    from ghosted_hf.cli import main
+    from ghosted_hf.text import text_hash
+
+    docs = documents(30)
+    data = str(write(tmp_path, "jsonl", docs))
+    assert main(["prune", str(dense_folder), "--calibration", data, "--num-layers", "2", "--seq-len", "48",
+                 "--num-sequences", "1000", "--output", str(tmp_path / "pruned")]) == 0  # more than the file holds
+    provenance = json.loads((tmp_path / "pruned" / "config.json").read_text())["ghost_provenance"]
+    assert main(["heal", str(tmp_path / "pruned"), "--data", data, "--steps", "1", "--seq-len", "48",
+                 "--output", str(tmp_path / "healed")]) == 0
+    healing = json.loads((tmp_path / "healed" / "config.json").read_text())["ghost_provenance"]["healing"]["data"]
+    calibration = provenance["calibration"]
+    assert calibration["sha256"] == healing["sha256"] == text_hash(docs)
+    assert calibration["documents"] == healing["documents"] == len(docs)
+    assert calibration["name"] == healing["name"] == data
+
+
+def test_calibration_reads_only_the_documents_it_needs_and_its_identity_says_which() -> None:
+    from ghosted_hf.data import tokenize_texts
+    from ghosted_hf.text import text_hash
+
+    docs = documents(12)
+    batches = tokenize_texts(char_tokenizer(), docs, 48, 4)
+    assert 0 < batches.documents < len(docs)
+    assert batches.text_sha256 == text_hash(docs[:batches.documents])
