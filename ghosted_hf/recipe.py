@@ -128,6 +128,7 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
     ghosted.config.ghost_provenance = provenance(ghosted, calibration_pass.config._name_or_path, dense_parameters,
                                                  selection, calibrator, options, time.perf_counter() - started)
     ghosted.config.ghost_provenance["operator"] = SUBBLOCK_RECOVERY
+    ghosted.config.ghost_provenance["fitting"] = "sequential" if len(fitted) > 1 else "independent"
     logger.info("Replaced sub-blocks %s (%s).", selection.subblocks, options.criterion)
     return ghosted
 
@@ -246,6 +247,17 @@ def build(model: PreTrainedModel, removed: list[int], fits: list[BoundaryFit], o
     return ghosted
 
 
+def fitting_done(boundaries: list[dict[str, Any]]) -> str:
+    """What the fits were, not what was asked: 'sequential' where a boundary was fitted on the model pruned and
+    patched before it (a kind that cannot be, such as replaceme-ls, is fitted on the dense model), 'none' without
+    a fit."""
+    fitted_on = [b["fit"]["fitted_on"] for b in boundaries
+                 if b.get("operator") != "none" and (b.get("fit") or {}).get("fitted_on")]
+    if not fitted_on:
+        return "none"
+    return "sequential" if any(on != "dense model" for on in fitted_on) else "independent"
+
+
 def provenance(ghosted: GhostedForCausalLM, base_name: str | None, dense_parameters: int, selection: Selection,
                calibrator: Calibrator, options: PruneOptions, seconds: float) -> dict[str, Any]:
     """Everything needed to reproduce and judge the result; saved in config.json and rendered by the card
@@ -261,7 +273,7 @@ def provenance(ghosted: GhostedForCausalLM, base_name: str | None, dense_paramet
         "base_model_notice": base.notice,
         "selection": selection.describe(),
         "operator": options.operator,
-        "fitting": options.fitting,
+        "fitting": fitting_done(ghosted.config.ghost_boundaries),
         "solver": {"dtype": "float64", "solve": "torch.linalg.solve", "ridge": options.ridge,
                    "ridge_scale": "mean diagonal of X^T X"},
         "calibration": {**data, "tokens_used": stats.tokens if stats else data.get("tokens"), "processes": calibrator.world,

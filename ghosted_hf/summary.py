@@ -126,8 +126,7 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         better=selection.get("better"),
         scores=[(name, f"{score:.6g}", name in chosen if chosen else set(candidate_layers(name)) <= removed)
                 for name, score in ranked],
-        recovery=(f"{prov.get('operator', 'unknown')}, {prov.get('fitting', 'unknown')}"
-                  + (" fitting" if prov.get("fitting", "unknown") in ("sequential", "independent", "unknown") else "")),
+        recovery=f"{prov.get('operator', 'unknown')}, {_fitting(prov.get('fitting', 'unknown'))}",
         calibration=(f"{cal.get('name')}: {cal.get('tokens_used')} tokens in {cal.get('sequences')} sequences of "
                      f"{cal.get('sequence_length')}, sha256 {cal.get('sha256')}" if cal else "unknown"),
         solver=", ".join(f"{k}={v}" for k, v in (prov.get("solver") or {}).items()) or "unknown",
@@ -147,6 +146,11 @@ def _subblock(record: dict[str, Any]) -> SubBlockSummary:
     return SubBlockSummary(name=f"{record['original_layer']}.{record['block']}",
                            layer=f"pruned layer {record['layer']} (dense {record['original_layer']}).{record['module']}",
                            figures=", ".join(f"{k}={_figure(fit[k])}" for k in SHOWN_FIGURES if k in fit) or "-")
+
+
+def _fitting(fitting: str) -> str:
+    return "no fit" if fitting == "none" else f"{fitting} fitting" if fitting in (
+        "sequential", "independent", "unknown") else fitting
 
 
 def _boundary(record: dict[str, Any]) -> BoundarySummary:

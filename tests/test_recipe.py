@@ -79,6 +79,23 @@ def test_sequential_fitting_beats_independent_with_several_boundaries() -> None:
     assert error["sequential"] < error["independent"]
 
 
+def test_the_provenance_records_the_fitting_each_boundary_had() -> None:
+    """Asked for sequential fitting, replaceme-ls is fitted on the dense model (it cannot be refitted on a patched
+    stream): the record, inspect and the card say independent; the ghost kind's second boundary is sequential."""
+    from ghosted_hf.summary import render_text, summarize
+
+    two = dict(criterion="manual", layers=[1, 3], **FAST)
+    stock = ghost_prune(build("llama"), char_tokenizer(), texts(), operator="replaceme-ls", **two)
+    assert stock.config.ghost_provenance["options"]["fitting"] == "sequential"
+    assert stock.config.ghost_provenance["fitting"] == "independent"
+    assert "recovery        : replaceme-ls, independent fitting" in render_text(summarize(stock.config))
+    ghost = ghost_prune(build("llama"), char_tokenizer(), texts(), **two)
+    assert [b["fit"]["fitted_on"] for b in ghost.config.ghost_boundaries] == ["dense model", "pruned and patched model"]
+    assert "recovery        : ghost, sequential fitting" in render_text(summarize(ghost.config))
+    plain = ghost_prune(build("llama"), char_tokenizer(), texts(), operator="none", **two)
+    assert "recovery        : none, no fit" in render_text(summarize(plain.config))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_replaceme_fused_export_is_a_stock_checkpoint(arch: str, tmp_path: Path) -> None:
