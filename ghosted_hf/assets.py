@@ -119,7 +119,7 @@ def packaged_model_dir(name: str = DEFAULT_MODEL) -> Path:
                            f"{model_info.sha256}; reinstall: {model_info.install}")
     logger.warning("Converting the packaged %s GGUF to safetensors in %s (once, ~20 s).", name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    from .remote.modeling_ghosted import readable_as_made, scratch_folder
+    from .remote.modeling_ghosted import scratch_folder, staged_folder
 
     staging = scratch_folder(target.parent, f".{target.name}.converting-")
     try:
@@ -135,17 +135,15 @@ def packaged_model_dir(name: str = DEFAULT_MODEL) -> Path:
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
         )
-        folder = staging / "model"
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        source = {"hub_id": model_info.hub_id, "license": model_info.license,
-                  "converted_from": f"{model_info.gguf_file} (sha256 {model_info.sha256}), dequantized; "
-                                    f"installed with: {model_info.install}"}
-        (folder / SOURCE_FILE).write_text(json.dumps(source, indent=1))  # read by the model card
-        if model_info.notice:
-            (folder / NOTICE_FILE).write_text(model_info.notice)
-        readable_as_made(folder)
-        folder.rename(target)
+        with staged_folder(target) as folder:  # the one folder write: whole or not at all
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            source = {"hub_id": model_info.hub_id, "license": model_info.license,
+                      "converted_from": f"{model_info.gguf_file} (sha256 {model_info.sha256}), dequantized; "
+                                        f"installed with: {model_info.install}"}
+            (folder / SOURCE_FILE).write_text(json.dumps(source, indent=1))  # read by the model card
+            if model_info.notice:
+                (folder / NOTICE_FILE).write_text(model_info.notice)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target

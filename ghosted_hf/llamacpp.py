@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from .architectures import ARCHITECTURES, architecture, layer_prefix
 from .errors import GhostedError
+from .diskio import atomic_write
 from .network import check_timeout
 from .remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
 from .remote.modeling_ghosted import GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key, scratch_folder
@@ -284,7 +285,7 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
                     "is that small.", eps, NORMED_EPS, eps - NORMED_EPS)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    scratch = scratch_folder(output.parent, f".{output.name}.writing-")  # removes what a killed export left
+    scratch = scratch_folder(output.parent, f".{output.name}.converting-")  # removes what a killed export left
     try:
         folder = scratch / "base"
         base = pruned_base(model)
@@ -294,9 +295,13 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
 
         name_tokenizer_class_for_every_reader(folder)
         convert(folder, Path(llama_cpp), scratch / "base.gguf", outtype, timeout)
-        staged = scratch / output.name
-        layers = rewrite_as_deci(scratch / "base.gguf", staged, blocks, outtype, maps)
-        staged.replace(output)
+        layers = 0
+
+        def write(staged: Path) -> None:
+            nonlocal layers
+            layers = rewrite_as_deci(scratch / "base.gguf", staged, blocks, outtype, maps)
+
+        atomic_write(output, write)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     logger.info("Wrote %s: %d layers, %d of them linear-attention blocks.", output, layers,
