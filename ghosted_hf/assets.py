@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import bz2
-import hashlib
 import importlib.util
 import json
 import logging
@@ -25,6 +24,7 @@ from typing import NamedTuple
 
 from .text import NamedTexts
 from .errors import GhostedError, MissingDependencyError, MissingFileError
+from .hashing import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +90,6 @@ def chunk_paths(model: PackagedModel) -> list[Path]:
             raise MissingFileError(f"{path} is missing; reinstall with: {model.install}")
         paths.append(path)
     return paths
-
-
-def file_sha256(*paths: Path) -> str:
-    """Hex sha256 of the concatenated bytes of `paths`, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    for path in paths:
-        with path.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def packaged_model_dir(name: str = DEFAULT_MODEL) -> Path:

@@ -3,7 +3,6 @@ each recording the identity of the documents it read."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 from collections.abc import Iterable, Iterator
@@ -13,7 +12,8 @@ from typing import Any
 import torch
 
 from .errors import GhostedError
-from .text import DataIdentity, Documents, TextSource, read_documents
+from .hashing import DataIdentity, batches_sha256
+from .text import Documents, TextSource, read_documents
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +36,7 @@ class TokenBatches:
     def token_sha256(self) -> str:
         """Hash of the batched token ids and masks: the same text, tokenizer, sequence length, number of
         sequences and batch size give the same hash (what statistics shards must agree on)."""
-        digest = hashlib.sha256()
-        for b in self.batches:
-            for key in ("input_ids", "attention_mask"):
-                tensor = b[key].to(torch.int64).contiguous()
-                digest.update(str(tuple(tensor.shape)).encode())
-                digest.update(tensor.numpy().tobytes())
-        return digest.hexdigest()
+        return batches_sha256(self.batches, ("input_ids", "attention_mask"))
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -34,17 +34,16 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .assets import file_sha256
 from .data import TrainingSequences, training_sequences
 from .distillation import Head, chunked_kd_loss, final_hidden_states, head_is_plain, shifted_labels
 from .distributed import check_agreement, is_main_process, timeout_s
 from .architectures import lora_target_parameters, lora_targets
 from .diskio import atomic_write_text, read_json_object
 from .files import relation
+from .hashing import file_sha256, tensor_sha256
 from .errors import GhostedError, MissingDependencyError, MissingFileError
 from .statistics.origin import config_sha256, model_fingerprint
 from .text import read_documents
-from .statistics.store import tensor_sha256
 from .options import Options, PruneOptions, option, positive, same_as
 from .remote.modeling_ghosted import GHOST_MODULE, process_gone, process_tag, scratch_folder
 

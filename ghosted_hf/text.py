@@ -5,11 +5,10 @@ id, or texts given in Python), and one data identity: the sha256 of the document
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,35 +26,6 @@ class Documents:
 
     texts: Iterable[str]
     name: str
-
-
-@dataclass
-class DataIdentity:
-    """What every record says about the data it used: the sha256 of the documents read (each UTF-8, NUL-terminated,
-    in order) and how many; computed as they are read, so a stream is hashed only as far as it was used."""
-
-    documents: int = 0
-    digest: Any = field(default_factory=hashlib.sha256, repr=False)
-
-    def read(self, texts: Iterable[str]) -> Iterator[str]:
-        """`texts`, each added to the identity as it is taken."""
-        for text in texts:
-            self.digest.update(text.encode("utf-8"))
-            self.digest.update(b"\x00")
-            self.documents += 1
-            yield text
-
-    @property
-    def sha256(self) -> str:
-        return self.digest.hexdigest()
-
-
-def text_hash(texts: Iterable[str]) -> str:
-    """The `DataIdentity` sha256 of `texts`, all read."""
-    identity = DataIdentity()
-    for _ in identity.read(texts):
-        pass
-    return identity.sha256
 
 
 class NamedTexts(list):

@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).parents[1] / "ghosted_hf"
 
 # text -> statistics -> operators/selection -> model -> files -> orchestration -> CLI
 LAYERS = {
-    0: {"errors", "registry", "architectures", "hadamard", "network", "diskio", "remote.configuration_ghosted",
+    0: {"errors", "registry", "architectures", "hadamard", "network", "diskio", "hashing", "remote.configuration_ghosted",
         "remote.modeling_ghosted"},
     1: {"text", "data", "assets", "distributed", "checkpoint", "distillation"},
     2: {"statistics.declarations", "statistics.plan", "statistics.store", "statistics.origin", "statistics.capture",

@@ -260,7 +260,7 @@ def test_a_statistics_gram_that_is_no_gram_matrix_is_refused(tmp_path: Path) -> 
     for name, damaged in {"asymmetric": gram + torch.triu(torch.ones_like(gram)),
                           "negative diagonal": gram - 2 * torch.diag(torch.diagonal(gram)),
                           "beyond Cauchy-Schwarz": gram + 10 * gram.abs().max() * (1 - torch.eye(len(gram)))}.items():
-        from ghosted_hf.statistics.store import tensor_sha256
+        from ghosted_hf.hashing import tensor_sha256
 
         hashes = json.loads(__import__("safetensors").safe_open(str(path), "pt").metadata()["sha256"])
         out = rewritten(path, tmp_path / "bad.safetensors", {"sha256": json.dumps({**hashes, "gram.1": tensor_sha256(

@@ -200,3 +200,15 @@ def test_saved_folders_are_readable_as_any_folder_the_user_makes_and_links_stay_
             os.umask(old)
     assert (tmp_path / "link").is_symlink() and (tmp_path / "real" / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "model", "real"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_remote_codes_operator_hash_is_the_packages_tensor_hash(dtype: str) -> None:
+    """The remote files keep their own copy of the tensor hash (they import nothing of ghosted_hf): both must give
+    the digest every checkpoint records."""
+    from ghosted_hf.hashing import tensor_sha256
+    from ghosted_hf.remote.modeling_ghosted import operator_sha256
+
+    operator = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+    assert operator_sha256(operator, dtype) == tensor_sha256(operator.to(getattr(torch, dtype)))
+    assert operator_sha256(operator, dtype) != operator_sha256(operator * 1.001, dtype)

@@ -103,7 +103,8 @@ def test_any_shape_in_a_statistics_header(data, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     from ghosted_hf.statistics import CalibrationStatistics
-    from ghosted_hf.statistics.store import FORMAT, FORMAT_VERSION, metadata_sha256, tensor_sha256
+    from ghosted_hf.hashing import tensor_sha256
+    from ghosted_hf.statistics.store import FORMAT, FORMAT_VERSION, metadata_sha256
 
     gram = torch.eye(4, dtype=torch.float64)
     metadata = {"format": FORMAT, "version": FORMAT_VERSION, "depth": "3", "hidden_size": "4", "tokens": "10",

@@ -185,7 +185,7 @@ def test_prune_and_heal_read_one_jsonl_file_as_the_same_documents_with_one_ident
     """`prune --calibration x.jsonl` calibrates on the JSON lines' text column (it used to read the raw JSON as text)
     and records the same data identity as `heal --data x.jsonl`: the sha256 of the documents read, and their count."""
     from ghosted_hf.cli import main
-    from ghosted_hf.text import text_hash
+    from ghosted_hf.hashing import text_hash
 
     docs = documents(30)
     data = str(write(tmp_path, "jsonl", docs))
@@ -203,7 +203,7 @@ def test_prune_and_heal_read_one_jsonl_file_as_the_same_documents_with_one_ident
 
 def test_calibration_reads_only_the_documents_it_needs_and_its_identity_says_which() -> None:
     from ghosted_hf.data import tokenize_texts
-    from ghosted_hf.text import text_hash
+    from ghosted_hf.hashing import text_hash
 
     docs = documents(12)
     batches = tokenize_texts(char_tokenizer(), docs, 48, 4)

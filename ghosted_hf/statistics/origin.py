@@ -3,9 +3,7 @@ statistics collected elsewhere are used on a model."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import GhostedError
+from ..hashing import json_sha256, tensors_sha256
 from .store import CalibrationStatistics
 
 
@@ -22,17 +21,7 @@ def config_sha256(config: Any) -> str:
     ignored = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "_attn_implementation",
                "_attn_implementation_autoset", "output_attentions", "output_hidden_states", "return_dict"}
     kept = {k: v for k, v in raw.items() if k not in ignored}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def weights_sha256(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """One hash of named tensors (names, dtypes, shapes and values, in name order): the same weights give the same
-    hash however their files were written (shards, header order, metadata)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(tensors, key=lambda item: item[0]):
-        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    return json_sha256(kept)
 
 
 def folder_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -58,9 +47,9 @@ def model_fingerprint(model: nn.Module | None = None, folder: str | Path | None 
         folder = candidate if candidate and Path(candidate).is_dir() and any(Path(candidate).glob("*.safetensors")) \
             else None
     if folder is not None:
-        weights = {"tensors": weights_sha256(folder_tensors(Path(folder)))}
+        weights = {"tensors": tensors_sha256(folder_tensors(Path(folder)))}
     else:
-        weights = {"in-memory": weights_sha256((name, tensor) for name, tensor in model.state_dict().items()
+        weights = {"in-memory": tensors_sha256((name, tensor) for name, tensor in model.state_dict().items()
                                                if tensor.device.type != "meta")}
     return {"config_sha256": config_sha256(config), "weights_sha256": weights}
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import hashlib
 import json
 import time
 from collections.abc import Iterable, Mapping, Sized
@@ -23,6 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..data import TokenBatches
 from ..distributed import all_reduce_sums, check_agreement, process_rank
 from ..errors import GhostedError
+from ..hashing import string_sha256
 from .accumulate import StatisticsAccumulator
 from .capture import Patch, capture_hidden_states, decoder_parts, input_device, patched_stream, release_freed_memory
 from .declarations import Read
@@ -192,7 +192,7 @@ class Calibrator:
                   "calibration data": self.data_sha256() if self.data is not None else "",
                   "shard": str(self.shard),
                   "options": json.dumps(dataclasses.asdict(options), sort_keys=True, default=str)}
-        check_agreement({k: hashlib.sha256(v.encode()).hexdigest() for k, v in claims.items()})
+        check_agreement({k: string_sha256(v) for k, v in claims.items()})
 
     def my_batches(self) -> list[dict[str, torch.Tensor]]:
         """This process's share of this shard's batches."""

@@ -10,7 +10,6 @@ field (the tensors' hashes among them): no field can be changed, added or remove
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import re
@@ -25,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from ..diskio import atomic_write
 from ..errors import GhostedError, MissingFileError
+from ..hashing import json_sha256, tensor_sha256
 from .declarations import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, NORMED_CROSS,
                            NORMED_GRAM, NORMED_SOURCE, ROTATED_ABS, Entry, parse_key)
 from .plan import StatisticsPlan
@@ -58,11 +58,6 @@ class ShardSpec:
 
     def __str__(self) -> str:
         return f"{self.index}/{self.count}"
-
-
-def tensor_sha256(tensor: torch.Tensor) -> str:
-    """Hex sha256 of a tensor's raw bytes (CPU, contiguous)."""
-    return hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 @dataclass
@@ -205,7 +200,7 @@ class CalibrationStatistics:
 def metadata_sha256(metadata: Mapping[str, str]) -> str:
     """One hash over every metadata field but itself (the tensors' sha256 map is one of them)."""
     fields = {k: v for k, v in metadata.items() if k != "integrity"}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    return json_sha256(fields)
 
 
 def _read_header(path: str | Path) -> tuple[CalibrationStatistics, dict[str, str]]:
