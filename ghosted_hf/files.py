@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import check_folder, index_weight_map
+from .checkpoint import check_folder, index_weight_map, weight_map
 from .errors import GhostedError, MissingFileError
 from .remote.modeling_ghosted import check_sizes_against_weights, ghost_records, ghost_tensor_keys, operator_sha256
 from .remote.modeling_ghosted import staged_folder as remote_staged_folder
@@ -71,13 +71,9 @@ def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
 
 def weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     """(the safetensors files the folder's model loads, the index's weight map or None when unsharded)."""
-    weight_map = index_weight_map(folder)
-    if weight_map is not None:
-        return [folder / name for name in sorted(set(weight_map.values()))], weight_map
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise MissingFileError(f"{folder} holds no model.safetensors and no safetensors index: save the model first.")
-    return [single], None
+    index = index_weight_map(folder)
+    names = index if index is not None else weight_map(folder)  # the one reader of the layout
+    return [folder / name for name in sorted(set(names.values()))], index
 
 
 def verify_folder(folder: str | os.PathLike) -> dict[str, Any]:
