@@ -17,6 +17,17 @@ from .errors import GhostedError, MissingFileError
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
+def made_as(config: Any) -> str | None:
+    """What ghosted_hf made a config's model as (a config object or its config.json dict): "ghosted" (a
+    GhostedForCausalLM), "stock" (a stock checkpoint it exported; the provenance keeps the pruned layout), or None
+    (a model ghosted_hf did not make). The one answer every command asks."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    if get("model_type") == "ghosted":
+        return "ghosted"
+    provenance = get("ghost_provenance")
+    return "stock" if isinstance(provenance, dict) and "stock_export" in provenance else None
+
+
 def index_weight_map(folder: Path) -> dict[str, str] | None:
     """The weight map of the folder's safetensors index (tensor name -> file name), None without an index."""
     indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"))
@@ -84,7 +95,7 @@ def check_folder(folder: str | Path) -> dict[str, Any]:
             raise MissingFileError(f"{file} is listed in the safetensors index of {folder} but missing (or not a "
                                    "file); re-download or re-save the model.")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    ours = config.get("model_type") == "ghosted" or "ghost_provenance" in config
+    ours = made_as(config) is not None
     claimed = text.get("num_hidden_layers")
     if claimed is not None:
         if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed < 1:

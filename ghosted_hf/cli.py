@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import assets
+from .checkpoint import made_as
 from .errors import GhostedError
 from .files import check_output, relation, staged_folder, verify_folder
 from .network import check_timeout
@@ -408,7 +409,7 @@ def cmd_export_stock(args: argparse.Namespace) -> int:
     check_output(run.output, (run.folder, run.calibration), overwrite=run.overwrite)
     model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
                                   revision=run.revision)
-    if getattr(model.config, "model_type", None) != "ghosted":
+    if made_as(model.config) != "ghosted":
         raise GhostedError(f"{run.folder} holds a {model.config.model_type!r} model, not a ghosted one: it is a stock "
                            "checkpoint already.")
     stock = export_stock(model, tokenizer, calibration_text(run.calibration, options), options)
@@ -453,13 +454,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if not config_path.is_file():
         raise GhostedError(f"{folder} has no config.json: it is not a saved model folder.")
     raw = verify_folder(folder)  # a truncated or altered weight file is named here, not deep in a load
-    if raw.get("model_type") == "ghosted":
+    kind = made_as(raw)
+    if kind == "ghosted":
         config = GhostedConfig.from_pretrained(folder)
         tensors = {}
         for file in sorted(folder.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as handle:
                 tensors.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys() if ".ghost." in k})
-    elif "ghost_provenance" in raw:  # a stock checkpoint ghosted_hf made: its operators are in its weights
+    elif kind == "stock":  # its operators are in its weights
         config, tensors = AutoConfig.from_pretrained(folder, trust_remote_code=False), None
     else:
         raise GhostedError(f"{folder} holds a {raw.get('model_type')!r} model that ghosted_hf did not make (its "

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import check_folder, index_weight_map, weight_map
+from .checkpoint import check_folder, index_weight_map, made_as, weight_map
 from .errors import GhostedError, MissingFileError
 from .remote.modeling_ghosted import check_sizes_against_weights, ghost_records, ghost_tensor_keys, operator_sha256
 from .remote.modeling_ghosted import staged_folder as remote_staged_folder
@@ -103,7 +103,7 @@ def verify_folder(folder: str | os.PathLike) -> dict[str, Any]:
     if weight_map is not None and found != weight_map:
         missing = sorted(set(weight_map) - set(found))[:3]
         raise GhostedError(f"The safetensors index of {folder} does not match its files (e.g. {missing}); save again.")
-    if config.get("model_type") == "ghosted":
+    if made_as(config) == "ghosted":
         check_ghosted_layout(folder, config, tensors)
         check_operator_hashes(config, tensors)
     return config

@@ -38,6 +38,7 @@ from .data import TrainingSequences, training_sequences
 from .distillation import Head, chunked_kd_loss, final_hidden_states, head_is_plain, shifted_labels
 from .distributed import check_agreement, is_main_process, timeout_s
 from .architectures import lora_target_parameters, lora_targets
+from .checkpoint import made_as
 from .diskio import atomic_write_text, read_json_object
 from .files import relation
 from .hashing import file_sha256, tensor_sha256
@@ -128,12 +129,9 @@ class HealOptions(Options):
 def healed_kind(model: Any) -> str:
     """"ghosted" or "stock" (a stock checkpoint ghosted_hf exported); a model that was never pruned is refused:
     healing it would be fine-tuning."""
-    config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) == "ghosted":
-        return "ghosted"
-    provenance = getattr(config, "ghost_provenance", None)
-    if isinstance(provenance, dict) and "stock_export" in provenance:
-        return "stock"
+    kind = made_as(getattr(model, "config", None))
+    if kind is not None:
+        return kind
     raise GhostedError(f"heal expects a model pruned by ghosted_hf, and this {type(model).__name__} records no pruning "
                        "(no ghost_provenance in its config): healing a dense model is fine-tuning. Prune it first "
                        "(ghosted prune / ghost_prune).")

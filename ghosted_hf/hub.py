@@ -23,6 +23,7 @@ from huggingface_hub import HfApi, ModelCard, get_token
 from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .card import PLOT_FILE, build_card, save_with_card
+from .checkpoint import made_as
 from .diskio import check_shape
 from .errors import GhostedError
 from .files import REMOTE_FILES, verify_folder
@@ -43,7 +44,7 @@ class PushResult:
 def check_ghosted_folder(folder: Path) -> dict[str, Any]:
     """The folder's config, or a GhostedError saying why it is not a complete, intact ghosted model."""
     config = verify_folder(folder)
-    if config.get("model_type") != "ghosted":
+    if made_as(config) != "ghosted":
         raise GhostedError(f"{folder} holds a {config.get('model_type')!r} model, not a ghosted one; push it with "
                            "huggingface_hub directly.")
     missing = [f for f in (*REMOTE_FILES, "README.md") if not (folder / f).is_file()]

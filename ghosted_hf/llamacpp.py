@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from .architectures import ARCHITECTURES, architecture, layer_prefix
 from .errors import GhostedError
+from .checkpoint import made_as
 from .diskio import atomic_write
 from .network import check_timeout
 from .remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
@@ -269,7 +270,7 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
     if outtype not in OUTTYPES:
         raise GhostedError(f"outtype must be one of {OUTTYPES}, got {outtype!r} (quantize with llama-quantize).")
     check_timeout(timeout)
-    if getattr(model.config, "model_type", None) != "ghosted":
+    if made_as(model.config) != "ghosted":
         raise GhostedError("export-gguf takes a ghosted model; convert a stock checkpoint with llama.cpp's converter.")
     family = architecture(model)
     if not family.llama_cpp:

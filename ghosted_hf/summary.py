@@ -8,6 +8,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from .checkpoint import made_as
 from .diskio import check_shape, optional
 from .errors import GhostedError
 from .remote.configuration_ghosted import LAYER_TARGET, GhostedConfig
@@ -91,8 +92,8 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
     scores = (prov.get("selection") or {}).get("scores") or {}
     for name, score in scores.items():
         check_shape(score, NUMBER, f"config.json: ghost_provenance.selection.scores.{name}")
-    stock = prov.get("stock_export")
-    if getattr(config, "model_type", None) == "ghosted":
+    stock, kind = prov.get("stock_export"), made_as(config)
+    if kind == "ghosted":
         text, depth, removed_layers = config.text_config, config.original_num_hidden_layers, config.removed_layers
         boundaries, storage = config.ghost_boundaries, config.operator_dtype
         check_shape(boundaries, [BOUNDARY], "config.json: ghost_boundaries")
@@ -134,7 +135,7 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         boundaries=[_boundary(b) for b in boundaries],
         evaluations=list(prov.get("evaluation", [])),
         healing=", ".join(f"{k}={v}" for k, v in healing.items()) if healing else None,
-        stock=bool(stock) and getattr(config, "model_type", None) != "ghosted",
+        stock=kind == "stock",
         untied_embeddings=bool(stock and stock.get("untied_embeddings")),
         normed=any(b.get("normed") for b in boundaries),
         subblocks=[_subblock(r) for r in replaced],

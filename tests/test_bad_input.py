@@ -270,7 +270,7 @@ def test_a_folder_whose_config_does_not_describe_its_weights_is_refused_by_every
     stock = tmp_path / "stock"
     shutil.copytree(dense_folder, stock)
     config = json.loads((stock / "config.json").read_text())
-    (stock / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5, "ghost_provenance": {}}))
+    (stock / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5, "ghost_provenance": {"stock_export": {}}}))
     for argv in (["inspect", stock], ["eval", stock, "--windows", "1"]):
         assert "claims 5 decoder layers, but the weight files hold 6" in one_line_error(capsys, *argv), argv
 
