@@ -15,6 +15,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from .assets import NOTICE_FILE, base_model_info
 from .errors import GhostedError
 from .files import staged_folder
+from .provenance import Provenance
 from .remote.configuration_ghosted import GhostedConfig
 from .summary import summarize
 
@@ -28,7 +29,7 @@ PLOT_FILE = "selection_scores.png"
 def eval_results(config: GhostedConfig) -> list[EvalResult]:
     """`model-index` entries from ``ghost_provenance["evaluation"]`` (a list of
     {task_type, dataset_type, dataset_name, metric_type, metric_value} records)."""
-    return [EvalResult(**record) for record in config.ghost_provenance.get("evaluation", [])]
+    return [EvalResult(**record) for record in Provenance.of(config).evaluation]
 
 
 def score_axis_scale(values: list[float]) -> str:
@@ -51,7 +52,7 @@ def write_score_plot(config: GhostedConfig, folder: Path) -> str | None:
     except ImportError:
         logger.info("matplotlib is not installed: the model card has no score plot.")
         return None
-    scores = config.ghost_provenance["selection"]["scores"]  # in layer order, not ranked
+    scores = Provenance.of(config).selection["scores"]  # in layer order, not ranked
     chosen = {name for name, _, removed in summary.scores if removed}
     names = list(scores)
     figure, axes = plt.subplots(figsize=(max(6, 0.3 * len(names)), 3))
@@ -71,9 +72,8 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
                plot: str | None = None, revision: str | None = None, local_path: str | None = None) -> ModelCard:
     """The card of `config`'s model; `revision` (the commit the files were pushed as) is pinned in the
     code sample. Without a `repo_id`, the sample loads `local_path` (the folder as it was saved)."""
-    prov = config.ghost_provenance or {}
-    summary = summarize(config)
-    base = base_model_info(prov.get("base_model"))
+    summary, prov = summarize(config), Provenance.of(config)
+    base = base_model_info(prov.base_model)
     hub_id = base.hub_id
     local = repo_id is None
     repo_id = repo_id or local_path or "path/to/this-model"
@@ -82,7 +82,7 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
         base_model=hub_id,
         library_name="transformers",
         pipeline_tag="text-generation",
-        license=license or prov.get("base_model_license") or base.license,
+        license=license or prov.base_model_license or base.license,
         tags=STOCK_TAGS if summary.stock else TAGS,
         model_name=model_name,
         eval_results=eval_results(config) or None,
@@ -98,8 +98,8 @@ def build_card(config: GhostedConfig, repo_id: str | None = None, license: str |
         base_description=f"[{hub_id}](https://huggingface.co/{hub_id})" if hub_id else "A causal language model",
         summary=summary,
         plot=plot,
-        ghosted_version=(prov.get("versions") or {}).get("ghosted_hf", ""),
-        notice=prov.get("base_model_notice"),
+        ghosted_version=(prov.versions or {}).get("ghosted_hf", ""),
+        notice=prov.base_model_notice,
     )
     return ModelCard(re.sub(r"\n{3,}", "\n\n", card.content))  # sections left out leave no runs of blank lines
 
@@ -148,7 +148,7 @@ def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_i
             tokenizer.save_pretrained(staging)
             name_tokenizer_class_for_every_reader(staging)
         plot = write_score_plot(config, staging)
-        notice = (config.ghost_provenance or {}).get("base_model_notice")
+        notice = Provenance.of(config).base_model_notice
         if notice:  # the base's terms ask every derivative to ship it (Gemma: "a 'Notice' text file")
             (staging / NOTICE_FILE).write_text(notice)
         build_card(config, repo_id=repo_id, license=license, plot=plot, local_path=str(folder)).save(

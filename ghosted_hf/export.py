@@ -15,6 +15,7 @@ from .errors import GhostedError
 from .data import TextSource, TokenBatches
 from .operators import operator_kind
 from .options import ExportOptions
+from .provenance import Provenance
 from .recipe import calibration_tokens
 from .remote.configuration_ghosted import LAYER_TARGET
 from .remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
@@ -47,14 +48,14 @@ def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSou
         if fit.fused is not None:  # into the kept layer before the boundary
             record["fused_into"] = fold_into_mlp_writers(model, record["removed"][0] - 1, fit.fused)
         record.update(operator=kind.name, fit={**fit.figures, "fitted_on": f"imitating the {record['operator']} operator"})
-    prov = model.config.ghost_provenance or {}
+    prov = Provenance.of(model.config)
     # What the export itself did, where the card and `inspect` read the recovery and its calibration from; the
     # ghosted model's own calibration and options stay under "refitted_from".
-    model.config.ghost_provenance = {
-        **prov, "operator": kind.name, "fitting": f"imitation of the {prov.get('operator', 'ghost')} operators",
-        "calibration": {**data.describe(), "tokens_used": data.num_tokens, "processes": 1},
-        "refitted_from": {key: prov.get(key) for key in ("operator", "fitting", "calibration", "options")},
-        "options": options.to_dict()}
+    prov.with_changes(
+        operator=kind.name, fitting=f"imitation of the {prov.operator or 'ghost'} operators",
+        calibration={**data.describe(), "tokens_used": data.num_tokens, "processes": 1},
+        refitted_from={key: getattr(prov, key) for key in ("operator", "fitting", "calibration", "options")},
+        options=options.to_dict()).save_to(model.config)
     return to_stock_model(model)
 
 

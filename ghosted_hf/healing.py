@@ -44,6 +44,7 @@ from .files import relation
 from .hashing import file_sha256, tensor_sha256
 from .errors import GhostedError, MissingDependencyError, MissingFileError
 from .statistics.origin import config_sha256, model_fingerprint
+from .provenance import Provenance
 from .text import read_documents
 from .options import Options, PruneOptions, option, positive, same_as
 from .remote.modeling_ghosted import GHOST_MODULE, process_gone, process_tag, scratch_folder
@@ -172,8 +173,8 @@ def base_model_reference(model: PreTrainedModel) -> str:
     """Where the dense model that `model` was pruned from lives (the natural distillation teacher): the folder
     recorded at pruning time if it still exists here, else its Hub id."""
     healed_kind(model)
-    provenance = getattr(model.config, "ghost_provenance", None) or {}
-    path, hub_id = provenance.get("base_model_path"), provenance.get("base_model")
+    provenance = Provenance.of(model.config)
+    path, hub_id = provenance.base_model_path, provenance.base_model
     if path and Path(path).is_dir():
         return path
     if hub_id:
@@ -735,8 +736,8 @@ def merge(healed: HealResult) -> PreTrainedModel:
     merged = peft_model.merge_and_unload()
     if type(merged) is not original:
         raise GhostedError(f"Expected the merged model to be a {original.__name__}, got {type(merged).__name__}.")
-    merged.config.ghost_provenance = {**merged.config.ghost_provenance, "healing": {
+    Provenance.of(merged.config).with_changes(healing={
         "method": "LoRA (merged)", "r": lora.r, "lora_alpha": lora.lora_alpha, "target_modules": str(lora.target_modules),
         "target_parameters": sorted(lora.target_parameters or ()),
-        "trained_operators": GHOST_MODULE in (lora.modules_to_save or ()), **healed.record}}
+        "trained_operators": GHOST_MODULE in (lora.modules_to_save or ()), **healed.record}).save_to(merged.config)
     return merged

@@ -38,6 +38,7 @@ from .errors import GhostedError
 from .checkpoint import made_as
 from .diskio import atomic_write
 from .network import check_timeout
+from .provenance import Provenance
 from .remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
 from .remote.modeling_ghosted import GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key, scratch_folder
 from .surgery import adopt_tensors
@@ -60,9 +61,9 @@ def normed_blocks(model: GhostedForCausalLM) -> dict[int, torch.Tensor]:
     for boundary in model.config.ghost_boundaries:
         operator = model.get_parameter(ghost_tensor_key(boundary)).detach()
         if not torch.equal(operator, torch.eye(operator.shape[0], dtype=operator.dtype, device=operator.device)):
-            provenance = getattr(model.config, "ghost_provenance", None) or {}
-            trained = bool((provenance.get("healing") or {}).get("trained_operators"))  # --train-operators moved W
-            mixed = (provenance.get("options") or {}).get("unit") == "mixed"
+            provenance = Provenance.of(model.config)
+            trained = bool((provenance.healing or {}).get("trained_operators"))  # --train-operators moved W
+            mixed = (provenance.options or {}).get("unit") == "mixed"
             remedy = ("It was trained away from the identity (heal with --train-operators): heal the pruned folder "
                       "without --train-operators to export it" if trained else
                       "Prune with --unit subblock (every map a DeciLM block)" if mixed else

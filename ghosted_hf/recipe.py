@@ -24,6 +24,7 @@ from .data import TextSource, TokenBatches, tokenize_texts
 from .errors import GhostedError
 from .operators import BoundaryFit, operator_kind
 from .options import ExportOptions, PruneOptions, budget_share
+from .provenance import Provenance
 from .remote.configuration_ghosted import expected_boundaries
 from .remote.modeling_ghosted import GhostedForCausalLM
 from .selection import ContiguousCriterion, Selection, SelectionRequest, check_num_layers, criterion
@@ -75,8 +76,8 @@ def ghost_prune(
     dense = calibration_pass.model_for_build(selection.removed)
     dense_parameters = count_parameters(dense)
     ghosted = build(dense, selection.removed, fits, options)
-    ghosted.config.ghost_provenance = provenance(ghosted, calibration_pass.config._name_or_path, dense_parameters,
-                                                 selection, calibrator, options, time.perf_counter() - started)
+    provenance(ghosted, calibration_pass.config._name_or_path, dense_parameters, selection, calibrator, options,
+               time.perf_counter() - started).save_to(ghosted.config)
     logger.info("Removed layers %s (%s, %s).", selection.removed, options.criterion, options.operator)
     return to_stock_model(ghosted) if operator_kind(options.operator).stock else ghosted
 
@@ -125,10 +126,9 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
         run = [f.figures for f in whole if f.ref.layer in boundary["removed"]]
         boundary["fit"] = {"relative_residual": max(f["relative_residual"] for f in run),
                            "fitted_on": run[0]["fitted_on"], "layer_residuals": [f["relative_residual"] for f in run]}
-    ghosted.config.ghost_provenance = provenance(ghosted, calibration_pass.config._name_or_path, dense_parameters,
-                                                 selection, calibrator, options, time.perf_counter() - started)
-    ghosted.config.ghost_provenance["operator"] = SUBBLOCK_RECOVERY
-    ghosted.config.ghost_provenance["fitting"] = "sequential" if len(fitted) > 1 else "independent"
+    provenance(ghosted, calibration_pass.config._name_or_path, dense_parameters, selection, calibrator, options,
+               time.perf_counter() - started).with_changes(
+        operator=SUBBLOCK_RECOVERY, fitting="sequential" if len(fitted) > 1 else "single").save_to(ghosted.config)
     logger.info("Replaced sub-blocks %s (%s).", selection.subblocks, options.criterion)
     return ghosted
 
@@ -249,43 +249,43 @@ def build(model: PreTrainedModel, removed: list[int], fits: list[BoundaryFit], o
 
 def fitting_done(boundaries: list[dict[str, Any]]) -> str:
     """What the fits were, not what was asked: 'sequential' where a boundary was fitted on the model pruned and
-    patched before it (a kind that cannot be, such as replaceme-ls, is fitted on the dense model), 'none' without
-    a fit."""
+    patched before it (a kind that cannot be, such as replaceme-ls, is fitted on the dense model), 'single' for one
+    fit, 'none' without a fit."""
     fitted_on = [b["fit"]["fitted_on"] for b in boundaries
                  if b.get("operator") != "none" and (b.get("fit") or {}).get("fitted_on")]
-    if not fitted_on:
-        return "none"
+    if len(fitted_on) < 2:
+        return "single" if fitted_on else "none"
     return "sequential" if any(on != "dense model" for on in fitted_on) else "independent"
 
 
 def provenance(ghosted: GhostedForCausalLM, base_name: str | None, dense_parameters: int, selection: Selection,
-               calibrator: Calibrator, options: PruneOptions, seconds: float) -> dict[str, Any]:
+               calibrator: Calibrator, options: PruneOptions, seconds: float) -> Provenance:
     """Everything needed to reproduce and judge the result; saved in config.json and rendered by the card
     and `ghosted inspect`."""
     operator_parameters = sum(p.numel() for p in ghosted.ghost_operators().values())
     data, stats = calibrator.data_description, calibrator.statistics
     base = base_model_info(base_name)
-    return {
-        "method": METHOD,
-        "base_model": base.hub_id or base_name or None,
-        "base_model_path": base_name or None,
-        "base_model_license": base.license,
-        "base_model_notice": base.notice,
-        "selection": selection.describe(),
-        "operator": options.operator,
-        "fitting": fitting_done(ghosted.config.ghost_boundaries),
-        "solver": {"dtype": "float64", "solve": "torch.linalg.solve", "ridge": options.ridge,
-                   "ridge_scale": "mean diagonal of X^T X"},
-        "calibration": {**data, "tokens_used": stats.tokens if stats else data.get("tokens"), "processes": calibrator.world,
-                        **({"statistics": {k: v for k, v in stats.origin.items() if k != "plan"}}
-                           if stats is not None and not data else {})},
-        "cost": {"seconds": round(seconds, 2), "passes": calibrator.passes},
-        "parameters": {"dense": dense_parameters, "pruned": count_parameters(ghosted) - operator_parameters,
-                       "operators": operator_parameters},
-        "options": options.to_dict(),
-        "versions": {"ghosted_hf": importlib.metadata.version("ghosted_hf"), "transformers": transformers.__version__,
-                     "torch": torch.__version__},
-    }
+    return Provenance(
+        method=METHOD,
+        base_model=base.hub_id or base_name or None,
+        base_model_path=base_name or None,
+        base_model_license=base.license,
+        base_model_notice=base.notice,
+        selection=selection.describe(),
+        operator=options.operator,
+        fitting=fitting_done(ghosted.config.ghost_boundaries),
+        solver={"dtype": "float64", "solve": "torch.linalg.solve", "ridge": options.ridge,
+                "ridge_scale": "mean diagonal of X^T X"},
+        calibration={**data, "tokens_used": stats.tokens if stats else data.get("tokens"), "processes": calibrator.world,
+                     **({"statistics": {k: v for k, v in stats.origin.items() if k != "plan"}}
+                        if stats is not None and not data else {})},
+        cost={"seconds": round(seconds, 2), "passes": calibrator.passes},
+        parameters={"dense": dense_parameters, "pruned": count_parameters(ghosted) - operator_parameters,
+                    "operators": operator_parameters},
+        options=options.to_dict(),
+        versions={"ghosted_hf": importlib.metadata.version("ghosted_hf"), "transformers": transformers.__version__,
+                  "torch": torch.__version__},
+    )
 
 
 def check_request(config: PretrainedConfig, options: PruneOptions) -> None:

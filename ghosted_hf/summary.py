@@ -9,8 +9,9 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from .checkpoint import made_as
-from .diskio import check_shape, optional
+from .diskio import check_shape
 from .errors import GhostedError
+from .provenance import BOUNDARY, SUBBLOCK, Provenance
 from .remote.configuration_ghosted import LAYER_TARGET, GhostedConfig
 from .selection import candidate_layers
 
@@ -70,29 +71,16 @@ class ModelSummary:
 
 
 NUMBER = (int, float)
-BOUNDARY = {"removed": [int], "target": str, "operator": str, "layer": optional(int), "original_layer": optional(int),
-            "fit": optional(dict), "fused_into": optional(str)}
-SUBBLOCK = {"layer": int, "original_layer": int, "block": str, "module": str, "fit": optional(dict)}
-# What `summarize` reads of a config's ghost_provenance: checked first, so a damaged field is named, not a crash.
-PROVENANCE = {
-    "base_model": optional(str), "operator": optional(str), "fitting": optional(str),
-    "parameters": optional({"dense": int, "pruned": int, "operators": int}),
-    "selection": optional({"criterion": optional(str), "better": optional(str), "scores": optional(dict),
-                           "subblocks": optional([str])}),
-    "calibration": optional(dict), "solver": optional(dict), "versions": optional(dict), "healing": optional(dict),
-    "evaluation": optional([dict]),
-    "stock_export": optional({"original_num_hidden_layers": int, "removed_layers": [int], "boundaries": [BOUNDARY],
-                              "untied_embeddings": optional(bool)}),
-}
 
 
 def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
     """The summary of a ghosted model's config, or of a stock export's (whose provenance keeps the layout)."""
-    prov = check_shape(getattr(config, "ghost_provenance", None) or {}, PROVENANCE, "config.json: ghost_provenance")
-    scores = (prov.get("selection") or {}).get("scores") or {}
+    prov = Provenance.of(config)
+    selection = prov.selection or {}
+    scores = selection.get("scores") or {}
     for name, score in scores.items():
         check_shape(score, NUMBER, f"config.json: ghost_provenance.selection.scores.{name}")
-    stock, kind = prov.get("stock_export"), made_as(config)
+    stock, kind = prov.stock_export, made_as(config)
     if kind == "ghosted":
         text, depth, removed_layers = config.text_config, config.original_num_hidden_layers, config.removed_layers
         boundaries, storage = config.ghost_boundaries, config.operator_dtype
@@ -103,18 +91,15 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         boundaries, storage, replaced = stock["boundaries"], "folded into the weights", []
     else:
         raise GhostedError(f"This {getattr(config, 'model_type', None)!r} config was not made by ghosted_hf.")
-    params = prov.get("parameters")
-    selection = prov.get("selection") or {}
-    scores = selection.get("scores") or {}
+    params = prov.parameters
     removed = set(removed_layers)
     chosen = set(selection.get("subblocks") or ())
     if chosen or any("." in name for name in scores):  # sub-block candidates are LAYER.KIND, a whole layer LAYER.layer
         chosen |= {f"{i}.layer" for i in removed}
     ranked = sorted(scores.items(), key=lambda kv: kv[1], reverse=selection.get("better") == "higher")
-    cal = prov.get("calibration") or {}
-    healing = prov.get("healing")
+    cal, healing = prov.calibration or {}, prov.healing
     return ModelSummary(
-        base_model=prov.get("base_model") or "unknown",
+        base_model=prov.base_model or "unknown",
         model_type=text.model_type,
         hidden_size=text.hidden_size,
         depth=depth,
@@ -127,13 +112,13 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         better=selection.get("better"),
         scores=[(name, f"{score:.6g}", name in chosen if chosen else set(candidate_layers(name)) <= removed)
                 for name, score in ranked],
-        recovery=f"{prov.get('operator', 'unknown')}, {_fitting(prov.get('fitting', 'unknown'))}",
+        recovery=f"{prov.operator or 'unknown'}, {_fitting(prov.fitting or 'unknown')}",
         calibration=(f"{cal.get('name')}: {cal.get('tokens_used')} tokens in {cal.get('sequences')} sequences of "
                      f"{cal.get('sequence_length')}, sha256 {cal.get('sha256')}" if cal else "unknown"),
-        solver=", ".join(f"{k}={v}" for k, v in (prov.get("solver") or {}).items()) or "unknown",
-        versions=", ".join(f"{k} {v}" for k, v in (prov.get("versions") or {}).items()) or "unknown",
+        solver=", ".join(f"{k}={v}" for k, v in (prov.solver or {}).items()) or "unknown",
+        versions=", ".join(f"{k} {v}" for k, v in (prov.versions or {}).items()) or "unknown",
         boundaries=[_boundary(b) for b in boundaries],
-        evaluations=list(prov.get("evaluation", [])),
+        evaluations=list(prov.evaluation),
         healing=", ".join(f"{k}={v}" for k, v in healing.items()) if healing else None,
         stock=kind == "stock",
         untied_embeddings=bool(stock and stock.get("untied_embeddings")),
@@ -150,8 +135,9 @@ def _subblock(record: dict[str, Any]) -> SubBlockSummary:
 
 
 def _fitting(fitting: str) -> str:
-    return "no fit" if fitting == "none" else f"{fitting} fitting" if fitting in (
-        "sequential", "independent", "unknown") else fitting
+    named = {"none": "no fit", "single": "one fit, on the dense model"}
+    return named.get(fitting) or (f"{fitting} fitting" if fitting in ("sequential", "independent", "unknown")
+                                  else fitting)
 
 
 def _boundary(record: dict[str, Any]) -> BoundarySummary:

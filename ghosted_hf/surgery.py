@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from .architectures import (StreamWeight, SubBlock, architecture, check_declared, check_layers_match, decoder,
                             decoder_layers, layer_of, layer_prefix, pruned_config, stream_weights)
 from .errors import GhostedError, NonFiniteError
+from .provenance import Provenance
 from .remote.configuration_ghosted import (
     SUBBLOCK_KINDS,
     LAYER_TARGET,
@@ -422,16 +423,16 @@ def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
     adopt_tensors(stock, model, lambda name: name)
     for layer, c, q in folds:
         fold_scaled_rotation(stock, layer, c, q)
-    provenance = dict(model.config.ghost_provenance or {})
-    if "parameters" in provenance:
-        provenance["parameters"] = {**provenance["parameters"], "pruned": count_parameters(stock), "operators": 0}
+    provenance = Provenance.of(model.config)
+    if provenance.parameters is not None:
+        provenance.parameters = {**provenance.parameters, "pruned": count_parameters(stock), "operators": 0}
     # How the checkpoint was made travels in its config.json (read by the model card and `ghosted inspect`).
-    stock.config.ghost_provenance = {**provenance, "stock_export": {
+    provenance.with_changes(stock_export={
         "original_num_hidden_layers": model.config.original_num_hidden_layers,
         "removed_layers": list(model.config.removed_layers),
         "boundaries": copy.deepcopy(model.config.ghost_boundaries),
         "folded_operators": len(folds), "untied_embeddings": bool(untie),
-    }}
+    }).save_to(stock.config)
     stock.generation_config = copy.deepcopy(model.generation_config)
     stock.train(model.training)
     return stock

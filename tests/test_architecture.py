@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).parents[1] / "ghosted_hf"
 LAYERS = {
     0: {"errors", "registry", "architectures", "hadamard", "network", "diskio", "hashing", "remote.configuration_ghosted",
         "remote.modeling_ghosted"},
-    1: {"text", "data", "assets", "distributed", "checkpoint", "distillation"},
+    1: {"text", "data", "assets", "distributed", "checkpoint", "distillation", "provenance"},
     2: {"statistics.declarations", "statistics.plan", "statistics.store", "statistics.origin", "statistics.capture",
         "statistics.accumulate", "statistics.passes", "statistics.layerwise", "statistics.__init__"},
     3: {"operators", "selection", "subblocks"},
