@@ -14,6 +14,7 @@ import time
 from transformers import TrainerCallback
 
 from ghosted_hf import healing
+from ghosted_hf.healing import recipe as healing_recipe  # where heal looks training_attention up
 
 from healing import step_timing_setup
 
@@ -23,12 +24,12 @@ ATTENTION = ("sdpa", "eager")
 def main() -> None:
     args, tokenizer, calibration, model = step_timing_setup(__doc__.splitlines()[0], steps=3)
     model.set_attn_implementation("sdpa")
-    eager_on_cpu = healing.training_attention
+    eager_on_cpu = healing_recipe.training_attention
     times: dict[str, list[float]] = {a: [] for a in ATTENTION}
     for _ in range(args.rounds):
         for attention in times:
             # sdpa: keep the model's own kernel by skipping the switch `heal` makes on a CPU
-            healing.training_attention = eager_on_cpu if attention == "eager" else (lambda *a: contextlib.nullcontext())
+            healing_recipe.training_attention = eager_on_cpu if attention == "eager" else (lambda *a: contextlib.nullcontext())
             seconds: list[float] = []
 
             class StepTimes(TrainerCallback):
@@ -42,7 +43,7 @@ def main() -> None:
                                   eval_sequences=0, callbacks=[StepTimes()])
             model = healed.model.unload()  # the adapters removed: the same ghosted model for the next configuration
             times[attention] += seconds[1:]  # the first step warms up
-    healing.training_attention = eager_on_cpu
+    healing_recipe.training_attention = eager_on_cpu
     reference = statistics.median(times["sdpa"])
     print(f"SmolLM2-135M-Instruct, {args.layers}/30 removed, default healing options, {args.threads} torch thread(s); "
           f"CPU seconds per step, median of {args.rounds} rounds x {args.steps} steps.\n")

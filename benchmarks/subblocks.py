@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--budgets", nargs="+", default=["12.5%", "25%", "37.5%"])
     parser.add_argument("--lambada", type=int, default=200, help="LAMBADA items scored")
     parser.add_argument("--output", default="benchmarks/results/subblocks.md")
+    parser.add_argument("--rows", nargs="+", help="only these rows (e.g. 'mixed / ghost-aware'); default: all")
     args = parser.parse_args()
     folder = assets.resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -132,6 +133,8 @@ def main() -> None:
                     {r: v for r, v in residual.items() if r.block != sb.LAYER}, saved, target)], **CALIBRATION),
         }
         for name, run in runs.items():
+            if args.rows and name not in args.rows:
+                continue
             started = time.perf_counter()
             model = run().eval()
             seconds = time.perf_counter() - started
@@ -147,7 +150,8 @@ def main() -> None:
             print(lines[-1], flush=True)
             del model
     with Path(args.output).open("a") as handle:
-        handle.write(f"\n`python benchmarks/subblocks.py --model {args.model}`\n\n" + "\n".join(lines) + "\n")
+        rows = " --rows " + " ".join(f"'{r}'" for r in args.rows) if args.rows else ""
+        handle.write(f"\n`python benchmarks/subblocks.py --model {args.model}{rows}`\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ LAYERS = {
     3: {"operators", "selection", "subblocks"},
     4: {"surgery"},
     5: {"summary", "card", "hub", "loading", "evaluate", "files"},
-    6: {"options", "recipe", "export", "llamacpp", "healing", "demo"},
+    6: {"options", "recipe", "export", "llamacpp", "demo", "healing.__init__", "healing.options", "healing.callbacks",
+        "healing.checkpoints", "healing.trainer", "healing.recipe"},
     7: {"cli", "__init__"},
 }
 LEVEL = {module: level for level, modules in LAYERS.items() for module in modules}

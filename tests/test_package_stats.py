@@ -11,7 +11,7 @@ from package_stats import MAX_FUNCTION_LINES, PACKAGE, report
 LONG = {
     "surgery:prune_layers": "validates every input before the meta-device build, then adopts the tensors in one place",
     "statistics.capture:capture_hidden_states": "the hooks share one capture dict and one stop point",
-    "healing:heal": "the training loop; rebuilt on transformers' Trainer under issue 23",
+    "healing.recipe:heal": "the training loop; rebuilt on transformers' Trainer under issue 23",
 }
 
 
