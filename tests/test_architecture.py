@@ -19,7 +19,8 @@ LAYERS = {
     5: {"summary", "card", "hub", "loading", "evaluate", "files"},
     6: {"options", "recipe", "export", "llamacpp", "demo", "healing.__init__", "healing.options", "healing.callbacks",
         "healing.checkpoints", "healing.trainer", "healing.recipe"},
-    7: {"cli", "__init__"},
+    7: {"cli.__init__", "cli.__main__", "cli.common", "cli.prune", "cli.stats", "cli.demo", "cli.evaluate", "cli.push",
+        "cli.heal", "cli.export", "cli.inspect", "__init__"},
 }
 LEVEL = {module: level for level, modules in LAYERS.items() for module in modules}
 

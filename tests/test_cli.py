@@ -197,7 +197,9 @@ def test_dtype_is_honoured_by_every_command_that_loads(command: list[str], monke
         seen.append(kwargs.get("dtype"))
         raise GhostedError("stop here")
 
-    monkeypatch.setattr(cli, "load_model", load_model)
+    for module in list(sys.modules.values()):  # every command module that loads a model
+        if getattr(module, "__name__", "").startswith("ghosted_hf.cli") and hasattr(module, "load_model"):
+            monkeypatch.setattr(module, "load_model", load_model)
     monkeypatch.chdir(tmp_path)
     assert cli.main([*command, "--dtype", "bfloat16"]) == 2
     assert seen == ["bfloat16"]

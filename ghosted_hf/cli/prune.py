@@ -1,0 +1,55 @@
+"""`ghosted prune`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from ..errors import GhostedError
+from ..files import check_output
+from ..options import PruneOptions, from_namespace, option
+
+from .common import (CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text,
+                     load_for_calibration)
+
+
+@dataclass(kw_only=True)
+class PruneArgs(LoadArgs, MemoryArgs, OutputArgs):
+    """Arguments of `ghosted prune` besides the `PruneOptions`."""
+
+    model: str | None = option(None, MODEL_HELP, positional=True)
+    calibration: str | None = option(None, CALIBRATION_HELP)
+    output: str | None = option(None, "New folder to write the pruned model to (needed unless --dry-run).")
+    dry_run: bool = option(False, "Select the layers and fit the operators (the calibration passes run), print the "
+                                  "result, write nothing.")
+    device: str | None = option(None, "device_map for loading (e.g. cpu, cuda, auto).")
+    statistics: str | None = option(None, "Precomputed statistics (safetensors) to reuse.")
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """`ghosted prune`: prune, print the summary, save with a card (rank 0 only under torchrun)."""
+    from ..card import save_with_card
+    from ..distributed import is_main_process
+    from ..loading import load_config
+    from ..recipe import check_request, ghost_prune
+    from ..summary import render_text, summarize
+
+    run, options = from_namespace(PruneArgs, args), from_namespace(PruneOptions, args)
+    if not run.dry_run:
+        if run.output is None:
+            raise GhostedError("--output DIR is required (or --dry-run to write nothing).")
+        check_output(run.output, (run.model, run.calibration, run.statistics), overwrite=run.overwrite)
+    calibration = calibration_text(run.calibration, options, statistics=run.statistics)
+    config = load_config(run.model, trust_remote_code=run.trust_remote_code, revision=run.revision)
+    check_request(config, options)
+    model, tokenizer = load_for_calibration(run, config)  # only once everything the config can tell was checked
+    pruned = ghost_prune(model, tokenizer, calibration, options, statistics=run.statistics)
+    if not is_main_process():
+        return 0  # every process fitted the same operators; the main one reports and writes
+    print(render_text(summarize(pruned.config)))
+    if run.dry_run:
+        print("\n--dry-run: nothing written.")
+        return 0
+    save_with_card(pruned, run.output, tokenizer)  # a stock checkpoint (folded kinds) saves with its card too
+    print(f"\nSaved to {run.output}")
+    return 0

@@ -1,0 +1,70 @@
+"""`ghosted stats collect` and `ghosted stats merge`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..files import check_output
+from ..options import PruneOptions, from_namespace, option
+
+from .common import (CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text,
+                     load_for_calibration)
+
+
+@dataclass(kw_only=True)
+class StatsCollectArgs(LoadArgs, MemoryArgs, OutputArgs):
+    """Arguments of `ghosted stats collect` besides the `PruneOptions`."""
+
+    model: str | None = option(None, MODEL_HELP, positional=True)
+    calibration: str | None = option(None, CALIBRATION_HELP)
+    shard: str = option("0/1", "Which shard I/N of the calibration batches to collect (every N-th batch from batch I).")
+    output: str | None = option(None, "New statistics file to write (safetensors).", required=True)
+    device: str | None = option(None, "device_map for loading (e.g. cpu, cuda, auto).")
+
+
+@dataclass(kw_only=True)
+class StatsMergeArgs(OutputArgs):
+    """Arguments of `ghosted stats merge`."""
+
+    files: list[str] = option(help="The statistics shards to merge (all N of one run, each once).")
+    output: str | None = option(None, "New statistics file to write (safetensors).", required=True)
+
+
+def write_statistics(stats, path: Path) -> None:
+    """Write on the main process only (`CalibrationStatistics.save` writes all or nothing)."""
+    from ..distributed import is_main_process
+
+    if is_main_process():
+        stats.save(path)
+
+
+def cmd_stats_collect(args: argparse.Namespace) -> int:
+    """`ghosted stats collect`: the statistics of one shard, written atomically."""
+    from ..distributed import is_main_process
+    from ..recipe import calibrate
+    from ..statistics import ShardSpec
+
+    run, options = from_namespace(StatsCollectArgs, args), from_namespace(PruneOptions, args)
+    shard = ShardSpec.parse(run.shard)
+    path = check_output(run.output, (run.model, run.calibration), overwrite=run.overwrite, file=True)
+    calibration = calibration_text(run.calibration, options)
+    model, tokenizer = load_for_calibration(run)
+    stats = calibrate(model, tokenizer, calibration, options, shard=shard)
+    write_statistics(stats, path)
+    if is_main_process():
+        print(f"Wrote shard {shard} ({stats.tokens} tokens, {len(stats.tensors)} statistics) to {path}")
+    return 0
+
+
+def cmd_stats_merge(args: argparse.Namespace) -> int:
+    """`ghosted stats merge`: all shards of one run summed into one statistics file."""
+    from ..statistics import CalibrationStatistics
+
+    run = from_namespace(StatsMergeArgs, args)
+    path = check_output(run.output, tuple(run.files), overwrite=run.overwrite, file=True)
+    merged = CalibrationStatistics.merge(run.files)
+    write_statistics(merged, path)
+    print(f"Merged {len(run.files)} shards ({merged.tokens} tokens) into {path}")
+    return 0
