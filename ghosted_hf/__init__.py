@@ -13,11 +13,13 @@ from .errors import GhostedError
 from .export import export_stock
 from .healing import HealOptions, HealResult, heal, merge
 from .hub import push_to_hub
+from .loading import load_for_calibration
 from .operators import OPERATOR_KINDS, OperatorKind
 from .options import ExportOptions, PruneOptions
 from .recipe import calibrate, ghost_prune
 from .selection import CRITERIA, Criterion
 from .statistics import CalibrationStatistics, LayerwisePass, StatisticsPlan, collect_statistics
+from .summary import inspect_folder
 from .surgery import prune_layers, to_stock_model
 
 __version__ = importlib.metadata.version("ghosted_hf")
@@ -54,6 +56,8 @@ __all__ = [
     "export_stock",
     "ghost_prune",
     "heal",
+    "inspect_folder",
+    "load_for_calibration",
     "merge",
     "prune_layers",
     "push_to_hub",

@@ -107,3 +107,39 @@ def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | Non
     except (ValueError, ImportError, StrictDataclassError) as error:  # transformers' and the remote code's refusals
         raise GhostedError(f"{ref} cannot be loaded: {' '.join(str(error).split())[:500]}") from error
     return model.eval(), tokenizer
+
+
+def load_for_calibration(model: str | None, *, dtype: str = "float32", device: str | None = None,
+                         max_memory: str | None = None, layerwise: bool = False, activations_dir: str | None = None,
+                         trust_remote_code: bool = False, revision: str | None = None, config: Any = None) -> tuple:
+    """(model, tokenizer) to calibrate on: a `LayerwisePass` with `layerwise`, or when the weights exceed
+    `max_memory` (e.g. "8GiB"), else the loaded model (under torchrun with device "cuda", each process on its own
+    GPU). `config`: the model's, when `load_config` already read and checked it."""
+    from transformers import AutoTokenizer
+
+    from .statistics.layerwise import LayerwisePass, model_bytes, parse_memory
+
+    limit = parse_memory(max_memory) if max_memory is not None else None
+    folder = Path(resolve(model))
+    if not layerwise and limit is not None and folder.is_dir():
+        layerwise = model_bytes(folder, DTYPES[dtype]) > limit
+        if layerwise:
+            logger.warning("The weights do not fit max_memory %s: calibrating layer by layer.", max_memory)
+    if not layerwise:
+        return load_model(model, dtype=dtype, device_map=rank_device(device), trust_remote_code=trust_remote_code,
+                          revision=revision, config=config)
+    if not folder.is_dir():
+        raise GhostedError(f"Layer-by-layer calibration reads a local model folder; {model} is not one (download it "
+                           "first, e.g. hf download).")
+    # The build after calibration still loads the model (layer surgery needs every kept weight in memory).
+    return LayerwisePass(folder, DTYPES[dtype], offload_folder=activations_dir), \
+        AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+
+
+def rank_device(device: str | None) -> str | None:
+    """Under torchrun (or mpirun) with device "cuda", each process takes its own GPU (its local rank)."""
+    from .distributed import init_distributed, launcher_process
+
+    if device == "cuda" and init_distributed():
+        return f"cuda:{launcher_process()[2]}"
+    return device

@@ -4,6 +4,7 @@ inspect` prints it and the model card renders it, so the two always say the same
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -186,3 +187,36 @@ def render_text(summary: ModelSummary, tensors: dict[str, tuple[int, ...]] | Non
         lines.extend(f"  {name} {list(shape)}" for name, shape in sorted(tensors.items()))
     lines.append(f"made with       : {s.versions}")
     return "\n".join(lines)
+
+
+def inspect_folder(folder: str | Path, top_scores: int = 8) -> str:
+    """What a saved ghosted folder (or a stock checkpoint ghosted_hf made) contains and how it was made, as
+    `ghosted inspect` prints it; every weight file is verified first."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from .files import verify_folder
+
+    if top_scores < 0:
+        raise GhostedError(f"--top must be 0 or more (selection scores to show), got {top_scores}.")
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not folder.is_dir():
+        raise GhostedError(f"inspect reads a local model folder, and {folder} is none (for a Hub id, download it first: "
+                           f"hf download {folder} --local-dir DIR).")
+    if not config_path.is_file():
+        raise GhostedError(f"{folder} has no config.json: it is not a saved model folder.")
+    raw = verify_folder(folder)  # a truncated or altered weight file is named here, not deep in a load
+    kind = made_as(raw)
+    if kind == "ghosted":
+        config = GhostedConfig.from_pretrained(folder)
+        tensors = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                tensors.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys() if ".ghost." in k})
+    elif kind == "stock":  # its operators are in its weights
+        config, tensors = AutoConfig.from_pretrained(folder, trust_remote_code=False), None
+    else:
+        raise GhostedError(f"{folder} holds a {raw.get('model_type')!r} model that ghosted_hf did not make (its "
+                           "config.json has no ghost_provenance): there is nothing to inspect.")
+    return render_text(summarize(config), tensors, top_scores=top_scores)

@@ -3,17 +3,14 @@ model loaded for calibration."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .. import assets
 from ..errors import GhostedError
-from ..loading import DTYPES, load_model
+from ..loading import DTYPES
 from ..options import option
 
-logger = logging.getLogger(__name__)
 
 
 MODEL_HELP = (f"Local folder, Hub id or packaged model ({', '.join(assets.PACKAGED_MODELS)}) of a causal LM of a "
@@ -68,38 +65,3 @@ def calibration_text(path: str | None, options: Any, statistics: str | None = No
                                "of text.")
         return path
     return None if statistics is not None else assets.wikipedia_split("calibration")
-
-
-def load_for_calibration(run, config: Any = None) -> tuple:
-    """(model, tokenizer): a `LayerwisePass` with --layerwise, or when the weights exceed --max-memory. `config`:
-    the model's, when `load_config` already read and checked it."""
-    from transformers import AutoTokenizer
-
-    from ..statistics.layerwise import LayerwisePass, model_bytes, parse_memory
-    from ..loading import resolve
-
-    limit = parse_memory(run.max_memory) if run.max_memory is not None else None
-    folder = Path(resolve(run.model))
-    layerwise = run.layerwise
-    if not layerwise and limit is not None and folder.is_dir():
-        layerwise = model_bytes(folder, DTYPES[run.dtype]) > limit
-        if layerwise:
-            logger.warning("The weights do not fit --max-memory %s: calibrating layer by layer.", run.max_memory)
-    if not layerwise:
-        return load_model(run.model, dtype=run.dtype, device_map=rank_device(run.device),
-                          trust_remote_code=run.trust_remote_code, revision=run.revision, config=config)
-    if not folder.is_dir():
-        raise GhostedError(f"Layer-by-layer calibration reads a local model folder; {run.model} is not one (download it "
-                           "first, e.g. huggingface-cli download).")
-    # The build after calibration still loads the model (layer surgery needs every kept weight in memory).
-    model = LayerwisePass(folder, DTYPES[run.dtype], offload_folder=run.activations_dir)
-    return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-
-
-def rank_device(device: str | None) -> str | None:
-    """Under torchrun (or mpirun) with `--device cuda`, each process takes its own GPU (its local rank)."""
-    from ..distributed import init_distributed, launcher_process
-
-    if device == "cuda" and init_distributed():
-        return f"cuda:{launcher_process()[2]}"
-    return device

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 from ..errors import GhostedError
 from ..files import check_output
+from ..loading import load_for_calibration
 from ..options import PruneOptions, from_namespace, option
 
-from .common import (CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text,
-                     load_for_calibration)
+from .common import CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text
 
 
 @dataclass(kw_only=True)
@@ -42,7 +42,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
     calibration = calibration_text(run.calibration, options, statistics=run.statistics)
     config = load_config(run.model, trust_remote_code=run.trust_remote_code, revision=run.revision)
     check_request(config, options)
-    model, tokenizer = load_for_calibration(run, config)  # only once everything the config can tell was checked
+    model, tokenizer = load_for_calibration(  # only once everything the config can tell was checked
+        run.model, dtype=run.dtype, device=run.device, max_memory=run.max_memory, layerwise=run.layerwise,
+        activations_dir=run.activations_dir, trust_remote_code=run.trust_remote_code, revision=run.revision,
+        config=config)
     pruned = ghost_prune(model, tokenizer, calibration, options, statistics=run.statistics)
     if not is_main_process():
         return 0  # every process fitted the same operators; the main one reports and writes

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..files import check_output
+from ..loading import load_for_calibration
 from ..options import PruneOptions, from_namespace, option
 
-from .common import (CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text,
-                     load_for_calibration)
+from .common import CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text
 
 
 @dataclass(kw_only=True)
@@ -50,7 +50,9 @@ def cmd_stats_collect(args: argparse.Namespace) -> int:
     shard = ShardSpec.parse(run.shard)
     path = check_output(run.output, (run.model, run.calibration), overwrite=run.overwrite, file=True)
     calibration = calibration_text(run.calibration, options)
-    model, tokenizer = load_for_calibration(run)
+    model, tokenizer = load_for_calibration(
+        run.model, dtype=run.dtype, device=run.device, max_memory=run.max_memory, layerwise=run.layerwise,
+        activations_dir=run.activations_dir, trust_remote_code=run.trust_remote_code, revision=run.revision)
     stats = calibrate(model, tokenizer, calibration, options, shard=shard)
     write_statistics(stats, path)
     if is_main_process():
