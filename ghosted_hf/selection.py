@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+
 from .statistics import CalibrationStatistics, StatisticsPlan, least_squares, similarity
 from .errors import GhostedError
 from .operators import fit_figures, ghost_operator, operator_kind
@@ -177,6 +179,79 @@ class ShortGPT(Criterion):
         scores = {candidate_name(i, i + 1): 1.0 - stats.mean_cosine(i, i + 1) for i in layers}
         ranked = sorted(layers, key=lambda i: (scores[candidate_name(i, i + 1)], i))
         return Selection(sorted(ranked[: request.num_layers]), self.name, scores, "lower")
+
+
+@register
+class Locality(Criterion):
+    """LoRP's selection as its abstract describes it (a baseline; the paper's exact score and allocation rules were not
+    reachable here, so this is our reading of its three steps)."""
+
+    name = "lorp"
+    summary = ("LoRP's steps as read from its abstract (arXiv 2605.27786): layers clustered spectrally by the mean "
+               "cosine of their outputs, the layers to remove shared among the clusters by their redundancy beyond one "
+               "layer each, the most redundant removed in each cluster")
+
+    def statistics(self, request: SelectionRequest) -> StatisticsPlan:
+        layers = range(request.first, request.depth)
+        return StatisticsPlan.union(similarity(i + 1, j + 1) for i in layers for j in layers if i < j)
+
+    def select(self, stats: CalibrationStatistics | None, request: SelectionRequest) -> Selection:
+        layers = list(range(request.first, request.depth))
+        affinity = torch.eye(len(layers), dtype=torch.float64)
+        for a, i in enumerate(layers):
+            for b in range(a + 1, len(layers)):
+                affinity[a, b] = affinity[b, a] = max(stats.mean_cosine(i + 1, layers[b] + 1), 0.0)
+        chosen, redundancy = locality_choice(affinity, request.num_layers)
+        return Selection(sorted(layers[k] for k in chosen), self.name,
+                         {candidate_name(i, i + 1): round(float(r), 6) for i, r in zip(layers, redundancy)}, "higher")
+
+
+def spectral_clusters(affinity: torch.Tensor, seed: int = 0) -> list[list[int]]:
+    """Clusters of the rows of a symmetric nonnegative affinity matrix: the normalized Laplacian's eigenvectors of its
+    k smallest eigenvalues (k at the largest eigengap, 1 < k <= n / 2), row-normalized, grouped by k-means."""
+    n = affinity.shape[0]
+    if n < 4:
+        return [list(range(n))]
+    degree = affinity.sum(1).clamp_min(1e-12)
+    scale = degree.rsqrt()
+    laplacian = torch.eye(n, dtype=affinity.dtype) - scale[:, None] * affinity * scale[None, :]
+    values, vectors = torch.linalg.eigh(laplacian)
+    k = 2 + int(torch.argmax(values[2:n // 2 + 1] - values[1:n // 2]))
+    points = torch.nn.functional.normalize(vectors[:, :k], dim=1)
+    centers = points[torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:k]]
+    for _ in range(100):
+        labels = torch.cdist(points, centers).argmin(1)
+        moved = torch.stack([points[labels == c].mean(0) if (labels == c).any() else centers[c] for c in range(k)])
+        if torch.allclose(moved, centers):
+            break
+        centers = moved
+    return sorted(([i for i in range(n) if labels[i] == c] for c in range(k) if (labels == c).any()), key=min)
+
+
+def locality_choice(affinity: torch.Tensor, num_layers: int) -> tuple[list[int], torch.Tensor]:
+    """(the rows to remove, each row's redundancy): clusters of `affinity`; a row's redundancy is its mean affinity to
+    the rest of its cluster, a cluster's the sum beyond its most redundant row (what it holds beyond one layer's
+    worth); `num_layers` shared among clusters in proportion (largest remainders, at most all but one row of a
+    cluster), the most redundant rows of each cluster removed."""
+    clusters = spectral_clusters(affinity)
+    redundancy = torch.zeros(affinity.shape[0], dtype=torch.float64)
+    for cluster in clusters:
+        for i in cluster:
+            others = [j for j in cluster if j != i]
+            redundancy[i] = affinity[i, others].mean() if others else 0.0
+    weight = [float(redundancy[c].sum() - redundancy[c].max()) for c in clusters]
+    room = [len(c) - 1 for c in clusters]
+    if num_layers > sum(room):
+        raise GhostedError(f"The clusters can give up {sum(room)} layers (all but one of each), fewer than {num_layers}.")
+    share = [num_layers * w / (sum(weight) or 1.0) for w in weight]
+    take = [min(int(x), r) for x, r in zip(share, room)]
+    for c in sorted(range(len(clusters)), key=lambda c: (take[c] - share[c], c)) * num_layers:
+        if sum(take) == num_layers:
+            break
+        if take[c] < room[c]:
+            take[c] += 1
+    chosen = [i for cluster, t in zip(clusters, take) for i in sorted(cluster, key=lambda i: -redundancy[i])[:t]]
+    return sorted(chosen), redundancy
 
 
 @register
