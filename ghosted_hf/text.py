@@ -20,6 +20,7 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": 
 TEXT_SUFFIXES = (".txt", ".text", ".md")  # a missing file of these is named as missing, not looked up on the Hub
 TextSource = str | os.PathLike | Iterable[str] | Any  # a path or Hub id, a list of strings, or a datasets.Dataset
 
+
 @dataclass
 class Documents:
     """Documents as a (possibly lazy) iterable, with a name for reports."""

@@ -44,7 +44,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
                                   revision=run.revision)
     text = run.text if run.text is not None else assets.wikipedia_split("evaluation")
-    held_out = tokenize_texts(tokenizer, text, run.seq_len, run.windows, batch_size=4)
+    held_out = tokenize_texts(tokenizer, text, run.seq_len, run.windows, batch_size=4, what="Evaluation text")
     results: dict = {"perplexity": perplexity(model, held_out.batches), "perplexity_tokens": held_out.num_tokens}
     if run.tasks:
         results["zero_shot"] = zero_shot(model, tokenizer, run.tasks, limit=100 if run.limit is None else run.limit)
