@@ -26,9 +26,10 @@ from ..provenance import Provenance
 from ..text import read_documents
 from ..remote.modeling_ghosted import GHOST_MODULE
 from .callbacks import Budget, Progress, Record, Schedule
-from .checkpoints import checkpoint_folder, agreement_claims, check_same_run, claim_checkpoint_folder, resume_point, run_identity, verified_checkpoint
+from .checkpoints import (agreement_claims, check_same_run, checkpoint_folder, claim_checkpoint_folder, resume_point,
+                          run_identity, verified_checkpoint)
 from .options import DEFAULT_STEPS, HealOptions, check_meaningful, check_same_vocabulary, healed_kind, resolve_precision
-from .trainer import HealingTrainer, SequenceDataset, collate, unsharded, sharded, training_attention
+from .trainer import HealingTrainer, SequenceDataset, collate, sharded, training_attention, unsharded
 
 logger = logging.getLogger(__name__)
 
