@@ -7,6 +7,8 @@ decoder's parameters and recovered in closed form, training-free.
 Rows per budget (12.5%, 25%, 37.5% of the decoder layers' parameters, net of the maps and operators added):
 - layers / ghost: `ghost_prune(remove=b)`, its defaults (ghost-aware contiguous layers, ghost operator);
 - layers / plain ShortGPT: the same number of layers chosen by ShortGPT, no recovery (the field's baseline);
+- layers / plain LoRP, layers / LoRP + ghost: the same number chosen by `criterion="lorp"` (LoRP's steps as its
+  abstract gives them), without recovery as in its paper, and with ghost operators fitted sequentially;
 - sub-blocks / ghost-aware: what `ghost_prune(unit="subblock", remove=b)` chooses (measured damage per parameter
   saved; the damages are computed once per model, as ghost_prune computes them, and the chosen sub-blocks then
   fitted by `ghost_prune(unit="subblock", criterion="manual")`: sequential float64 fits);
@@ -123,6 +125,10 @@ def main() -> None:
             "layers / ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget, **CALIBRATION),
             "layers / plain ShortGPT": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
                                                             criterion="shortgpt", operator="none", **CALIBRATION),
+            "layers / plain LoRP": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
+                                                        criterion="lorp", operator="none", **CALIBRATION),
+            "layers / LoRP + ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
+                                                          criterion="lorp", **CALIBRATION),
             "sub-blocks / ghost-aware": lambda: ghost_prune(
                 load(), tokenizer, calibration, unit="subblock", criterion="manual",
                 subblocks=[r.name for r in sb.choose_to_budget(alone, saved, target)], **CALIBRATION),
