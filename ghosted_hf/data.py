@@ -13,7 +13,7 @@ import torch
 
 from .errors import GhostedError
 from .hashing import DataIdentity, batches_sha256
-from .text import Documents, TextSource, read_documents
+from .text import Documents, TextSource, empty_text, read_documents
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def tokenize_texts(
     token_lists = (tokenizer(t, add_special_tokens=True)["input_ids"] for t in identity.read(documents.texts))
     sequences = pack_tokens(token_lists, seq_len, num_sequences, tokenizer.eos_token_id, leading_token(tokenizer))
     if not identity.documents:
-        raise GhostedError(f"The {what.lower()} ({name}) is empty: provide at least a few paragraphs of text.")
+        raise empty_text(what, name)
     if num_sequences is not None and len(sequences) < num_sequences:
         logger.warning("Only %d sequences of %d tokens in %s (asked for %d).", len(sequences), seq_len, name, num_sequences)
     if shuffle_seed is not None:

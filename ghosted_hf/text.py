@@ -63,6 +63,11 @@ def read_documents(source: TextSource, *, split: str | None = None, text_column:
     return Documents(NamedTexts(texts, name), name)
 
 
+def empty_text(what: str, name: str) -> GhostedError:
+    """The one refusal of text that holds no document (`what` it is for, `name` where it came from)."""
+    return GhostedError(f"The {what.lower()} ({name}) is empty: provide at least a few paragraphs of text.")
+
+
 def _in_memory(text: Any, text_column: str, what: str) -> tuple[list[str], str]:
     """Texts and a display name from a list of strings or an in-memory `datasets.Dataset` with a text column."""
     if isinstance(text, (bytes, Mapping)) or not isinstance(text, Iterable):

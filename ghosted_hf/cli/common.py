@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import assets
-from ..errors import GhostedError
 from ..loading import DTYPES
 from ..options import option
 
@@ -55,13 +54,12 @@ class OutputArgs:
 def calibration_text(path: str | None, options: Any, statistics: str | None = None):
     """The calibration data, its first document read here so that a missing, unreadable or empty one fails before
     the model loads; else the packaged corpus (none when precomputed statistics are given)."""
-    from ..text import read_documents
+    from ..text import empty_text, read_documents
 
     if path is not None:
         documents = read_documents(path, split=options.split, text_column=options.text_column,
                                    streaming=options.streaming)
         if next(iter(documents.texts), None) is None:
-            raise GhostedError(f"The calibration text ({documents.name}) is empty: provide at least a few paragraphs "
-                               "of text.")
+            raise empty_text("Calibration text", documents.name)
         return path
     return None if statistics is not None else assets.wikipedia_split("calibration")
