@@ -18,8 +18,16 @@ Rows per budget (12.5%, 25%, 37.5% of the decoder layers' parameters, net of the
   (what the probe found misleading), for the criterion's sake.
 Scored on held-out text of two sources: the packaged Wikipedia evaluation articles and gensim's news articles
 (16 windows of 512 each), as the perplexity ratio to the dense model; LAMBADA (first 200 items); the KV-cache bytes
-per token in bf16 (measured from a cache); parameters removed net of what was added; wall seconds of the prune. Calibration: 64
+per token in bf16 (measured from a cache); parameters removed net of what was added; wall seconds of the prune. Calibration: 32
 windows of 512 tokens of the Wikipedia calibration articles for every row.
+
+With `--heal lm kd` each row is also healed with `heal`'s defaults on the same Wikipedia calibration articles (lm:
+next-token loss, heal's default; kd: KL to the dense model's logits, `--teacher base`), merged and scored again on both
+sources: the news articles are text of another source than the healing text, so the gain healing keeps there says
+whether a healing default carries over. "gap closed" is (free - healed) / (free - 1) of the perplexity ratio.
+
+    python benchmarks/subblocks.py --model smollm2-135m-instruct --budgets 25% --lambada 0 --heal lm kd \
+        --rows "layers / ghost" "sub-blocks / ghost-aware" "mixed / ghost-aware" --output benchmarks/results/subblock_healing.md
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from ghosted_hf import assets, ghost_prune
 from ghosted_hf import subblocks as sb
 from ghosted_hf.data import tokenize_texts
 from ghosted_hf.evaluate import lambada, perplexity
+from ghosted_hf.healing import heal, merge
 from ghosted_hf.loading import NO_HUB_KERNELS
 from ghosted_hf.options import PruneOptions, budget_share
 from ghosted_hf.recipe import decoder_parameters
@@ -62,7 +71,11 @@ def main() -> None:
     parser.add_argument("--lambada", type=int, default=200, help="LAMBADA items scored")
     parser.add_argument("--output", default="benchmarks/results/subblocks.md")
     parser.add_argument("--rows", nargs="+", help="only these rows (e.g. 'mixed / ghost-aware'); default: all")
+    parser.add_argument("--heal", nargs="+", choices=("lm", "kd"), default=[],
+                        help="also heal each row with heal's defaults: lm (next-token loss) and/or kd (dense teacher)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     folder = assets.resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
 
@@ -78,7 +91,7 @@ def main() -> None:
 
     def score(model) -> dict[str, float]:
         return {**{name: perplexity(model, batches, progress=False) for name, batches in held_out.items()},
-                "lambada": lambada(model, tokenizer, args.lambada, progress=False)["accuracy"],
+                "lambada": lambada(model, tokenizer, args.lambada, progress=False)["accuracy"] if args.lambada else float("nan"),
                 "kv": kv_bytes_per_token(model, tokenizer)}
 
     reference = score(dense)
@@ -111,8 +124,9 @@ def main() -> None:
              f"perplexity wiki {reference['wiki']:.2f}, news {reference['news']:.2f}, LAMBADA {reference['lambada']:.3f}, "
              f"KV {reference['kv']} B/token; the sub-block criterion's statistics, maps and damages: "
              f"{selection_seconds:.0f} s (not in the rows' seconds)", "",
-             "| budget | unit / selection | removed (net) | wiki ppl ratio | news ppl ratio | LAMBADA | KV B/token | what | s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| budget | unit / selection | removed (net) | wiki ppl ratio | news ppl ratio | LAMBADA | KV B/token | what | s |"
+             + "".join(f" healed {h}: wiki / news ratio (gap closed) | {h} s |" for h in args.heal),
+             "|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(args.heal)]
     print("\n".join(lines), flush=True)
     def mixed(chosen):
         return ghost_prune(load(), tokenizer, calibration, unit="mixed", criterion="manual",
@@ -150,13 +164,27 @@ def main() -> None:
             picked = provenance["selection"]
             what = ", ".join(([f"layers {picked['removed']}"] if picked["removed"] else []) + picked.get("subblocks", []))
             result = score(model)
+            free = {source: result[source] / reference[source] for source in held_out}
             lines.append(f"| {budget} | {name} | {removed_net / 1e6:.2f} M ({removed_net / total:.1%}) | "
-                         f"{result['wiki'] / reference['wiki']:.3f} | {result['news'] / reference['news']:.3f} | "
+                         f"{free['wiki']:.3f} | {free['news']:.3f} | "
                          f"{result['lambada']:.3f} | {result['kv']} | {what} | {seconds:.0f} |")
-            print(lines[-1], flush=True)
             del model
+            for loss in args.heal:
+                teacher = load() if loss == "kd" else None
+                started = time.perf_counter()
+                model = merge(heal(run(), tokenizer, calibration, teacher=teacher, eval_sequences=0,
+                                   progress=False)).eval()
+                seconds = time.perf_counter() - started
+                healed = {source: perplexity(model, batches, progress=False) / reference[source]
+                          for source, batches in held_out.items()}
+                lines[-1] += " " + " / ".join(f"{healed[s]:.3f}" for s in held_out) + " (" + " / ".join(
+                    f"{(free[s] - healed[s]) / (free[s] - 1):.2f}" for s in held_out) + f") | {seconds:.0f} |"
+                del model, teacher
+            print(lines[-1], flush=True)
     with Path(args.output).open("a") as handle:
         rows = " --rows " + " ".join(f"'{r}'" for r in args.rows) if args.rows else ""
+        rows += (f" --budgets {' '.join(args.budgets)} --lambada {args.lambada}"
+                 + (f" --heal {' '.join(args.heal)}" if args.heal else "") + f" --threads {args.threads}")
         handle.write(f"\n`python benchmarks/subblocks.py --model {args.model}{rows}`\n\n" + "\n".join(lines) + "\n")
 
 
