@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets
-from ghosted_hf.data import TokenBatches, tokenize_texts
+from ghosted_hf.text.tokens import TokenBatches, tokenize_texts
 from ghosted_hf.evaluate import perplexity
 from ghosted_hf.options import PruneOptions
 

@@ -20,9 +20,9 @@ import time
 import torch
 
 from ghosted_hf import assets
-from ghosted_hf.data import training_sequences
-from ghosted_hf.text import Documents
-from ghosted_hf.data import pack_tokens, text_hash
+from ghosted_hf.text.tokens import training_sequences
+from ghosted_hf.text.documents import Documents
+from ghosted_hf.text.tokens import pack_tokens, text_hash
 
 from common import packaged_model
 

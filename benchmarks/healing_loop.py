@@ -13,7 +13,7 @@ import time
 
 from transformers import TrainerCallback
 
-from ghosted_hf.healing import HealOptions, heal
+from ghosted_hf.pipelines.healing import HealOptions, heal
 
 from healing import step_timing_setup
 from legacy_healing import legacy_heal

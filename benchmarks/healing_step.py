@@ -13,8 +13,8 @@ import time
 
 from transformers import TrainerCallback
 
-from ghosted_hf import healing
-from ghosted_hf.healing import recipe as healing_recipe  # where heal looks training_attention up
+from ghosted_hf.pipelines import healing
+from ghosted_hf.pipelines.healing import recipe as healing_recipe  # where heal looks training_attention up
 
 from healing import step_timing_setup
 

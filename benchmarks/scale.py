@@ -84,7 +84,7 @@ def child(args: list[str], env: dict | None = None) -> dict:
 
 
 def ghost_aware_plan(depth: int, num_layers: int = 8):
-    from ghosted_hf.selection import SelectionRequest, criterion
+    from ghosted_hf.fitting.selection import SelectionRequest, criterion
 
     return criterion("ghost-aware").statistics(SelectionRequest(depth=depth, num_layers=num_layers))
 
@@ -93,7 +93,7 @@ def calibration_data(folder: str | Path, sequences: int, seq_len: int, batch_siz
     from transformers import AutoTokenizer
 
     from ghosted_hf import assets
-    from ghosted_hf.data import tokenize_texts
+    from ghosted_hf.text.tokens import tokenize_texts
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return tokenize_texts(tokenizer, assets.wikipedia_split("calibration"), seq_len, sequences, batch_size)
@@ -147,7 +147,7 @@ def measure_processes(folder: str, sequences: int, seq_len: int) -> dict:
     """One rank of `calibrate` (the whole ghost-aware plan) under torchrun, or alone."""
     from transformers import AutoModelForCausalLM
 
-    from ghosted_hf.distributed import is_main_process, process_rank
+    from ghosted_hf.utils.distributed import is_main_process, process_rank
     from ghosted_hf.statistics import Calibrator, FullModelPass, collect_statistics
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -167,7 +167,7 @@ def measure_processes(folder: str, sequences: int, seq_len: int) -> dict:
     reduce_bytes = sum(t.numel() * 8 for t in stats.tensors.values())
     reduce_started = time.perf_counter()
     if world > 1:
-        from ghosted_hf.distributed import all_reduce_sums
+        from ghosted_hf.utils.distributed import all_reduce_sums
 
         all_reduce_sums(stats.tensors, stats.tokens)
     reduce_seconds = time.perf_counter() - reduce_started
@@ -278,7 +278,7 @@ def run_layerwise(args) -> None:
     print("|---|---|---|---|---|")
     from safetensors import safe_open
 
-    from ghosted_hf.checkpoint import weight_map
+    from ghosted_hf.model.checkpoint import weight_map
 
     size = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     groups: dict[str, int] = {}

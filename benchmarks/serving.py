@@ -48,11 +48,11 @@ from pathlib import Path
 import torch
 
 from ghosted_hf import assets, ghost_prune, heal, merge, save_with_card
-from ghosted_hf.data import tokenize_texts
+from ghosted_hf.text.tokens import tokenize_texts
 from ghosted_hf.evaluate import gap_closed
-from ghosted_hf.operators import OPERATOR_KINDS
+from ghosted_hf.fitting.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
-from ghosted_hf.recipe import boundary_spans
+from ghosted_hf.pipelines.prune import boundary_spans
 from ghosted_hf.statistics import StatisticsPlan, collect_statistics
 
 from common import packaged_model

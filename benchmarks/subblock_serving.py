@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from common import packaged_model
 from ghosted_hf import assets, ghost_prune, save_with_card
-from ghosted_hf.loading import NO_HUB_KERNELS
+from ghosted_hf.model.loading import NO_HUB_KERNELS
 from serving import add_bos, llama_perplexity, llama_speed, run, transformers_perplexity
 
 

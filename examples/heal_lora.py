@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ghosted_hf
 from ghosted_hf import assets
-from ghosted_hf.healing import HealOptions, heal, merge
+from ghosted_hf.pipelines.healing import HealOptions, heal, merge
 
 
 def main(argv: list[str] | None = None) -> list[float]:

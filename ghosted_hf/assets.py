@@ -22,9 +22,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
-from .text import NamedTexts
+from .text.documents import NamedTexts
 from .errors import GhostedError, MissingDependencyError, MissingFileError
-from .hashing import file_sha256
+from .utils.hashing import file_sha256
 
 logger = logging.getLogger(__name__)
 

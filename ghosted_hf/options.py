@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .errors import GhostedError, UnknownOptionError
-from .operators import OPERATOR_KINDS, Folded
+from .fitting.operators import OPERATOR_KINDS, Folded
 from .remote.configuration_ghosted import OPERATOR_DTYPES
-from .selection import CRITERIA
+from .fitting.selection import CRITERIA
 
 FITTINGS = ("sequential", "independent")
 UNITS = ("layer", "subblock", "mixed")

@@ -86,7 +86,7 @@ def save_fixtures(out: Path) -> dict:
 
     import ghosted_hf
     from ghosted_hf import prune_layers
-    from ghosted_hf.card import name_tokenizer_class_for_every_reader
+    from ghosted_hf.io.card import name_tokenizer_class_for_every_reader
 
     if not Path(ghosted_hf.__file__).resolve().is_relative_to(ROOT):
         raise RuntimeError(f"imported ghosted_hf from {ghosted_hf.__file__}, not from this checkout {ROOT}")

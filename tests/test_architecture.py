@@ -7,18 +7,21 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "ghosted_hf"
 
-# text -> statistics -> operators/selection -> model -> files -> orchestration -> CLI
+# text -> statistics -> operators/selection -> model -> files -> pipelines -> CLI; the packages are the stages
 LAYERS = {
-    0: {"errors", "registry", "architectures", "hadamard", "network", "diskio", "hashing", "remote.configuration_ghosted",
-        "remote.modeling_ghosted"},
-    1: {"text", "data", "assets", "distributed", "checkpoint", "distillation", "provenance"},
+    0: {"errors", "architectures", "utils.__init__", "utils.registry", "utils.hadamard", "utils.network", "utils.diskio",
+        "utils.hashing", "remote.configuration_ghosted", "remote.modeling_ghosted"},
+    1: {"text.__init__", "text.documents", "text.tokens", "assets", "utils.distributed", "model.checkpoint",
+        "model.provenance"},
     2: {"statistics.declarations", "statistics.plan", "statistics.store", "statistics.origin", "statistics.capture",
         "statistics.accumulate", "statistics.passes", "statistics.layerwise", "statistics.__init__"},
-    3: {"operators", "selection", "subblocks"},
-    4: {"surgery"},
-    5: {"summary", "card", "hub", "loading", "evaluate", "files"},
-    6: {"options", "recipe", "export", "llamacpp", "demo", "healing.__init__", "healing.options", "healing.callbacks",
-        "healing.checkpoints", "healing.trainer", "healing.recipe"},
+    3: {"fitting.__init__", "fitting.operators", "fitting.selection", "fitting.subblocks"},
+    4: {"model.__init__", "model.surgery"},
+    5: {"io.__init__", "io.summary", "io.card", "io.hub", "model.loading", "evaluate", "io.files"},
+    6: {"options", "pipelines.__init__", "pipelines.prune", "pipelines.export", "pipelines.gguf", "pipelines.demo",
+        "pipelines.healing.__init__", "pipelines.healing.options", "pipelines.healing.callbacks",
+        "pipelines.healing.checkpoints", "pipelines.healing.distillation", "pipelines.healing.trainer",
+        "pipelines.healing.recipe"},
     7: {"cli.__init__", "cli.__main__", "cli.common", "cli.prune", "cli.stats", "cli.demo", "cli.evaluate", "cli.push",
         "cli.heal", "cli.export", "cli.inspect", "__init__"},
 }
@@ -26,15 +29,22 @@ LEVEL = {module: level for level, modules in LAYERS.items() for module in module
 
 
 def package_imports(path: Path) -> set[str]:
-    prefix = "" if path.parent == PACKAGE else str(path.parent.relative_to(PACKAGE)).replace("/", ".") + "."
+    """The package modules `path` imports (a name imported from a package counts as its submodule when it is one)."""
+    package = list(path.parent.relative_to(PACKAGE).parts)
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level:
-            base = prefix if node.level == 1 else ""
-            found |= {base + node.module} if node.module else {base + a.name for a in node.names}
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            found |= {n.removeprefix("ghosted_hf.") for n in names if n.startswith("ghosted_hf.")}
+            base = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ghosted_hf"):
+            base = node.module.split(".")[1:]
+        else:
+            if isinstance(node, ast.Import):
+                found |= {a.name.removeprefix("ghosted_hf.") for a in node.names if a.name.startswith("ghosted_hf.")}
+            continue
+        for alias in node.names:  # a submodule imported by name, else a name of the module (or package) itself
+            candidates = [".".join(base + [alias.name]), ".".join(base + [alias.name, "__init__"]), ".".join(base),
+                          ".".join(base + ["__init__"])]
+            found.add(next((c for c in candidates if c in LEVEL), candidates[2]))
     return found
 
 
@@ -72,3 +82,13 @@ def test_the_linter_finds_nothing() -> None:
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "ghosted_hf", "tests", "benchmarks", "examples",
                            "docs"], cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
+
+
+def test_every_subpackage_is_installed() -> None:
+    """pyproject lists the packages a (non-editable) install copies: a subpackage missing there is missing for users."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"ghosted_hf." + ".".join(p.parent.relative_to(PACKAGE).parts) if p.parent != PACKAGE else "ghosted_hf"
+             for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

@@ -32,13 +32,13 @@ from ghosted_hf.architectures import (
     decoder_layers,
     lora_target_parameters,
 )
-from ghosted_hf.data import batch_sequences
-from ghosted_hf.healing import heal
+from ghosted_hf.text.tokens import batch_sequences
+from ghosted_hf.pipelines.healing import heal
 from ghosted_hf.remote.configuration_ghosted import expected_boundaries
 from ghosted_hf.remote.modeling_ghosted import rms_normalized
 from ghosted_hf.statistics import collect_statistics, least_squares
 from ghosted_hf.statistics.layerwise import LayerwisePass
-from ghosted_hf.summary import summarize
+from ghosted_hf.io.summary import summarize
 
 FAMILIES = sorted(ARCHITECTURES)
 REMOVALS = ([1, 2, 5], [0, 3])  # a run of two and the last layer; the first layer and a single one
@@ -178,7 +178,7 @@ def test_stock_export_is_exact_where_the_family_folds_and_refused_with_the_reaso
 def test_replaceme_fold_into_the_mlp_writers_is_exact(model_type: str) -> None:
     """ReplaceMe's fused export maps a kept layer's MLP output m to m @ T through every weight that writes the
     stream there (down_proj; experts' and shared experts' down projections and biases)."""
-    from ghosted_hf.surgery import fold_into_mlp_writers
+    from ghosted_hf.model.surgery import fold_into_mlp_writers
 
     ghosted = prune_layers(tiny_family(model_type, rms_norm_eps=1e-12), [2])
     transform = torch.eye(32) + 0.3 * torch.randn(32, 32, generator=torch.Generator().manual_seed(4))
@@ -246,7 +246,7 @@ def test_a_config_with_another_mlp_width_is_refused_from_the_headers_in_the_fami
     is dense); another width is refused before any model is built."""
     import json
 
-    from ghosted_hf.checkpoint import check_folder
+    from ghosted_hf.model.checkpoint import check_folder
 
     tiny_family(model_type).save_pretrained(tmp_path)
     check_folder(tmp_path)

@@ -183,7 +183,7 @@ def test_a_stats_device_torch_or_the_machine_refuses_is_named(device: str, messa
 
 
 def test_a_teacher_with_another_vocabulary_is_refused() -> None:
-    from ghosted_hf.healing import heal
+    from ghosted_hf.pipelines.healing import heal
 
     student = ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], seq_len=48,
                           num_sequences=24)
@@ -193,7 +193,7 @@ def test_a_teacher_with_another_vocabulary_is_refused() -> None:
 
 def test_too_little_text_for_a_stable_fit_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     # 24 x 8 = 192 tokens for C = 32: between C and 10 C
-    with caplog.at_level("WARNING", logger="ghosted_hf.recipe"):
+    with caplog.at_level("WARNING", logger="ghosted_hf.pipelines.prune"):
         ghost_prune(build("llama"), char_tokenizer(), texts(), seq_len=8, num_sequences=24, criterion="manual",
                     layers=[2, 3])
     assert "gave 192 tokens for a 32x32 operator: fewer than 10x the 32 inputs of the fit (320)" in caplog.text
@@ -337,7 +337,7 @@ def test_what_the_config_and_the_arguments_can_tell_is_refused_before_any_weight
 
     import huggingface_hub.constants
 
-    import ghosted_hf.loading
+    import ghosted_hf.model.loading
 
     (tmp_path / "empty.txt").write_text("\n\n  \n")
     for argv, message in [(["--num-layers", "40"], "num_layers must be between 1 and 5 for a model with 6 layers"),
@@ -360,7 +360,7 @@ def test_what_the_config_and_the_arguments_can_tell_is_refused_before_any_weight
         server.listen(8)
         endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
-        monkeypatch.setattr(ghosted_hf.loading, "HUB_TIMEOUT_S", 1.0)
+        monkeypatch.setattr(ghosted_hf.model.loading, "HUB_TIMEOUT_S", 1.0)
         start = time.monotonic()
         assert main(["prune", "someone/model", "--calibration", str(tmp_path / "cal.txt"), "--dry-run"]) == 2
     assert time.monotonic() - start < 30
@@ -373,7 +373,7 @@ def test_what_a_run_reports_is_what_it_did(dense_folder: Path, tmp_path: Path, c
     """Two budgets are refused rather than one silently winning; a 2-step heal reports its two steps, not "first 5
     / last 5" of the same mean; manual layers with no recovery neither read nor warn about calibration text."""
     from ghosted_hf import ghost_prune
-    from ghosted_hf.healing import HealOptions
+    from ghosted_hf.pipelines.healing import HealOptions
     from tiny import build, char_tokenizer
 
     with pytest.raises(GhostedError, match="Give one budget: steps, tokens or minutes, not steps and minutes"):
@@ -398,15 +398,15 @@ def test_a_second_demo_run_replaces_its_own_default_output(dense_folder: Path, t
     error about an --output the user never passed; an --output the user names is still protected."""
     import json
 
-    import ghosted_hf.demo
+    import ghosted_hf.pipelines.demo
 
     def fake_run(output, options, model=None, eval_windows=16):  # the pass itself is the demo test's job
         Path(output).mkdir(parents=True, exist_ok=True)
         (Path(output) / "config.json").write_text(json.dumps({"removed_layers": [1]}))
         return []
 
-    monkeypatch.setattr(ghosted_hf.demo, "run_demo", fake_run)
-    monkeypatch.setattr(ghosted_hf.demo, "format_rows", lambda rows, removed, tokens: "table")
+    monkeypatch.setattr(ghosted_hf.pipelines.demo, "run_demo", fake_run)
+    monkeypatch.setattr(ghosted_hf.pipelines.demo, "format_rows", lambda rows, removed, tokens: "table")
     monkeypatch.chdir(tmp_path)
     for _ in range(2):
         assert main(["demo", "--model", str(dense_folder)]) == 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ghosted_hf.data import batch_sequences
+from ghosted_hf.text.tokens import batch_sequences
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.statistics import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET,
                                    ROTATED_ABS, CalibrationStatistics, Patch, StatisticsPlan, collect_statistics,
@@ -165,7 +165,7 @@ def test_patched_stream_equals_the_built_pruned_model(arch: str) -> None:
     """The patched stream (the dense model run with layers left out, operator pre-hooks and MLP transforms) gives
     the statistics of the model that surgery builds, pruned numbering mapped back to dense numbering; qwen2's
     mixed layer types must follow the kept layers."""
-    from ghosted_hf.surgery import fold_into_mlp_writers, prune_layers
+    from ghosted_hf.model.surgery import fold_into_mlp_writers, prune_layers
 
     model = build(arch)
     generator = torch.Generator().manual_seed(3)
@@ -260,7 +260,7 @@ def test_a_statistics_gram_that_is_no_gram_matrix_is_refused(tmp_path: Path) -> 
     for name, damaged in {"asymmetric": gram + torch.triu(torch.ones_like(gram)),
                           "negative diagonal": gram - 2 * torch.diag(torch.diagonal(gram)),
                           "beyond Cauchy-Schwarz": gram + 10 * gram.abs().max() * (1 - torch.eye(len(gram)))}.items():
-        from ghosted_hf.hashing import tensor_sha256
+        from ghosted_hf.utils.hashing import tensor_sha256
 
         hashes = json.loads(__import__("safetensors").safe_open(str(path), "pt").metadata()["sha256"])
         out = rewritten(path, tmp_path / "bad.safetensors", {"sha256": json.dumps({**hashes, "gram.1": tensor_sha256(

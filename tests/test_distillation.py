@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ghosted_hf.distillation import chunked_kd_loss, final_hidden_states, shifted_labels
+from ghosted_hf.pipelines.healing.distillation import chunked_kd_loss, final_hidden_states, shifted_labels
 from tiny import build
 
 

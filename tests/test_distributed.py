@@ -50,8 +50,8 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from ghosted_hf.distributed import is_main_process
-    from ghosted_hf.recipe import calibrate, ghost_prune
+    from ghosted_hf.utils.distributed import is_main_process
+    from ghosted_hf.pipelines.prune import calibrate, ghost_prune
 
     stats = calibrate(build("llama"), char_tokenizer(), texts(), **OPTIONS)
     results = {}
@@ -118,7 +118,7 @@ def test_statistics_of_a_model_loaded_with_a_device_map(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from ghosted_hf.statistics import collect_statistics, least_squares, mlp_terms, similarity
-    from ghosted_hf.data import batch_sequences
+    from ghosted_hf.text.tokens import batch_sequences
     from tiny import LAYERS, PAD, sequences
 
     build("llama").save_pretrained(tmp_path / "model")
@@ -146,7 +146,7 @@ def mpi_rank(rank: int, world: int, port: int, out: str) -> None:
                       OMPI_COMM_WORLD_SIZE=str(world), OMPI_COMM_WORLD_LOCAL_RANK=str(rank))
     import torch.distributed as dist
 
-    from ghosted_hf.distributed import process_rank
+    from ghosted_hf.utils.distributed import process_rank
 
     joined = process_rank()
     summed = torch.tensor([rank + 1.0])
@@ -157,7 +157,7 @@ def mpi_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_launcher_environments(tmp_path: Path) -> None:
-    from ghosted_hf.distributed import launcher_process
+    from ghosted_hf.utils.distributed import launcher_process
 
     assert launcher_process({}) == (0, 1, 0)
     assert launcher_process({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)  # torchrun
@@ -221,7 +221,7 @@ def run_disagreeing_rank(rank: int, world: int, port: int, out: str, differs: st
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from ghosted_hf.errors import GhostedError
-    from ghosted_hf.recipe import ghost_prune
+    from ghosted_hf.pipelines.prune import ghost_prune
 
     text_seed, model_seed = (rank, 0) if differs == "calibration data" else (0, rank)
     try:

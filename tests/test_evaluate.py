@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ghosted_hf.data import batch_sequences
+from ghosted_hf.text.tokens import batch_sequences
 from ghosted_hf.evaluate import _package_dir, perplexity, zero_shot
 from tiny import PAD, build, char_tokenizer, requires
 

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import GhostedError, assets, ghost_prune, save_with_card
-from ghosted_hf.data import tokenize_texts
+from ghosted_hf.text.tokens import tokenize_texts
 from ghosted_hf.evaluate import perplexity
 from isolated import assert_loads_with_same_logits
 from tiny import requires

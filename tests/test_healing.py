@@ -14,10 +14,10 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from ghosted_hf import ghost_prune, save_with_card
-from ghosted_hf.data import tokenize_texts
+from ghosted_hf.text.tokens import tokenize_texts
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.architectures import lora_targets
-from ghosted_hf.healing import (EAGER_MAX_LEN, base_model_reference, heal, lr_factor, merge,
+from ghosted_hf.pipelines.healing import (EAGER_MAX_LEN, base_model_reference, heal, lr_factor, merge,
                                  resolve_precision, sharded)
 from isolated import assert_loads_with_same_logits
 from tiny import batch, build, char_tokenizer, kl_to_dense, texts
@@ -186,7 +186,7 @@ def stock(operator: str = "folded"):
 @pytest.mark.parametrize("operator", ["folded", "replaceme-ls", "none"])
 def test_a_stock_export_heals_into_a_stock_checkpoint_that_loads_without_remote_code(tmp_path: Path,
                                                                                      operator: str) -> None:
-    from ghosted_hf.card import save_with_card
+    from ghosted_hf.io.card import save_with_card
 
     healed = merge(heal(stock(operator), char_tokenizer(), texts(), steps=5, lr=5e-3, seq_len=48, progress=False))
     assert type(healed).__name__ == "LlamaForCausalLM" and healed.config.num_hidden_layers == 4
@@ -272,8 +272,8 @@ def test_gradient_checkpointing_recomputes_the_same_training() -> None:
 
 
 def test_held_out_perplexity_is_the_models_perplexity_on_text_it_never_trained_on() -> None:
-    from ghosted_hf.data import training_sequences
-    from ghosted_hf.text import Documents
+    from ghosted_hf.text.tokens import training_sequences
+    from ghosted_hf.text.documents import Documents
 
     healed = heal(pruned(), char_tokenizer(), texts(), steps=3, seq_len=48, eval_sequences=4, progress=False,
                   precision="fp32")

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.healing import CHECKPOINT_RECORD, check_same_run, resume_point, verified_checkpoint
+from ghosted_hf.pipelines.healing import CHECKPOINT_RECORD, check_same_run, resume_point, verified_checkpoint
 from test_distributed import LAUNCHERS, free_port, rank_messages
 
 TESTS = Path(__file__).parent
@@ -36,7 +36,7 @@ sys.path.insert(0, {tests!r})
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 from ghosted_hf import ghost_prune
-from ghosted_hf.healing import heal
+from ghosted_hf.pipelines.healing import heal
 from tiny import build, char_tokenizer, texts
 
 class Kill(TrainerCallback):
@@ -108,7 +108,7 @@ def test_resume_refuses_a_checkpoint_of_another_run() -> None:
 def test_resume_refuses_a_checkpoint_written_while_healing_another_model(tmp_path: Path) -> None:
     """Same shapes, options and data, other weights: the checkpoint's adapters belong to the other model."""
     from ghosted_hf import ghost_prune
-    from ghosted_hf.healing import heal
+    from ghosted_hf.pipelines.healing import heal
     from tiny import build, char_tokenizer, texts
 
     def model(seed: int):
@@ -127,7 +127,7 @@ def test_a_checkpoints_folder_belongs_to_one_run_and_never_to_a_model(tmp_path: 
     is refused, and checkpoints are never written into a model folder."""
     from ghosted_hf import ghost_prune, save_with_card
     from ghosted_hf.cli import main
-    from ghosted_hf.healing import RUN_RECORD, heal
+    from ghosted_hf.pipelines.healing import RUN_RECORD, heal
     from tiny import build, char_tokenizer, texts
 
     def model():  # heal wraps the model it trains: each run gets a fresh one
@@ -288,7 +288,7 @@ def run_disagreeing_healer(rank: int, world: int, port: int, out: str, differs: 
     """Rank 1 heals with another option, other data or another model than rank 0 (each on its own CPU process)."""
     torch.set_num_threads(1)
     from ghosted_hf import ghost_prune
-    from ghosted_hf.healing import heal
+    from ghosted_hf.pipelines.healing import heal
     from tiny import build, char_tokenizer, texts
 
     other = rank == 1

@@ -97,8 +97,8 @@ def test_an_index_cannot_point_outside_its_folder(name: str, tmp_path: Path) -> 
     import json
 
     from ghosted_hf.errors import GhostedError
-    from ghosted_hf.files import verify_folder
-    from ghosted_hf.loading import load_model
+    from ghosted_hf.io.files import verify_folder
+    from ghosted_hf.model.loading import load_model
     from ghosted_hf.statistics import LayerwisePass
 
     ghosted(seed=1).save_pretrained(tmp_path / "model")
@@ -134,7 +134,7 @@ def plant(parent: Path, stem: str) -> dict[str, Path]:
 def test_a_write_removes_what_killed_writes_to_its_target_left_and_nothing_else(tmp_path: Path, caplog) -> None:
     """Every scratch path carries its host and process: the next write to the same target removes the leftovers
     of processes that are gone (and says so), never those of a running process or of another machine."""
-    from ghosted_hf.healing import heal
+    from ghosted_hf.pipelines.healing import heal
 
     model = ghosted()
     writers = {  # stem of the scratch path -> a write that makes one
@@ -164,7 +164,7 @@ def _scratch_in_tmp(tmp_path: Path, monkeypatch) -> None:
 def test_a_save_killed_between_its_renames_is_restored_by_the_next(tmp_path: Path) -> None:
     """The previous folder is renamed aside before the new one moves in: a kill between the two renames leaves it
     aside, and the next write to that target moves it back before anything else."""
-    from ghosted_hf.files import staged_folder
+    from ghosted_hf.io.files import staged_folder
 
     save_with_card(ghosted(seed=1), tmp_path / "model", char_tokenizer())
     before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()}
@@ -206,7 +206,7 @@ def test_saved_folders_are_readable_as_any_folder_the_user_makes_and_links_stay_
 def test_the_remote_codes_operator_hash_is_the_packages_tensor_hash(dtype: str) -> None:
     """The remote files keep their own copy of the tensor hash (they import nothing of ghosted_hf): both must give
     the digest every checkpoint records."""
-    from ghosted_hf.hashing import tensor_sha256
+    from ghosted_hf.utils.hashing import tensor_sha256
     from ghosted_hf.remote.modeling_ghosted import operator_sha256
 
     operator = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))

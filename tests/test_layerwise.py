@@ -10,10 +10,10 @@ import torch
 
 from ghosted_hf.statistics import (ABS, ROTATED_ABS, StatisticsPlan, collect_statistics, least_squares,
                                    mlp_terms, similarity)
-from ghosted_hf.data import batch_sequences
+from ghosted_hf.text.tokens import batch_sequences
 from ghosted_hf.statistics.layerwise import LayerwisePass, parse_memory
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.recipe import ghost_prune
+from ghosted_hf.pipelines.prune import ghost_prune
 from tiny import LAYERS, PAD, build, char_tokenizer, sequences, texts
 
 PLAN = (least_squares(0, 3) | least_squares(2, 6) | least_squares(1, 5) | similarity(1, 2) | similarity(2, 6)
@@ -117,7 +117,7 @@ def test_layerwise_and_in_memory_shards_merge(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from ghosted_hf.statistics import CalibrationStatistics, ShardSpec
-    from ghosted_hf.recipe import calibrate
+    from ghosted_hf.pipelines.prune import calibrate
 
     build("qwen2").save_pretrained(tmp_path / "model")
     options = dict(num_layers=2, seq_len=32, num_sequences=12, batch_size=3)

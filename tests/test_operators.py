@@ -8,9 +8,9 @@ import torch
 from ghosted_hf.statistics import ABS, ROTATED_ABS, StatisticsPlan, least_squares
 from ghosted_hf.statistics.accumulate import StatisticsAccumulator
 from ghosted_hf.statistics.declarations import mlp, source, target
-from ghosted_hf.hadamard import hadamard, rotation
+from ghosted_hf.utils.hadamard import hadamard, rotation
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.operators import OPERATOR_KINDS, operator_kind, solve_ghost, squared_residual
+from ghosted_hf.fitting.operators import OPERATOR_KINDS, operator_kind, solve_ghost, squared_residual
 from ghosted_hf.remote.modeling_ghosted import rms_normalized
 from ghosted_hf.statistics import normed_terms
 
@@ -197,11 +197,11 @@ def test_a_fit_the_ridge_decides_is_named(caplog: pytest.LogCaptureFixture) -> N
     """Directions of X_s with less energy than the ridge: the fit warns how many (one rule, documented)."""
     x, y = synthetic()
     x[:, -3:] = 0.0  # three channels never excited by the calibration text
-    with caplog.at_level("WARNING", logger="ghosted_hf.operators"):
+    with caplog.at_level("WARNING", logger="ghosted_hf.fitting.operators"):
         fit_boundary(stats_of(x, y), "ghost", 0, 1, 1e-6)
     assert "3 of 24 directions of the calibration hidden states carry less energy than the ridge" in caplog.text
     caplog.clear()
     x, y = synthetic()
-    with caplog.at_level("WARNING", logger="ghosted_hf.operators"):
+    with caplog.at_level("WARNING", logger="ghosted_hf.fitting.operators"):
         fit_boundary(stats_of(x, y), "ghost", 0, 1, 1e-6)
     assert "directions" not in caplog.text

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.provenance import Provenance
-from ghosted_hf.recipe import ghost_prune
+from ghosted_hf.model.provenance import Provenance
+from ghosted_hf.pipelines.prune import ghost_prune
 from tiny import build, char_tokenizer, texts
 
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fake_hub import FakeHub, build_hub_cache
 from ghosted_hf import assets, ghost_prune
-from ghosted_hf.data import tokenize_texts
+from ghosted_hf.text.tokens import tokenize_texts
 from ghosted_hf.evaluate import perplexity
 from isolated import assert_loads_with_same_logits, run_without_ghosted
 from tiny import requires

@@ -11,9 +11,9 @@ import torch
 
 from ghosted_hf import GhostedForCausalLM, PruneOptions, to_stock_model, ghost_prune
 from ghosted_hf.statistics import CalibrationStatistics, collect_statistics
-from ghosted_hf.data import tokenize_texts
+from ghosted_hf.text.tokens import tokenize_texts
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.selection import SelectionRequest, candidate_name, criterion
+from ghosted_hf.fitting.selection import SelectionRequest, candidate_name, criterion
 from isolated import assert_loads_with_same_logits
 from tiny import EOS, LAYERS, build, char_tokenizer, kl_to_dense, texts
 
@@ -82,7 +82,7 @@ def test_sequential_fitting_beats_independent_with_several_boundaries() -> None:
 def test_the_provenance_records_the_fitting_each_boundary_had() -> None:
     """Asked for sequential fitting, replaceme-ls is fitted on the dense model (it cannot be refitted on a patched
     stream): the record, inspect and the card say independent; the ghost kind's second boundary is sequential."""
-    from ghosted_hf.summary import render_text, summarize
+    from ghosted_hf.io.summary import render_text, summarize
 
     two = dict(criterion="manual", layers=[1, 3], **FAST)
     stock = ghost_prune(build("llama"), char_tokenizer(), texts(), operator="replaceme-ls", **two)
@@ -146,7 +146,7 @@ def test_normed_kinds_prune_select_by_their_own_fit_and_refuse_a_stock_export() 
     scores each span by the kind's own residual (the joint fit never leaves more than the ghost fit at a span), a
     sequential second boundary refits on the patched stream, and the stock paths refuse the normed term."""
     from ghosted_hf import export_stock
-    from ghosted_hf.operators import operator_kind
+    from ghosted_hf.fitting.operators import operator_kind
 
     tokenizer = char_tokenizer()
     ghost = ghost_prune(build("llama"), tokenizer, texts(), num_layers=2, **FAST)

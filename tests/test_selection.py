@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ghosted_hf.statistics import collect_statistics
-from ghosted_hf.data import batch_sequences
+from ghosted_hf.text.tokens import batch_sequences
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.selection import (CRITERIA, SelectionRequest, candidate_layers, candidate_name, candidate_spans, criterion,
+from ghosted_hf.fitting.selection import (CRITERIA, SelectionRequest, candidate_layers, candidate_name, candidate_spans, criterion,
                                   locality_choice, spectral_clusters)
 from tiny import LAYERS, PAD, build, plant_identity_layers, sequences
 

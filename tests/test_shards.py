@@ -11,7 +11,7 @@ import torch
 
 from ghosted_hf.statistics import CalibrationStatistics, ShardSpec
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.recipe import calibrate, ghost_prune
+from ghosted_hf.pipelines.prune import calibrate, ghost_prune
 from tiny import build, char_tokenizer, texts
 
 OPTIONS = dict(num_layers=2, seq_len=32, num_sequences=12, batch_size=2)  # 6 batches, 2 per shard of 3

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from fake_hub import FakeHub, build_hub_cache
 from ghosted_hf import ghost_prune
-from ghosted_hf.card import build_card, save_with_card
+from ghosted_hf.io.card import build_card, save_with_card
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.hub import push_to_hub
+from ghosted_hf.io.hub import push_to_hub
 from ghosted_hf.remote.modeling_ghosted import ghost_tensor_key
 from isolated import assert_loads_with_same_logits
 from tiny import batch, build, char_tokenizer, texts
@@ -66,7 +66,7 @@ def test_the_plot_draws_scores_that_span_decades_on_a_log_axis(ghosted, tmp_path
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
 
-    from ghosted_hf.card import score_axis_scale, write_score_plot
+    from ghosted_hf.io.card import score_axis_scale, write_score_plot
 
     assert score_axis_scale([0.01, 0.5, 2.0]) == "log" and score_axis_scale([0.5, 1.0, 2.0]) == "linear"
     assert score_axis_scale([0.0, 0.5, 20.0]) == "linear" and score_axis_scale([-1.0, 30.0]) == "linear"
@@ -189,7 +189,7 @@ def test_push_to_an_endpoint_that_never_answers_ends_in_one_error(ghosted, tmp_p
 
 def test_push_sends_the_bytes_it_verified(ghosted, tmp_path: Path, monkeypatch) -> None:
     """The folder changes after verification (weights truncated): what is uploaded is the verified copy."""
-    from ghosted_hf import hub
+    from ghosted_hf.io import hub
 
     folder = save_with_card(ghosted, tmp_path / "model", char_tokenizer())
     original = (folder / "model.safetensors").read_bytes()
@@ -238,7 +238,7 @@ def test_push_refuses_links_that_leave_the_folder_and_lists_extra_files(ghosted,
         (folder / "sub").mkdir()
         (folder / "sub" / "data.txt").write_text("x")
         (folder / "alias.txt").symlink_to(folder / "notes.txt")  # stays inside the folder: its content is ours
-        with caplog.at_level("WARNING", logger="ghosted_hf.hub"):
+        with caplog.at_level("WARNING", logger="ghosted_hf.io.hub"):
             push_to_hub(folder, "tester/ok", token=hub.token, endpoint=hub.url)
     assert "Uploading 3 file(s) besides the model's own: alias.txt, notes.txt, sub/data.txt" in caplog.text
     arrived = hub.repos["tester/ok"]["branches"]["main"]
@@ -248,9 +248,9 @@ def test_push_refuses_links_that_leave_the_folder_and_lists_extra_files(ghosted,
 def test_a_saved_cards_snippet_loads_the_model_it_describes(ghosted, tmp_path: Path, monkeypatch) -> None:
     """The card of a folder saved locally loads that folder (its path, not its last name) in a fresh process, and
     renders no run of blank lines where the chart would go when there is none."""
-    import ghosted_hf.card
+    import ghosted_hf.io.card
 
-    monkeypatch.setattr(ghosted_hf.card, "write_score_plot", lambda config, folder: None)  # as without matplotlib
+    monkeypatch.setattr(ghosted_hf.io.card, "write_score_plot", lambda config, folder: None)  # as without matplotlib
     folder = save_with_card(ghosted, tmp_path / "models" / "mine", char_tokenizer())
     card = (folder / "README.md").read_text()
     assert "\n\n\n" not in card and "pypi.org" not in card

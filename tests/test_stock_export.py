@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ghosted_hf import GhostedError, to_stock_model, ghost_prune, prune_layers, save_with_card
-from ghosted_hf.surgery import fold_into_mlp_writers
+from ghosted_hf.model.surgery import fold_into_mlp_writers
 from isolated import assert_loads_with_same_logits, run_without_ghosted
 from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, kl_to_dense, texts
 
@@ -101,7 +101,7 @@ def test_folded_prune_is_a_stock_checkpoint_that_loads_without_remote_code(arch:
 
 def test_folded_beats_replaceme_and_approaches_the_ghost() -> None:
     dense, tokenizer = build("llama"), char_tokenizer()
-    held_out = __import__("ghosted_hf.data", fromlist=["tokenize_texts"]).tokenize_texts(
+    held_out = __import__("ghosted_hf.text.tokens", fromlist=["tokenize_texts"]).tokenize_texts(
         tokenizer, texts(6, seed=99), 48, batch_size=3).batches
     options = dict(criterion="manual", layers=[2, 3], **FAST)
     kl = {kind: kl_to_dense(dense, ghost_prune(build("llama"), tokenizer, texts(), operator=kind, **options), held_out)
@@ -117,7 +117,7 @@ def test_sequential_folded_fits_see_the_earlier_folds() -> None:
     independent = ghost_prune(build("llama"), tokenizer, texts(), fitting="independent", **options)
     fits = [b["fit"]["fitted_on"] for b in sequential.config.ghost_provenance["stock_export"]["boundaries"]]
     assert fits == ["dense model", "pruned and patched model"]
-    held_out = __import__("ghosted_hf.data", fromlist=["tokenize_texts"]).tokenize_texts(
+    held_out = __import__("ghosted_hf.text.tokens", fromlist=["tokenize_texts"]).tokenize_texts(
         tokenizer, texts(6, seed=99), 48, batch_size=3).batches
     dense = build("llama")
     assert kl_to_dense(dense, sequential, held_out) < kl_to_dense(dense, independent, held_out)
@@ -158,7 +158,7 @@ def test_export_stock_records_its_own_calibration_and_options() -> None:
     """inspect and the card of an export show the export's refit (its kind, its text, its options), and keep the
     ghosted model's own calibration under refitted_from."""
     from ghosted_hf import export_stock, ghost_prune
-    from ghosted_hf.summary import summarize
+    from ghosted_hf.io.summary import summarize
     from tiny import build, char_tokenizer, texts
 
     ghosted = ghost_prune(build("llama"), char_tokenizer(), texts(), num_layers=2, seq_len=48, num_sequences=16)

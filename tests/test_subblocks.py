@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from ghosted_hf import GhostedError, ghost_prune, prune_layers, to_stock_model
-from ghosted_hf import subblocks as sb
+from ghosted_hf.fitting import subblocks as sb
 from ghosted_hf.architectures import ARCHITECTURES, decoder_layers
-from ghosted_hf.recipe import decoder_parameters
+from ghosted_hf.pipelines.prune import decoder_parameters
 from ghosted_hf.remote.configuration_ghosted import GhostedConfig
 from ghosted_hf.remote.modeling_ghosted import SubBlockBypass
 
@@ -105,7 +105,7 @@ def captured(model, name: str, batches) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_maps_are_least_squares_fits_down_the_network() -> None:
-    from ghosted_hf.data import tokenize_texts
+    from ghosted_hf.text.tokens import tokenize_texts
 
     dense = build("llama")
     batches = tokenize_texts(char_tokenizer(), texts(), 64, 8, 4).batches
@@ -142,7 +142,7 @@ def captured_layer(model, layer: int, batches) -> tuple[torch.Tensor, torch.Tens
 
 
 def test_mixed_fits_whole_layers_and_sub_blocks_down_the_network(tmp_path) -> None:
-    from ghosted_hf.data import tokenize_texts
+    from ghosted_hf.text.tokens import tokenize_texts
 
     dense = build("llama")
     batches = tokenize_texts(char_tokenizer(), texts(), 64, 8, 4).batches
@@ -321,7 +321,7 @@ def test_stock_exports_refuse_replaced_subblocks() -> None:
 
 def test_the_cli_prunes_sub_blocks_at_a_budget_and_inspect_and_the_card_say_so(dense_folder, tmp_path, capsys) -> None:
     from ghosted_hf.cli import main
-    from ghosted_hf.files import verify_folder
+    from ghosted_hf.io.files import verify_folder
 
     assert main(["prune", str(dense_folder), "--calibration", str(tmp_path / "cal.txt"), "--unit", "subblock",
                  "--remove", "20%", "--seq-len", "64", "--num-sequences", "8", "--output", str(tmp_path / "out")]) == 0
@@ -342,7 +342,7 @@ def test_the_cli_prunes_sub_blocks_at_a_budget_and_inspect_and_the_card_say_so(d
 
 
 def test_verify_folder_refuses_a_sub_block_map_the_config_does_not_list(tmp_path) -> None:
-    from ghosted_hf.files import verify_folder
+    from ghosted_hf.io.files import verify_folder
 
     folder = saved_subblock_model(tmp_path)
     config = json.loads((folder / "config.json").read_text())
@@ -353,7 +353,7 @@ def test_verify_folder_refuses_a_sub_block_map_the_config_does_not_list(tmp_path
 
 
 def test_a_sub_block_model_heals_merges_and_reloads(tmp_path) -> None:
-    from ghosted_hf.healing import heal, merge
+    from ghosted_hf.pipelines.healing import heal, merge
 
     model = replaced_model(build("llama"), ["1.attention", "4.mlp"])
     healed = heal(model, char_tokenizer(), texts(), steps=3, seq_len=48, train_operators=True, progress=False)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ghosted_hf.data import pack_rows, training_sequences
-from ghosted_hf.text import Documents, read_documents
+from ghosted_hf.text.tokens import pack_rows, training_sequences
+from ghosted_hf.text.documents import Documents, read_documents
 from ghosted_hf.errors import GhostedError
 from tiny import char_tokenizer, texts
 
@@ -123,7 +123,7 @@ def test_every_window_starts_with_the_bos_of_a_tokenizer_that_adds_one() -> None
     """Calibration, evaluation and training windows cut from the middle of a document start with the BOS the model
     always saw at position 0 (Gemma, Llama 3); one already there (a document's start) is not doubled; a tokenizer
     without a BOS (SmolLM2) gets the plain cut, as before."""
-    from ghosted_hf.data import cut_windows, leading_token, pack_tokens
+    from ghosted_hf.text.tokens import cut_windows, leading_token, pack_tokens
 
     stream = [2, 5, 6, 7, 1, 2, 8, 9, 10, 11, 12]
     assert cut_windows(stream, 4, 2, partial=True) == ([[2, 5, 6, 7], [2, 1, 2, 8], [2, 9, 10, 11], [2, 12]], 11)
@@ -141,7 +141,7 @@ def test_a_hub_dataset_id_reads_offline_from_the_local_cache(tmp_path: Path) -> 
     from fake_hub import cache_hub_dataset
 
     cache_hub_dataset(tmp_path / "cache", "someone/texts", [{"content": d} for d in documents(6)])
-    script = ("import sys; sys.path.insert(0, 'tests'); from ghosted_hf.text import read_documents\n"
+    script = ("import sys; sys.path.insert(0, 'tests'); from ghosted_hf.text.documents import read_documents\n"
               "for streaming in (False, True):\n"
               "    print(len(list(read_documents('someone/texts', text_column='content', streaming=streaming).texts)))\n"
               "read_documents('someone/other')\n")
@@ -160,7 +160,7 @@ def test_a_hub_dataset_on_an_endpoint_that_never_answers_ends_with_one_line(monk
 
     import huggingface_hub.constants
 
-    import ghosted_hf.text
+    import ghosted_hf.text.documents
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -169,7 +169,7 @@ def test_a_hub_dataset_on_an_endpoint_that_never_answers_ends_with_one_line(monk
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
         monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-        monkeypatch.setattr(ghosted_hf.text, "HUB_TIMEOUT_S", 1.0)
+        monkeypatch.setattr(ghosted_hf.text.documents, "HUB_TIMEOUT_S", 1.0)
         start = time.monotonic()
         with pytest.raises(GhostedError) as raised:
             read_documents("org/name")
@@ -185,7 +185,7 @@ def test_prune_and_heal_read_one_jsonl_file_as_the_same_documents_with_one_ident
     """`prune --calibration x.jsonl` calibrates on the JSON lines' text column (it used to read the raw JSON as text)
     and records the same data identity as `heal --data x.jsonl`: the sha256 of the documents read, and their count."""
     from ghosted_hf.cli import main
-    from ghosted_hf.hashing import text_hash
+    from ghosted_hf.utils.hashing import text_hash
 
     docs = documents(30)
     data = str(write(tmp_path, "jsonl", docs))
@@ -202,8 +202,8 @@ def test_prune_and_heal_read_one_jsonl_file_as_the_same_documents_with_one_ident
 
 
 def test_calibration_reads_only_the_documents_it_needs_and_its_identity_says_which() -> None:
-    from ghosted_hf.data import tokenize_texts
-    from ghosted_hf.hashing import text_hash
+    from ghosted_hf.text.tokens import tokenize_texts
+    from ghosted_hf.utils.hashing import text_hash
 
     docs = documents(12)
     batches = tokenize_texts(char_tokenizer(), docs, 48, 4)

@@ -111,7 +111,7 @@ def test_loaded_models_never_fetch_hub_kernels(dense_folder: Path, monkeypatch) 
     import transformers.modeling_utils as modeling_utils
     from transformers import AutoModelForCausalLM
 
-    from ghosted_hf.loading import load_model
+    from ghosted_hf.model.loading import load_model
 
     kernelized = []
     monkeypatch.setattr(modeling_utils, "kernelize", lambda model, **kwargs: kernelized.append(type(model).__name__))

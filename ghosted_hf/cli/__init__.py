@@ -23,7 +23,7 @@ from .stats import StatsCollectArgs, StatsMergeArgs, cmd_stats_collect, cmd_stat
 
 def build_parser() -> argparse.ArgumentParser:
     """The `ghosted` parser: one subcommand per job, its flags generated from the option dataclasses."""
-    from ..healing import HealOptions
+    from ..pipelines.healing import HealOptions
     from ..options import ExportOptions
 
     formatter = argparse.ArgumentDefaultsHelpFormatter

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import assets
-from ..loading import DTYPES
+from ..model.loading import DTYPES
 from ..options import option
 
 
@@ -54,7 +54,7 @@ class OutputArgs:
 def calibration_text(path: str | None, options: Any, statistics: str | None = None):
     """The calibration data, its first document read here so that a missing, unreadable or empty one fails before
     the model loads; else the packaged corpus (none when precomputed statistics are given)."""
-    from ..text import empty_text, read_documents
+    from ..text.documents import empty_text, read_documents
 
     if path is not None:
         documents = read_documents(path, split=options.split, text_column=options.text_column,

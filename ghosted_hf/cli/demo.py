@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import assets
-from ..files import check_output
+from ..io.files import check_output
 from ..options import PruneOptions, from_namespace, option
 
 from .common import OutputArgs
@@ -30,7 +30,7 @@ class DemoArgs(OutputArgs):
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """`ghosted demo`: the main job on the packaged model and corpus."""
-    from ..demo import demo_output, format_rows, run_demo
+    from ..pipelines.demo import demo_output, format_rows, run_demo
 
     run, options = from_namespace(DemoArgs, args), from_namespace(PruneOptions, args)
     own = run.output is None  # the demo's own default folder: a second run replaces what the first saved there

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .. import assets
 from ..errors import GhostedError
-from ..loading import load_model
+from ..model.loading import load_model
 from ..options import from_namespace, option
 
 from .common import LoadArgs
@@ -31,7 +31,7 @@ class EvalArgs(LoadArgs):
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """`ghosted eval`: held-out perplexity and, optionally, zero-shot tasks."""
-    from ..data import tokenize_texts
+    from ..text.tokens import tokenize_texts
     from ..evaluate import check_zero_shot, lambada, lambada_items, perplexity, zero_shot
 
     run = from_namespace(EvalArgs, args)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..checkpoint import made_as
+from ..model.checkpoint import made_as
 from ..errors import GhostedError
-from ..files import check_output
-from ..network import check_timeout
-from ..loading import load_model
+from ..io.files import check_output
+from ..utils.network import check_timeout
+from ..model.loading import load_model
 from ..options import from_namespace, option
 
 from .common import CALIBRATION_HELP, LoadArgs, OutputArgs, calibration_text
@@ -39,10 +39,10 @@ class GgufArgs(LoadArgs, OutputArgs):
 
 def cmd_export_stock(args: argparse.Namespace) -> int:
     """`ghosted export-stock`: refit a ghosted model's operators as foldable ones and save a stock checkpoint."""
-    from ..card import save_with_card
-    from ..export import export_stock
+    from ..io.card import save_with_card
+    from ..pipelines.export import export_stock
     from ..options import ExportOptions
-    from ..summary import render_text, summarize
+    from ..io.summary import render_text, summarize
 
     run, options = from_namespace(ExportArgs, args), from_namespace(ExportOptions, args)
     check_output(run.output, (run.folder, run.calibration), overwrite=run.overwrite)
@@ -60,7 +60,7 @@ def cmd_export_stock(args: argparse.Namespace) -> int:
 
 def cmd_export_gguf(args: argparse.Namespace) -> int:
     """`ghosted export-gguf`: a normed ghosted model as one llama.cpp GGUF (DeciLM linear-attention blocks)."""
-    from ..llamacpp import export_gguf
+    from ..pipelines.gguf import export_gguf
 
     run = from_namespace(GgufArgs, args)
     output = check_output(run.output, (run.folder,), overwrite=run.overwrite, file=True)

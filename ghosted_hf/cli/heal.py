@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from .. import assets
 from ..errors import GhostedError
-from ..files import check_output, relation, staged_folder
-from ..loading import DTYPES, load_model
+from ..io.files import check_output, relation, staged_folder
+from ..model.loading import DTYPES, load_model
 from ..options import from_namespace, option
 
 from .common import LoadArgs, OutputArgs, TEXT_HELP
@@ -38,9 +38,9 @@ def cmd_heal(args: argparse.Namespace) -> int:
     """`ghosted heal`: LoRA-heal a pruned model and save it merged (or the adapter alone); rank 0 writes."""
     import torch
 
-    from ..card import save_with_card
-    from ..distributed import is_main_process
-    from ..healing import HealOptions, base_model_reference, heal, merge
+    from ..io.card import save_with_card
+    from ..utils.distributed import is_main_process
+    from ..pipelines.healing import HealOptions, base_model_reference, heal, merge
 
     run, options = from_namespace(HealArgs, args), from_namespace(HealOptions, args)
     check_output(run.output, (run.folder, run.data, run.eval_data, run.teacher, run.checkpoints),

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from ..options import from_namespace, option
-from ..summary import inspect_folder
+from ..io.summary import inspect_folder
 
 
 @dataclass(kw_only=True)

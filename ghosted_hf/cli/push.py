@@ -21,7 +21,7 @@ class PushArgs:
 
 def cmd_push(args: argparse.Namespace) -> int:
     """`ghosted push`: verify a saved folder and upload it to the Hub."""
-    from ..hub import push_to_hub
+    from ..io.hub import push_to_hub
 
     run = from_namespace(PushArgs, args)
     pushed = push_to_hub(run.folder, run.repo_id, private=run.private, revision=run.revision, timeout=run.timeout)

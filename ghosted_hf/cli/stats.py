@@ -6,8 +6,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..files import check_output
-from ..loading import load_for_calibration
+from ..io.files import check_output
+from ..model.loading import load_for_calibration
 from ..options import PruneOptions, from_namespace, option
 
 from .common import CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text
@@ -34,7 +34,7 @@ class StatsMergeArgs(OutputArgs):
 
 def write_statistics(stats, path: Path) -> None:
     """Write on the main process only (`CalibrationStatistics.save` writes all or nothing)."""
-    from ..distributed import is_main_process
+    from ..utils.distributed import is_main_process
 
     if is_main_process():
         stats.save(path)
@@ -42,8 +42,8 @@ def write_statistics(stats, path: Path) -> None:
 
 def cmd_stats_collect(args: argparse.Namespace) -> int:
     """`ghosted stats collect`: the statistics of one shard, written atomically."""
-    from ..distributed import is_main_process
-    from ..recipe import calibrate
+    from ..utils.distributed import is_main_process
+    from ..pipelines.prune import calibrate
     from ..statistics import ShardSpec
 
     run, options = from_namespace(StatsCollectArgs, args), from_namespace(PruneOptions, args)

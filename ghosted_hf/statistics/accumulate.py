@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import GhostedError
-from ..hadamard import rotation
+from ..utils.hadamard import rotation
 from .declarations import ROTATED_ABS, Read
 from .plan import StatisticsPlan
 from .store import CalibrationStatistics

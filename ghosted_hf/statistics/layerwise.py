@@ -22,7 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..architectures import decoder, decoder_layers, layer_of
-from ..checkpoint import check_folder, weight_map
+from ..model.checkpoint import check_folder, weight_map
 from ..errors import GhostedError, MissingFileError, NonFiniteError
 from .accumulate import StatisticsAccumulator
 from .capture import Patch, apply_matrix, mlp_of, release_freed_memory

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import GhostedError
-from ..hashing import json_sha256, tensors_sha256
+from ..utils.hashing import json_sha256, tensors_sha256
 from .store import CalibrationStatistics
 
 
@@ -28,7 +28,7 @@ def folder_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a model folder's safetensors files, one at a time."""
     from safetensors import safe_open
 
-    from ..checkpoint import weight_map
+    from ..model.checkpoint import weight_map
 
     names = weight_map(folder)
     for file in sorted(set(names.values())):

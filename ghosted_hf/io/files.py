@@ -1,0 +1,151 @@
+"""Saved folders that are complete or untouched, and verified before they are shared.
+
+`staged_folder` writes a whole model folder beside its destination and moves it into place only when
+every file is written, so an interrupted save leaves the previous folder as it was and no file of an
+earlier save survives into the new one. `verify_folder` reads every weight file completely before a push.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..model.checkpoint import check_folder, index_weight_map, made_as, weight_map
+from ..errors import GhostedError, MissingFileError
+from ..remote.modeling_ghosted import check_sizes_against_weights, ghost_records, ghost_tensor_keys, operator_sha256
+from ..remote.modeling_ghosted import staged_folder as remote_staged_folder
+
+logger = logging.getLogger(__name__)
+
+REMOTE_FILES = ("configuration_ghosted.py", "modeling_ghosted.py")  # copied next to the weights
+
+
+def check_output(output: str | os.PathLike | None, inputs: tuple[str | os.PathLike | None, ...] = (), *,
+                 overwrite: bool = False, file: bool = False) -> Path:
+    """The one rule for what a command may write: an existing output is replaced only with `overwrite`, and no
+    output is, lies inside or contains one of the command's inputs (whatever `overwrite` says)."""
+    if output is None:
+        raise GhostedError("--output is required.")
+    path = Path(output)
+    for source in inputs:
+        if source is None or not Path(source).exists():
+            continue  # a Hub id, a packaged model's name
+        if relation(path, source):
+            raise GhostedError(f"--output {path} {relation(path, source)} the input {source}; write it somewhere else.")
+    what = "file" if file else "folder"
+    if path.exists() and (path.is_dir() if file else not path.is_dir()):
+        raise GhostedError(f"--output {path} exists and is not a {what}; name a {what}.")
+    if path.exists() and not overwrite and (file or any(path.iterdir())):
+        raise GhostedError(f"--output {path} already exists; pass --overwrite to replace it, or name a new {what}.")
+    if file and not path.parent.is_dir():
+        raise GhostedError(f"--output {path}: folder {path.parent} does not exist; create it first.")
+    writable = next((p for p in (path, *path.parents) if p.exists()), None)
+    if writable is not None and not os.access(writable if writable != path else path.parent, os.W_OK):
+        raise GhostedError(f"--output {path}: {writable if writable != path else path.parent} is not writable; name a "
+                           "folder you can write to.")  # said now, not after the calibration pass
+    return path
+
+
+def relation(path: str | os.PathLike, other: str | os.PathLike) -> str | None:
+    """How `path` stands to `other` on the disk ("is", "lies inside", "contains"), None when apart (links resolved;
+    neither needs to exist)."""
+    where, found = Path(path).resolve(), Path(other).resolve()
+    return ("is" if where == found else "lies inside" if found in where.parents
+            else "contains" if where in found.parents else None)
+
+
+@contextlib.contextmanager
+def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty sibling folder of `target` to write a whole model into; on success it replaces
+    `target`, on any error it is removed and `target` is left as it was (the remote save's own staging)."""
+    target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise GhostedError(f"{target} is an existing file; save to a folder.")
+    with remote_staged_folder(target) as staging:
+        yield staging
+
+
+def weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """(the safetensors files the folder's model loads, the index's weight map or None when unsharded)."""
+    index = index_weight_map(folder)
+    names = index if index is not None else weight_map(folder)  # the one reader of the layout
+    return [folder / name for name in sorted(set(names.values()))], index
+
+
+def verify_folder(folder: str | os.PathLike) -> dict[str, Any]:
+    """Read every weight file completely and check it against its index and the config's operator hashes;
+    returns the config. Raises a GhostedError naming the first broken file or tensor."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise MissingFileError(f"{folder} is not a saved model folder (no config.json).")
+    config = check_folder(folder)  # sizes against the headers first: seconds, before reading every byte
+    files, weight_map = weight_files(folder)
+    found: dict[str, str] = {}
+    tensors: dict[str, Any] = {}
+    for file in files:
+        if not file.is_file():
+            raise MissingFileError(f"{file.name} is listed in the safetensors index of {folder} but missing.")
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    tensor = handle.get_tensor(key)  # reads the bytes: a truncated file fails here
+                    found[key] = file.name
+                    if ".ghost." in key:
+                        tensors[key] = tensor
+        except Exception as error:  # safetensors raises its own error type for damaged files
+            raise GhostedError(f"{file} is damaged or truncated ({error}); save the model again.") from None
+    if weight_map is not None and found != weight_map:
+        missing = sorted(set(weight_map) - set(found))[:3]
+        raise GhostedError(f"The safetensors index of {folder} does not match its files (e.g. {missing}); save again.")
+    if made_as(config) == "ghosted":
+        check_ghosted_layout(folder, config, tensors)
+        check_operator_hashes(config, tensors)
+    return config
+
+
+def check_ghosted_layout(folder: Path, config: dict[str, Any], operators: dict[str, Any]) -> None:
+    """What `from_pretrained` refuses about a ghosted folder's layout, said before any load: a config that
+    contradicts itself (boundaries, depth, format version), another depth than the weights hold, operators of
+    the wrong shape or the wrong number of them."""
+    from ..remote.configuration_ghosted import GhostedConfig
+
+    try:
+        ghosted = GhostedConfig.from_dict(config)
+        ghosted.validate_ghost_layout()
+    except Exception as error:  # whatever transformers' config classes raise about a field: the file is at fault
+        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        raise GhostedError(f"The folder's config.json is inconsistent: {reason}") from None
+    try:
+        check_sizes_against_weights(str(folder), {})  # the check from_pretrained makes: layers, vocabulary, width
+    except ValueError as error:
+        raise GhostedError(f"{error} Save the model again.") from None
+    expected = {key for b in ghost_records(ghosted) for key in ghost_tensor_keys(b).values()}
+    if set(operators) != expected:
+        raise GhostedError(f"The weight files hold the operators {sorted(operators)}, but config.json has boundaries "
+                           f"and sub-blocks for {sorted(expected)}; save the model again.")
+    c = ghosted.text_config.hidden_size
+    for key, tensor in operators.items():
+        if tuple(tensor.shape) != (c, c):
+            raise GhostedError(f"Operator tensor {key} has shape {tuple(tensor.shape)}, not ({c}, {c}); save the "
+                               "model again.")
+
+
+def check_operator_hashes(config: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """Compare each ghost tensor with the sha256 its config recorded."""
+    for boundary in [*config.get("ghost_boundaries", []), *config.get("ghost_subblocks", [])]:
+        for field, key in ghost_tensor_keys(boundary).items():
+            if key not in tensors:
+                raise GhostedError(f"Operator tensor {key} is missing from the weight files; save the model again.")
+            expected = boundary.get(field)
+            if not expected:
+                raise GhostedError(f"Operator tensor {key} has no {field} in config.json, so it cannot be verified; "
+                                   "save the model again with save_pretrained.")
+            if operator_sha256(tensors[key], config.get("operator_dtype", "float32")) != expected:
+                raise GhostedError(f"Operator tensor {key} does not match the {field} in config.json: the file was "
+                                   "changed or damaged after saving; save the model again.")

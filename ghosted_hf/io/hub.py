@@ -1,0 +1,169 @@
+"""Push a saved ghosted model (weights, remote code, card) to the Hugging Face Hub with huggingface_hub.
+
+The folder is copied into a private staging folder, the copy verified (every weight file read completely,
+index and operator hashes checked), and exactly that copy uploaded in one commit: what changes in the
+folder meanwhile is not sent. A second commit pins the first in the card's code sample. Every network call
+waits at most `timeout` seconds for an answer. Pulling needs no code of ours:
+``AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True, revision=<commit>)``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import HfApi, ModelCard, get_token
+from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+from .card import PLOT_FILE, build_card, save_with_card
+from ..model.checkpoint import made_as
+from ..utils.diskio import check_shape
+from ..errors import GhostedError
+from .files import REMOTE_FILES, verify_folder
+from ..utils.network import bounded_network, check_timeout
+from ..remote.configuration_ghosted import GhostedConfig
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class PushResult:
+    """What `push_to_hub` made: the commit of the weights and code (the revision to pin), and the card's."""
+
+    commit: str  # the commit holding the weights and code: the revision to pin
+    commit_url: str
+    card_commit: str | None  # the follow-up commit that pins `commit` in the card
+
+
+def check_ghosted_folder(folder: Path) -> dict[str, Any]:
+    """The folder's config, or a GhostedError saying why it is not a complete, intact ghosted model."""
+    config = verify_folder(folder)
+    if made_as(config) != "ghosted":
+        raise GhostedError(f"{folder} holds a {config.get('model_type')!r} model, not a ghosted one; push it with "
+                           "huggingface_hub directly.")
+    missing = [f for f in (*REMOTE_FILES, "README.md") if not (folder / f).is_file()]
+    if missing:
+        raise GhostedError(f"{folder} lacks {missing}; save it with ghosted_hf.save_with_card(model, folder).")
+    if "auto_map" not in config:
+        raise GhostedError(f"{folder}/config.json has no auto_map: it would not load with trust_remote_code.")
+    check_shape(config["auto_map"], {"AutoConfig": str, "AutoModelForCausalLM": str}, f"{folder}/config.json: auto_map")
+    return config
+
+
+# Files a saved ghosted model holds besides its weights: what save_with_card writes (the tokenizer's files too).
+MODEL_FOLDER_FILES = ("config.json", "generation_config.json", "README.md", "NOTICE", PLOT_FILE, *REMOTE_FILES,
+                      "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                      "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt",
+                      "tokenizer.model")
+
+
+def announce_extra_files(folder: Path) -> list[str]:
+    """Refuse a folder holding a symbolic link whose target lies outside it (pushing would upload that file's
+    content: a token, say); log every file that will be uploaded beyond the model's own, and return them."""
+    root = folder.resolve()
+    leaving, extra = [], []
+    for parent, dirs, files in os.walk(folder):
+        for name in (*dirs, *files):
+            path = Path(parent) / name
+            relative = str(path.relative_to(folder))
+            if path.is_symlink() and not path.resolve().is_relative_to(root):
+                leaving.append(f"{relative} -> {os.readlink(path)}")
+            elif name in files and relative not in MODEL_FOLDER_FILES and not fnmatch.fnmatch(relative, "model*.safetensors*"):
+                extra.append(relative)
+    if leaving:
+        raise GhostedError(f"{folder} holds symbolic links to files outside it, whose content would be uploaded: "
+                           f"{', '.join(leaving)}. Remove them, or copy what they point to into the folder.")
+    if extra:
+        logger.warning("Uploading %d file(s) besides the model's own: %s", len(extra), ", ".join(sorted(extra)))
+    return sorted(extra)
+
+
+def _is_connection_error(error: Exception) -> bool:
+    """No answer from the Hub: offline mode, refused or failed connections, whatever HTTP client
+    huggingface_hub uses (requests, httpx and its successors name it TransportError)."""
+    return isinstance(error, OSError) or any(c.__name__ == "TransportError" for c in type(error).__mro__)
+
+
+def _remote_model_type(api: HfApi, repo_id: str, revision: str | None) -> str | None:
+    """model_type of the config.json already in the repo, or None for a new or empty repo."""
+    try:
+        path = api.hf_hub_download(repo_id, "config.json", revision=revision)
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
+        return None
+    return json.loads(Path(path).read_text()).get("model_type")
+
+
+def _pinned_card(folder: Path, repo_id: str, commit: str) -> str:
+    """The folder's card rendered again with `commit` pinned in its code sample (license kept)."""
+    config = GhostedConfig.from_pretrained(folder)
+    license = ModelCard.load(folder / "README.md").data.license
+    plot = PLOT_FILE if (folder / PLOT_FILE).is_file() else None
+    return str(build_card(config, repo_id=repo_id, license=license, plot=plot, revision=commit))
+
+
+def push_to_hub(
+    model_or_folder: Any,
+    repo_id: str,
+    *,
+    tokenizer: Any = None,
+    private: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+    commit_message: str = "Upload ghosted model (ghosted_hf)",
+    overwrite_other_model: bool = False,
+    endpoint: str | None = None,
+    timeout: float = 60.0,
+) -> PushResult:
+    """Upload a ghosted model (a `GhostedForCausalLM` or a folder saved with `save_with_card`) to `repo_id`
+    at branch `revision` (created if needed), exactly as verified. `endpoint` selects another Hub deployment
+    (default: $HF_ENDPOINT or huggingface.co); `timeout` bounds every wait for an answer from it (seconds)."""
+    token = token or get_token()
+    if not token:
+        raise GhostedError("No Hugging Face token: run `hf auth login`, set HF_TOKEN, or pass token=...")
+    check_timeout(timeout)
+    api = HfApi(endpoint=endpoint, token=token)
+    with tempfile.TemporaryDirectory() as staging:
+        folder = Path(staging) / "model"
+        if isinstance(model_or_folder, (str, Path)):
+            if not Path(model_or_folder).is_dir():
+                raise GhostedError(f"{model_or_folder} is not a folder; save the model with save_with_card first.")
+            announce_extra_files(Path(model_or_folder))  # refuses links that leave the folder
+            shutil.copytree(model_or_folder, folder)  # the bytes verified below are the bytes sent
+        else:
+            save_with_card(model_or_folder, folder, tokenizer=tokenizer, repo_id=repo_id)
+        try:
+            check_ghosted_folder(folder)
+        except GhostedError as error:  # name what the user gave, not the staging copy that is gone afterwards
+            source = str(model_or_folder) if isinstance(model_or_folder, (str, Path)) else "the model"
+            raise GhostedError(str(error).replace(str(folder), source)) from None
+        try:
+            with bounded_network(timeout):
+                return _upload(api, folder, repo_id, private, revision, commit_message, overwrite_other_model)
+        except Exception as error:
+            if not _is_connection_error(error):
+                raise
+            raise GhostedError(f"Cannot reach the Hub at {api.endpoint} to push {repo_id}, or it did not answer "
+                               f"within {timeout:g} s ({type(error).__name__}: {error}); check the network, "
+                               "HF_ENDPOINT and HF_HUB_OFFLINE, then push again.") from None
+
+
+def _upload(api: HfApi, folder: Path, repo_id: str, private: bool, revision: str | None, commit_message: str,
+            overwrite_other_model: bool) -> PushResult:
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    existing = _remote_model_type(api, repo_id, revision)
+    if existing not in (None, "ghosted") and not overwrite_other_model:
+        raise GhostedError(f"{repo_id} already holds a {existing!r} model; choose another repo id or pass "
+                           "overwrite_other_model=True.")
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision, commit_message=commit_message)
+    card = api.upload_file(path_or_fileobj=_pinned_card(folder, repo_id, info.oid).encode(), path_in_repo="README.md",
+                           repo_id=repo_id, revision=revision, commit_message=f"Model card: pin revision {info.oid}")
+    logger.info("Pushed %s to %s", folder, info.commit_url)
+    return PushResult(commit=info.oid, commit_url=info.commit_url, card_commit=getattr(card, "oid", None))

@@ -1,0 +1,438 @@
+"""Layer removal: from a dense causal LM of any family in the architecture registry to a `GhostedForCausalLM`.
+
+The pruned model is rebuilt from a pruned config (so every attention gets `layer_idx` 0..L'-1 and every
+per-layer config field is re-indexed), checked layer by layer against the dense layers it stands for, then takes
+over the dense model's tensors without copying them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..architectures import (StreamWeight, SubBlock, architecture, check_declared, check_layers_match, decoder,
+                            decoder_layers, layer_of, layer_prefix, pruned_config, stream_weights)
+from ..errors import GhostedError, NonFiniteError
+from .provenance import Provenance
+from ..remote.configuration_ghosted import (
+    SUBBLOCK_KINDS,
+    LAYER_TARGET,
+    OPERATOR_DTYPES,
+    GhostedConfig,
+    expected_boundaries,
+    pruned_index,
+    required_format_version,
+)
+from ..remote.modeling_ghosted import GHOST_MODULE, GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key
+
+logger = logging.getLogger(__name__)
+
+
+def as_layer_index(value: object) -> int:
+    """`value` as a Python int: ints, numpy and torch integer scalars; refuses bools, floats and strings."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise GhostedError(f"Layer indices must be integers, got {value!r} ({type(value).__name__}).")
+    if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.is_floating_point()):
+        raise GhostedError(f"Layer indices must be integers, got the tensor {value!r}.")
+    return int(value.__index__())
+
+
+def validate_removal(remove: Iterable[int], depth: int) -> list[int]:
+    """Sorted removed indices, or a GhostedError that says what is wrong with them."""
+    if isinstance(remove, (str, bytes)) or not isinstance(remove, Iterable):
+        raise GhostedError(f"Layer indices must be a list of integers, got {remove!r}.")
+    remove = [as_layer_index(i) for i in remove]
+    out_of_range = [i for i in remove if not 0 <= i < depth]
+    if out_of_range:
+        raise GhostedError(f"Layer indices {out_of_range} are out of range: the model has layers 0..{depth - 1}.")
+    duplicated = sorted({i for i in remove if remove.count(i) > 1})
+    if duplicated:
+        raise GhostedError(f"Layer indices {duplicated} are listed more than once.")
+    if not remove:
+        raise GhostedError("No layer to remove: pass at least one layer index.")
+    if len(remove) >= depth:
+        raise GhostedError(f"Cannot remove all {depth} layers: at least one decoder layer must remain.")
+    return sorted(remove)
+
+
+def _validate_ghost_tensor(tensor: torch.Tensor, shape: tuple[int, ...], what: str, where: str, use: str,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` cast to its storage `dtype`, after checking type, shape, dtype, device and finiteness (of the
+    stored values: a float64 tensor that overflows float32 is refused)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise GhostedError(f"{what} for {where} must be a torch.Tensor, got {type(tensor).__name__}.")
+    if tuple(tensor.shape) != shape:
+        raise GhostedError(f"{what} for {where} has shape {tuple(tensor.shape)}; expected {shape} ({use}).")
+    if not tensor.is_floating_point():
+        raise GhostedError(f"{what} for {where} must be a floating-point tensor, got {tensor.dtype}.")
+    if tensor.device.type == "meta":
+        raise GhostedError(f"{what} for {where} is on the meta device (it holds no values); pass a real tensor.")
+    stored = tensor.detach().to(dtype)
+    if not torch.isfinite(stored).all():
+        problem = "contains NaN or Inf values" if not torch.isfinite(tensor).all() else f"overflows {dtype}"
+        raise NonFiniteError(f"{what} for {where} {problem}.")
+    return stored
+
+
+def validate_operator(operator: torch.Tensor, hidden_size: int, where: str,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The operator cast to its storage `dtype`, checked."""
+    return _validate_ghost_tensor(operator, (hidden_size, hidden_size), "Operator", where,
+                                  "hidden size x hidden size, applied as x @ W", dtype)
+
+
+def _dense_name(name: str, kept: list[int]) -> str:
+    """Name in the dense model of a tensor of the pruned model."""
+    layer = layer_of(name)
+    return name if layer is None else name.replace(layer_prefix(layer), layer_prefix(kept[layer]), 1)
+
+
+def _take_tensor(pruned: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Install `tensor` (the very object, not a copy) as the parameter or buffer `name` of `pruned`."""
+    module_name, _, leaf = name.rpartition(".")
+    module = pruned.get_submodule(module_name)
+    if leaf in module._parameters:
+        module._parameters[leaf] = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor)
+    else:
+        module._buffers[leaf] = tensor
+
+
+def adopt_tensors(target: nn.Module, source: nn.Module, source_name: Callable[[str], str],
+                  skip: tuple[str, ...] = ()) -> None:
+    """Fill every parameter and buffer of meta-built `target` (except ghost operators, and names starting with one
+    of `skip`) with the tensor of `source` named `source_name(name)`, then re-tie shared weights."""
+    names = [n for n, _ in target.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in target.named_buffers(remove_duplicate=False)]
+    for name in names:
+        if f".{GHOST_MODULE}." in name or name.startswith(skip):
+            continue
+        try:
+            tensor = source.get_parameter(source_name(name))
+        except AttributeError:
+            tensor = source.get_buffer(source_name(name))
+        if tensor.device.type == "meta":  # removed layers may stay unloaded; what is kept may not
+            raise GhostedError(
+                f"The kept weight {source_name(name)} is on the meta device (not loaded, or offloaded to disk): layer "
+                "surgery needs every kept weight in memory. Load the model with real weights, without disk offload."
+            )
+        _take_tensor(target, name, tensor)
+    target.tie_weights()
+
+
+def _check_dense_model(model: PreTrainedModel) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type == "ghosted":
+        raise GhostedError("This model is already ghosted. Prune the dense model once, listing every layer to remove.")
+    architecture(model)
+    decoder(model)
+    if model.get_output_embeddings() is None:
+        raise GhostedError(f"Expected a causal LM with an output layer (e.g. LlamaForCausalLM), got {type(model).__name__}.")
+
+
+def _stored_operators(operators: Mapping[int, torch.Tensor] | None, boundaries: list[dict], hidden: int,
+                      dtype: torch.dtype, what: str = "Operator") -> dict[int, torch.Tensor]:
+    """The given operators (or normed terms) keyed by their boundary's first removed layer, checked and cast to
+    `dtype`."""
+    first = [b["removed"][0] for b in boundaries]
+    if operators is not None and not isinstance(operators, Mapping):
+        raise GhostedError(
+            f"operators must map the first removed layer of each boundary to its tensor (a dict such as "
+            f"{{{first[0]}: W}}), got a {type(operators).__name__}."
+        )
+    operators = {as_layer_index(k): v for k, v in (operators or {}).items()}
+    unknown = sorted(set(operators) - set(first))
+    if unknown:
+        raise GhostedError(
+            f"Operators given for {unknown}, but boundaries start at {first} "
+            "(key each operator by the first removed layer of its run of consecutive removed layers)."
+        )
+    if str(dtype).removeprefix("torch.") not in OPERATOR_DTYPES:
+        raise GhostedError(f"operator_dtype must be one of {OPERATOR_DTYPES}, got {dtype}.")
+    removed_at = {b["removed"][0]: b["removed"] for b in boundaries}
+    return {start: _validate_ghost_tensor(op, (hidden, hidden), what, f"the boundary after removed layers "
+                                          f"{removed_at[start]}", "hidden size x hidden size", dtype)
+            for start, op in operators.items()}
+
+
+def prune_layers(
+    model: PreTrainedModel,
+    remove: Iterable[int],
+    operators: Mapping[int, torch.Tensor] | None = None,
+    *,
+    operator_kind: str = "custom",
+    operator_dtype: torch.dtype = torch.float32,
+    normed: Mapping[int, torch.Tensor] | None = None,
+    subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]] | None = None,
+) -> GhostedForCausalLM:
+    """Remove decoder layers `remove` (dense numbering) and install one operator per boundary.
+
+    Consecutive removed layers form one boundary; `operators` maps the first removed index of a boundary
+    to its (C, C) operator, applied as ``x @ W`` to the hidden state that reaches the next kept layer (or
+    the final norm). Boundaries without an operator get the identity (operator kind "none": plain pruning);
+    the others are recorded as `operator_kind`. `normed` (same keys) adds a normed term ``n(x) @ A`` to a
+    boundary (format 1.1; its operator defaults to the identity). `subblocks` maps (kept dense layer, "attention" or
+    "mlp") to (its C x C map, how many values the module returns): that sub-block becomes ``h -> h @ map`` (format
+    1.2); with sub-blocks, `remove` may be empty.
+
+    The returned model shares the dense model's tensors (no copy, so peak memory stays one model): treat
+    `model` as consumed.
+    """
+    _check_dense_model(model)
+    base_config = model.config
+    depth = base_config.num_hidden_layers
+    if isinstance(remove, Iterable) and not isinstance(remove, (str, bytes)):
+        remove = list(remove)
+    removed = [] if subblocks and remove == [] else validate_removal(remove, depth)
+    kept = [i for i in range(depth) if i not in set(removed)]
+    hidden = base_config.hidden_size
+    replaced = _subblock_records(model, subblocks or {}, kept, hidden, operator_dtype)
+
+    boundaries = expected_boundaries(depth, removed)
+    stored = _stored_operators(operators, boundaries, hidden, operator_dtype)
+    terms = _stored_operators(normed, boundaries, hidden, operator_dtype, "Normed term")
+    start_of = lambda b: b["removed"][0]  # noqa: E731
+    records = [{**b, "operator": operator_kind if start_of(b) in stored.keys() | terms.keys() else "none", "fit": {},
+                **({"normed": True} if start_of(b) in terms else {})} for b in boundaries]
+
+    config = GhostedConfig(
+        text_config=pruned_config(base_config, kept),
+        original_num_hidden_layers=depth,
+        removed_layers=removed,
+        ghost_boundaries=records,
+        ghost_subblocks=[record for record, _ in replaced],
+        ghost_format_version=required_format_version(records, [record for record, _ in replaced]),
+        operator_dtype=str(operator_dtype).removeprefix("torch."),
+        ghost_provenance={"base_model": base_config._name_or_path or None},
+    )
+    config._attn_implementation = base_config._attn_implementation
+    config.dtype = base_config.dtype
+
+    with torch.device("meta"):
+        pruned = GhostedForCausalLM(config)
+    dense_layers = decoder_layers(model)
+    by_layer: dict[int, list[str]] = {}
+    for record, _ in replaced:
+        by_layer.setdefault(record["layer"], []).append(record["module"])
+    check_layers_match([dense_layers[i] for i in kept], decoder_layers(pruned), kept, by_layer)
+
+    adopt_tensors(pruned, model, lambda name: _dense_name(name, kept))
+
+    for boundary in records:
+        key = ghost_tensor_key(boundary)
+        parent = pruned.get_submodule(key.rsplit(".", 2)[0])
+        device = _weight_device(parent)
+        value = stored.get(start_of(boundary), torch.eye(hidden, dtype=operator_dtype))
+        _take_tensor(pruned, key, nn.Parameter(value.to(device=device).clone()))
+        if boundary.get("normed"):
+            _take_tensor(pruned, ghost_tensor_key(boundary, GHOST_NORMED),
+                         nn.Parameter(terms[start_of(boundary)].to(device=device).clone()))
+
+    for record, value in replaced:
+        device = _weight_device(dense_layers[record["original_layer"]])
+        _take_tensor(pruned, ghost_tensor_key(record), nn.Parameter(value.to(device=device).clone()))
+
+    still_meta = [n for n, t in {**dict(pruned.named_parameters()), **dict(pruned.named_buffers())}.items()
+                  if t.device.type == "meta"]
+    if still_meta:
+        raise RuntimeError(f"Layer surgery left tensors unassigned: {still_meta}")
+    pruned.generation_config = copy.deepcopy(model.generation_config)
+    pruned.train(model.training)
+    logger.info("Removed layers %s of %d; %d boundaries; %d sub-blocks replaced.", removed, depth, len(boundaries),
+                len(replaced))
+    return pruned
+
+
+def _weight_device(module: nn.Module) -> torch.device:
+    """Where a module's own weights sit (its ghost tensors aside): where a ghost tensor beside them goes."""
+    return next(p.device for n, p in module.named_parameters() if GHOST_MODULE not in n.split("."))
+
+
+def refuse_subblocks(model: nn.Module, what: str) -> None:
+    """A GhostedError when `model` has replaced sub-blocks, which `what` cannot hold."""
+    replaced = [f"{r['original_layer']}.{r['block']}" for r in getattr(model.config, "ghost_subblocks", None) or []]
+    if replaced:
+        raise GhostedError(f"{what} cannot hold replaced sub-blocks ({', '.join(replaced)}: linear maps where the "
+                           "family has attention or an MLP). Save it as a ghosted model (save_pretrained; loads with "
+                           "trust_remote_code=True).")
+
+
+def _subblock_records(model: PreTrainedModel, subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]],
+                      kept: list[int], hidden: int, dtype: torch.dtype) -> list[tuple[dict, torch.Tensor]]:
+    """(config record, map checked and cast to `dtype`) per replaced sub-block, in network order."""
+    family, layers = architecture(model), decoder_layers(model)
+    out = []
+    for (layer, block), (value, outputs) in subblocks.items():
+        layer = as_layer_index(layer)
+        if layer not in kept:
+            raise GhostedError(f"The {block} of layer {layer} is replaced, but layer {layer} is removed whole: replace "
+                               "sub-blocks of kept layers only.")
+        if block not in SUBBLOCK_KINDS:
+            raise GhostedError(f"A sub-block is {' or '.join(SUBBLOCK_KINDS)}, got {block!r}.")
+        record = {"layer": kept.index(layer), "original_layer": layer, "block": block,
+                  "module": getattr(family, block).attribute(layers[layer]), "outputs": int(outputs), "fit": {}}
+        out.append((record, _validate_ghost_tensor(value, (hidden, hidden), "Map", f"the {block} of layer {layer}",
+                                                   "hidden size x hidden size", dtype)))
+    return sorted(out, key=lambda item: (item[0]["layer"], SUBBLOCK_KINDS.index(item[0]["block"])))  # network order
+
+
+def fold_into_mlp_writers(model: GhostedForCausalLM, dense_layer: int, transform: torch.Tensor) -> str:
+    """Replace the MLP output m of kept dense layer `dense_layer` by m @ T (ReplaceMe's fused export);
+    returns the names of the edited weights (the family's MLP writers in the architecture registry: the output
+    projection; experts' and shared experts' ones)."""
+    family = architecture(model)
+    family.refuse_fold("replaceme-ls")
+    layer = pruned_index(dense_layer, model.config.removed_layers)
+    mlp = family.mlp.module(decoder_layers(model)[layer])
+    _, writers = _block_weights(family.mlp, mlp, model.config.hidden_size)
+    for writer in writers:
+        _map_stream(writer, transform.detach().double())
+    paths = {id(module): name for name, module in mlp.named_modules()}
+    prefix = layer_prefix(layer) + family.mlp.modules[0]
+    # A Linear by its module's name, a raw parameter (fused experts) by its own.
+    edited = dict.fromkeys(".".join(filter(None, (prefix, paths[id(owner)], None if isinstance(owner, nn.Linear)
+                                                  else name))) for owner, name, _ in writers)
+    return ", ".join(edited)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Parameters of a module (tied embeddings count once: `parameters()` yields a shared tensor once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def scaled_rotation(operator: torch.Tensor, tolerance: float = 1e-4) -> tuple[float, torch.Tensor] | None:
+    """(c, Q) with operator = c Q, c > 0 and Q orthogonal (within `tolerance`), or None."""
+    w = operator.detach().double().cpu()
+    c = float(torch.linalg.norm(w)) / w.shape[0] ** 0.5
+    if c <= 0:
+        return None
+    q = w / c
+    eye = torch.eye(w.shape[0], dtype=torch.float64)
+    if (q - eye).abs().max() <= 1e-6:  # a pure scale (rounded): no rotation to fold, tied embeddings stay tied
+        return c, eye
+    return (c, q) if (q.T @ q - eye).abs().max() <= tolerance else None
+
+
+def _set_weight(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """A new parameter (never an in-place edit: the tensors may be shared with the model they came from)."""
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(value.to(device=old.device, dtype=old.dtype), requires_grad=old.requires_grad))
+
+
+def _map_stream(weight: StreamWeight, m: torch.Tensor) -> None:
+    """Contract the axis of the stream's width with `m`: a reader now reads x @ m^-1 where it read x (weight
+    <- weight @ m along that axis), a writer's output y becomes y @ m (weight <- m^T weight, bias <- bias @ m)."""
+    owner, name, axis = weight
+    old = getattr(owner, name).double()
+    _set_weight(owner, name, (old.movedim(axis, -1) @ m.to(old.device)).movedim(-1, axis))
+
+
+def _block_weights(block: SubBlock, module: nn.Module, width: int) -> tuple[list[StreamWeight], list[StreamWeight]]:
+    """(readers, writers) of a sub-block for a fold, refused when a weight of the stream's width is undeclared."""
+    readers, writers = stream_weights(module, block.readers, False), stream_weights(module, block.writers, True)
+    check_declared(module, readers + writers, width)
+    return readers, writers
+
+
+def _fold_norm_weight(norm: nn.Module, readers: list[StreamWeight], gain: str) -> None:
+    """RMSNorm(x) * g feeding `readers` == RMSNorm(x) feeding readers with g folded into their weights (g = w, or
+    1 + w for a family whose gain reads so; the norm is left with gain 1)."""
+    offset = 1.0 if gain == "one-plus-weight" else 0.0
+    g = norm.weight.double() + offset
+    if torch.equal(g, torch.ones_like(g)):
+        return
+    for reader in readers:
+        _map_stream(reader, torch.diag(g))
+    _set_weight(norm, "weight", torch.ones_like(g) - offset)
+
+
+def fold_scaled_rotation(model: PreTrainedModel, layer: int, c: float, q: torch.Tensor) -> None:
+    """Make a stock decoder compute what it would with ``x -> x @ (c Q)`` applied to the stream entering its
+    layer `layer` (``len(layers)``: the final norm). Exact but for the norms' eps: every norm weight upstream is
+    folded into the linear layers that read it, so that RMSNorm(x Q) = RMSNorm(x) Q; then the embeddings and
+    the writers upstream (the architecture registry's: attention and MLP outputs) map into the basis Q and their readers
+    (q/k/v, gate/up, fused ones as declared) back. The
+    scale goes into the embeddings when they are all that is upstream, else downstream, as 1/c on every writer
+    after the boundary: each norm there ignores the scale of the whole stream (up to its eps, which deep in
+    the stream, where its mean square is large, changes nothing measurable)."""
+    q = q.detach().double()
+    family = architecture(model)
+    family.refuse_fold("folded")
+    layers = decoder_layers(model)
+    blocks = (family.attention, family.mlp)
+    embed = model.get_input_embeddings()
+    # Feeding layer 0, only the embeddings are upstream: the scale folds into them exactly (no norm to mind).
+    upstream_scale = c if layer == 0 and not model.config.tie_word_embeddings else 1.0
+    if not torch.equal(q, torch.eye(q.shape[0], dtype=q.dtype)) or upstream_scale != 1.0:
+        _set_weight(embed, "weight", embed.weight.double() @ (upstream_scale * q).to(embed.weight.device))
+        for decoder_layer in layers[:layer]:
+            for block in blocks:
+                readers, writers = _block_weights(block, block.module(decoder_layer), q.shape[0])
+                _fold_norm_weight(decoder_layer.get_submodule(block.norm), readers, family.gain)
+                for weight in readers + writers:
+                    _map_stream(weight, q)
+    if upstream_scale == 1.0:
+        for decoder_layer in layers[layer:]:
+            for block in blocks:
+                _, writers = _block_weights(block, block.module(decoder_layer), q.shape[0])
+                for writer in writers:
+                    _map_stream(writer, torch.eye(q.shape[0], dtype=torch.float64) / c)
+
+
+def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
+    """The same network as a stock model of the base family (no remote code), when every operator is a scaled rotation
+    c Q (the identity included, e.g. after `replaceme-ls`): each is folded into the weights with
+    `fold_scaled_rotation`. Tied embeddings are untied when a rotation must be folded into them (the LM head
+    keeps the original matrix). Shares the tensors it does not change with `model`."""
+    from transformers import AutoModelForCausalLM
+
+    refuse_subblocks(model, "A stock checkpoint")
+    folds = []
+    for boundary in model.config.ghost_boundaries:
+        name = ghost_tensor_key(boundary)
+        if boundary.get("normed"):
+            raise GhostedError(
+                f"The boundary before {name.rsplit('.', 2)[0]} has a normed term (operator kind "
+                f"{boundary.get('operator')!r}): it has no place in a stock checkpoint, and export-stock cannot refit "
+                "it. Prune the dense model with --operator folded (or folded-tied) for a stock checkpoint, run it in "
+                "llama.cpp with `ghosted export-gguf`, or save it as a ghosted model."
+            )
+        operator = model.get_parameter(name)
+        if torch.equal(operator, torch.eye(operator.shape[0], dtype=operator.dtype, device=operator.device)):
+            continue
+        found = scaled_rotation(operator)
+        if found is None:
+            raise GhostedError(
+                f"{name} is not a scaled rotation c Q: it cannot be folded into a stock checkpoint. Fit one with "
+                "`ghosted export-stock` (ghosted_hf.export_stock), prune with operator='folded', or save it as a "
+                "ghosted model."
+            )
+        layer = boundary["layer"] if boundary["target"] == LAYER_TARGET else model.config.text_config.num_hidden_layers
+        folds.append((layer, *found))
+    eye = torch.eye(model.config.hidden_size, dtype=torch.float64)
+    text_config = copy.deepcopy(model.config.text_config)
+    untie = text_config.tie_word_embeddings and any(not torch.equal(q, eye) for _, _, q in folds)
+    if untie:
+        text_config.tie_word_embeddings = False
+    with torch.device("meta"):
+        stock = AutoModelForCausalLM.from_config(text_config)
+    adopt_tensors(stock, model, lambda name: name)
+    for layer, c, q in folds:
+        fold_scaled_rotation(stock, layer, c, q)
+    provenance = Provenance.of(model.config)
+    if provenance.parameters is not None:
+        provenance.parameters = {**provenance.parameters, "pruned": count_parameters(stock), "operators": 0}
+    # How the checkpoint was made travels in its config.json (read by the model card and `ghosted inspect`).
+    provenance.with_changes(stock_export={
+        "original_num_hidden_layers": model.config.original_num_hidden_layers,
+        "removed_layers": list(model.config.removed_layers),
+        "boundaries": copy.deepcopy(model.config.ghost_boundaries),
+        "folded_operators": len(folds), "untied_embeddings": bool(untie),
+    }).save_to(stock.config)
+    stock.generation_config = copy.deepcopy(model.generation_config)
+    stock.train(model.training)
+    return stock

@@ -1,0 +1,81 @@
+"""`export_stock`: an existing ghosted model -> the best stock checkpoint, without the dense model.
+
+Boundary by boundary, in order, the operator W is replaced by the foldable fit that best imitates
+X -> X W on the model's own hidden states, then everything is folded into the weights (`to_stock_model`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from ..errors import GhostedError
+from ..text.tokens import TextSource, TokenBatches
+from ..fitting.operators import operator_kind
+from ..options import ExportOptions
+from ..model.provenance import Provenance
+from .prune import calibration_tokens
+from ..remote.configuration_ghosted import LAYER_TARGET
+from ..remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
+from ..statistics import CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, CalibrationStatistics, StatisticsPlan
+from ..statistics import collect_statistics
+from ..model.surgery import fold_into_mlp_writers, to_stock_model
+
+
+def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSource,
+                 options: ExportOptions | None = None, **overrides: Any) -> PreTrainedModel:
+    """The best stock checkpoint for a ghosted model: each operator W refitted as the foldable kind
+    (`folded`: c (Y + M T) Q) that best imitates X -> X W, then folded into the weights. Each boundary's `fit`
+    records how much of the operator's correction the fold misses (`relative_residual`,
+    ||fold - X W||^2 / ||X W - X||^2). Treat `model` as consumed."""
+    options = ExportOptions.build(options, **overrides)
+    kind = operator_kind(options.operator)
+    normed = [b["removed"] for b in model.config.ghost_boundaries if b.get("normed")]
+    if normed:
+        raise GhostedError(f"The boundaries after removed layers {normed} have a normed term, which export_stock "
+                           "cannot imitate: prune the dense model with operator='folded' for a stock checkpoint.")
+    data = calibration_tokens(tokenizer, calibration, options, model.get_input_embeddings().weight.shape[0],
+                              model.config.hidden_size)  # the rules `ghost_prune` applies
+    depth = model.config.num_hidden_layers
+    for record in model.config.ghost_boundaries:
+        operator = model.get_parameter(ghost_tensor_key(record))
+        s = record["layer"] if record["target"] == LAYER_TARGET else depth  # pruned numbering
+        fit = kind.fit(imitation_statistics(model, data, operator, s, options), s, s + 1, options.ridge)
+        with torch.no_grad():
+            operator.copy_(fit.operator.to(operator))
+        if fit.fused is not None:  # into the kept layer before the boundary
+            record["fused_into"] = fold_into_mlp_writers(model, record["removed"][0] - 1, fit.fused)
+        record.update(operator=kind.name, fit={**fit.figures, "fitted_on": f"imitating the {record['operator']} operator"})
+    prov = Provenance.of(model.config)
+    # What the export itself did, where the card and `inspect` read the recovery and its calibration from; the
+    # ghosted model's own calibration and options stay under "refitted_from".
+    prov.with_changes(
+        operator=kind.name, fitting=f"imitation of the {prov.operator or 'ghost'} operators",
+        calibration={**data.describe(), "tokens_used": data.num_tokens, "processes": 1},
+        refitted_from={key: getattr(prov, key) for key in ("operator", "fitting", "calibration", "options")},
+        options=options.to_dict()).save_to(model.config)
+    return to_stock_model(model)
+
+
+def imitation_statistics(model: GhostedForCausalLM, data: TokenBatches, operator: torch.Tensor, s: int,
+                         options: ExportOptions) -> CalibrationStatistics:
+    """The statistics of fitting X_s -> X_s W, where X_s enters pruned layer `s` before its operator: X_s and
+    the MLP output M before it are collected, and the target's statistics follow exactly (X^T X W, ...)."""
+    plan = StatisticsPlan.of(GRAM(s), *((MLP_GRAM(s), MLP_SOURCE(s)) if s >= 1 else ()))
+    saved = operator.detach().clone()
+    with torch.no_grad():
+        operator.copy_(torch.eye(operator.shape[0], dtype=operator.dtype))  # the stream as it reaches the operator
+    try:
+        stats = collect_statistics(model, data.batches, plan, device=options.stats_device,
+                                   description=f"Calibration pass: boundary before pruned layer {s}")
+    finally:
+        with torch.no_grad():
+            operator.copy_(saved)
+    gram = stats[GRAM(s)]
+    w = saved.to(gram)
+    target = {CROSS(s, s + 1): gram @ w, ENERGY(s, s + 1): ((gram @ w) * w).sum().reshape(1)}
+    if s >= 1:
+        target[MLP_TARGET(s, s + 1)] = stats[MLP_SOURCE(s)] @ w
+    return stats.extended(target)

@@ -1,0 +1,189 @@
+"""The training step on transformers' `Trainer`: packed sequences in, next-token or chunked KL loss out, attention
+chosen for the training length, and the FSDP / ZeRO-3 shards gathered at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from peft import PeftModel, get_peft_model
+from torch import nn
+from transformers import PreTrainedModel, Trainer
+
+from .distillation import Head, chunked_kd_loss, final_hidden_states, shifted_labels
+from ...utils.distributed import is_main_process
+from ...errors import GhostedError
+from .callbacks import Budget, lr_factor
+
+
+EAGER_MAX_LEN = 256  # the training length measured faster with eager attention (benchmarks/healing_step.py)
+
+
+@contextlib.contextmanager
+def training_attention(model: nn.Module, device: torch.device, seq_len: int) -> Iterator[None]:
+    """Plain (eager) attention while training on a CPU at short lengths, the model's own kernel again afterwards:
+    there PyTorch's fused CPU attention is the slower one, its backward most (benchmarks/healing_step.py), and the
+    result is the same softmax attention. Longer sequences keep the fused kernel: eager attention stores an
+    L x L matrix per head for the backward pass."""
+    original = model.config._attn_implementation
+    switch = device.type == "cpu" and seq_len <= EAGER_MAX_LEN and original != "eager"
+    if switch:
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if switch:
+            model.set_attn_implementation(original)
+
+
+class SequenceDataset(torch.utils.data.Dataset):
+    """Packed int32 rows as the Trainer's dataset (each item one row of input ids)."""
+
+    def __init__(self, sequences: torch.Tensor) -> None:
+        self.sequences = sequences
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.sequences[index]}
+
+
+def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Rows stacked as int64 ids, the labels a copy (the model shifts them)."""
+    ids = torch.stack([item["input_ids"] for item in items]).long()
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+class HealingTrainer(Trainer):
+    """`Trainer` with the KL to a teacher as the training loss (held-out evaluation stays next-token perplexity),
+    our learning-rate schedule (by steps or by time), and the perplexity logged beside every evaluation loss."""
+
+    def __init__(self, *args: Any, teacher: nn.Module | None, kd_weight: float, kl_chunk: int, budget: Budget,
+                 schedule: str, precision: str, plain_heads: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.teacher, self.kd_weight, self.kl_chunk, self.budget = teacher, kd_weight, kl_chunk, budget
+        self.plain_heads = plain_heads  # the chunked KL from hidden states gives both models' logits
+        self.schedule, self.precision = schedule, precision
+        self._gathered_head: Head | None = None  # the student's output layer, gathered once under ZeRO-3
+        # Every batch holds the same number of tokens: the mean loss per micro-batch, divided by the number of
+        # micro-batches (and averaged over processes by DDP) is the mean over the whole step.
+        self.model_accepts_loss_kwargs, self.loss_is_scaled_for_ga = False, False
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        if self.lr_scheduler is None:
+            budget, schedule = self.budget, self.schedule
+
+            def factor(step: int) -> float:
+                return lr_factor(schedule, step / budget.steps if budget.seconds is None else budget.fraction)
+
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, factor)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # bf16 autocast here, not through accelerate's mixed precision: that also converts every output to fp32,
+        # a copy of the batch x sequence x vocabulary logits each step (benchmarks/results/healing_loop.md).
+        with torch.autocast(self.args.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            if self.teacher is None or not model.training:
+                result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            else:
+                result = self._distillation_loss(model, inputs, return_outputs)
+        loss = result[0] if return_outputs else result
+        if model.training and not torch.isfinite(loss.detach()).all():
+            raise GhostedError(
+                f"Healing diverged at step {self.state.global_step + 1}: the training loss is {float(loss):g}. "
+                "Nothing was saved. Lower --lr (or check that the model and the teacher hold finite weights: "
+                "ghosted inspect)."
+            )
+        return result
+
+    def _distillation_loss(self, model, inputs, return_outputs):
+        ids = inputs["input_ids"]
+        teacher_device = next(self.teacher.parameters()).device
+        labels = shifted_labels(inputs["labels"])
+        if not self.plain_heads:  # logits post-processed by the family's forward: KL of the forwards' own logits
+            with torch.no_grad():
+                target = self.teacher(input_ids=ids.to(teacher_device)).logits
+            outputs = model(input_ids=ids)
+            loss = chunked_kd_loss(outputs.logits, target, labels, nn.Identity(), nn.Identity(),
+                                   kd_weight=self.kd_weight, chunk=self.kl_chunk)
+            return (loss, outputs) if return_outputs else loss
+        with torch.no_grad():
+            teacher_hidden = self.teacher.get_decoder()(input_ids=ids.to(teacher_device)).last_hidden_state
+        with final_hidden_states(model) as captured:
+            outputs = model(input_ids=ids, logits_to_keep=1)  # the logits come chunk by chunk below
+        loss = chunked_kd_loss(captured[-1], teacher_hidden, labels, self._student_head(model),
+                               self.teacher.get_output_embeddings(), kd_weight=self.kd_weight, chunk=self.kl_chunk)
+        return (loss, outputs) if return_outputs else loss
+
+    def _student_head(self, model: nn.Module) -> Head:
+        """The student's output layer, called chunk by chunk outside the model's forward. Under ZeRO-3 its weight is
+        a partition there (and again when the backward pass recomputes a chunk): gathered once into a plain copy,
+        which is exact because healing never trains the output layer."""
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        if not hasattr(head.weight, "ds_id"):
+            return head
+        if self._gathered_head is None:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([head.weight]):
+                self._gathered_head = functools.partial(nn.functional.linear, weight=head.weight.detach().clone())
+        return self._gathered_head
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if "eval_loss" in logs:
+            logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 80.0))
+        super().log(logs, *args, **kwargs)
+
+
+def sharded(trainer: Trainer) -> bool:
+    """Whether each process holds only a shard of the parameters: FSDP, or DeepSpeed ZeRO stage 3 (refused, before
+    any training, when the config keeps its shards from being gathered at the end)."""
+    deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if deepspeed is None or deepspeed.zero_stage != 3:
+        return trainer.is_fsdp_enabled
+    if not deepspeed.deepspeed_config.get("zero_optimization", {}).get("stage3_gather_16bit_weights_on_model_save"):
+        raise GhostedError("Healing under DeepSpeed ZeRO-3 gathers the trained weights at the end: set "
+                           "`zero3_save_16bit_model: true` in the accelerate config (in a DeepSpeed config file, "
+                           "`stage3_gather_16bit_weights_on_model_save: true`).")
+    return True
+
+
+@contextlib.contextmanager
+def _without_zero3_construction() -> Iterator[None]:
+    """While a ZeRO-3 config is active transformers builds every model partitioned (`deepspeed.zero.Init`), a
+    collective the other processes would not join: the main process builds its unsharded copy without it."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    active = hf_deepspeed._hf_deepspeed_config_weak_ref  # restored afterwards, as the Trainer left it
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = active
+
+
+def unsharded(trainer: Trainer, peft_model: PeftModel, model_class: type[PreTrainedModel]) -> PeftModel | None:
+    """Neither `merge` nor `save_pretrained` can use parameter shards, and gathering them is a collective: every
+    process takes part, the main process rebuilds the PEFT model unsharded on its CPU from the full state dict (the
+    others get None: only the main process writes)."""
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    if not is_main_process():
+        return None
+    with torch.device("meta"), _without_zero3_construction():
+        config = peft_model.peft_config[peft_model.active_adapter]
+        rebuilt = get_peft_model(model_class._from_config(peft_model.get_base_model().config), config)
+    rebuilt.load_state_dict({name: tensor.cpu() for name, tensor in state.items()}, strict=True, assign=True)
+    # Buffers are not sharded, and the non-persistent ones (rotary frequencies) are not in a state dict.
+    trained = {name.replace("_fsdp_wrapped_module.", ""): b for name, b in peft_model.named_buffers()}
+    for name, buffer in list(rebuilt.named_buffers()):
+        if buffer.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            rebuilt.get_submodule(owner).register_buffer(leaf, trained[name].detach().cpu(), persistent=False)
+    rebuilt.get_base_model().tie_weights()
+    return rebuilt.eval()

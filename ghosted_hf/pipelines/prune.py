@@ -1,0 +1,401 @@
+"""`ghost_prune`: calibration text -> statistics -> layer selection -> operators -> a pruned model.
+
+Orchestration only: statistics live in statistics/, fits and criteria in fitting/, weight edits in model/surgery.py.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ..fitting import subblocks
+from ..architectures import architecture, decoder_layers
+from ..assets import base_model_info
+from ..text.tokens import TextSource, TokenBatches, tokenize_texts
+from ..errors import GhostedError
+from ..fitting.operators import BoundaryFit, operator_kind
+from ..options import ExportOptions, PruneOptions, budget_share
+from ..model.provenance import Provenance
+from ..remote.configuration_ghosted import expected_boundaries
+from ..remote.modeling_ghosted import GhostedForCausalLM
+from ..fitting.selection import ContiguousCriterion, Selection, SelectionRequest, check_num_layers, criterion
+from ..statistics import (CalibrationPass, CalibrationStatistics, Calibrator, Patch, ShardSpec, StatisticsPlan,
+                         as_calibration_pass, check_same_model)
+from ..model.surgery import count_parameters, fold_into_mlp_writers, prune_layers, to_stock_model, validate_removal
+
+logger = logging.getLogger(__name__)
+
+METHOD = "Ghosted Layers (arXiv 2605.15491)"
+SUBBLOCK_RECOVERY = "linear map of each replaced sub-block's input"
+
+
+def ghost_prune(
+    model: PreTrainedModel | CalibrationPass,
+    tokenizer: Any = None,
+    calibration: TextSource | None = None,
+    options: PruneOptions | None = None,
+    *,
+    statistics: CalibrationStatistics | str | Path | None = None,
+    **overrides: Any,
+) -> PreTrainedModel:
+    """Remove layers (or, with ``unit="subblock"``, attention and MLP sub-blocks) from `model` and recover them in
+    closed form.
+
+    `model` is a loaded causal LM, or a `LayerwisePass` over a folder too large for memory. `calibration` is
+    a list of strings, a text file or a `datasets.Dataset`; options are `PruneOptions` fields (e.g.
+    ``num_layers=8, criterion="ghost-aware", operator="ghost"``). Precomputed `statistics` (object or
+    safetensors file) are used wherever they hold what is needed. Returns a `GhostedForCausalLM`, or for
+    operator kinds that fold into the weights (`folded`, `replaceme-ls`, `none`) the stock architecture of
+    `model`. It shares the dense model's tensors (treat `model` as consumed); the report is in
+    ``config.ghost_provenance``.
+    """
+    options = PruneOptions.build(options, **overrides)
+    started = time.perf_counter()
+    calibration_pass = as_calibration_pass(model)
+    check_request(calibration_pass.config, options)
+    options = resolve_budget(calibration_pass, options)
+    if options.unit != "layer":
+        if statistics is not None:
+            raise GhostedError(f"unit={options.unit!r} fits from calibration text, not precomputed statistics (they hold "
+                               "whole-layer boundaries): pass the calibration text.")
+        return prune_subblocks(calibration_pass, tokenizer, calibration, options, started)
+    data, statistics = prepare_calibration(calibration_pass, tokenizer, calibration, statistics, options)
+    calibrator = Calibrator(calibration_pass, data, statistics, device=options.stats_device)
+    calibrator.check_agreement(options)
+    selection = select(calibrator, options)
+    fits = fit_operators(calibrator, selection.removed, options)
+    dense = calibration_pass.model_for_build(selection.removed)
+    dense_parameters = count_parameters(dense)
+    ghosted = build(dense, selection.removed, fits, options)
+    provenance(ghosted, calibration_pass.config._name_or_path, dense_parameters, selection, calibrator, options,
+               time.perf_counter() - started).save_to(ghosted.config)
+    logger.info("Removed layers %s (%s, %s).", selection.removed, options.criterion, options.operator)
+    return to_stock_model(ghosted) if operator_kind(options.operator).stock else ghosted
+
+
+def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibration: TextSource | None,
+                    options: PruneOptions, started: float) -> GhostedForCausalLM:
+    """`ghost_prune` with unit 'subblock' (or 'mixed'): calibration text -> each candidate's map and measured damage ->
+    the sub-blocks (and whole layers) that meet the budget with the least damage -> their maps fitted down the network
+    -> the model, a whole layers' run of maps its boundary's operator."""
+    unit = f"unit={options.unit!r}"
+    model = dense_in_memory(calibration_pass, unit)
+    depth, width = calibration_pass.config.num_hidden_layers, calibration_pass.config.hidden_size
+    if calibration is None or tokenizer is None:
+        raise GhostedError(f"{unit} fits each map on calibration text: pass a tokenizer and calibration text.")
+    data = calibration_tokens(tokenizer, calibration, options, calibration_pass.vocab_size, width)
+    calibrator = Calibrator(calibration_pass, data)
+    if calibrator.world > 1:
+        raise GhostedError(f"{unit} runs in one process: launch it without torch.distributed.")
+    dense_parameters = count_parameters(model)
+    if options.criterion == "manual":
+        chosen = subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
+        selection = Selection([], "manual", {}, "n/a", [ref.name for ref in chosen])
+    else:
+        candidates = subblocks.all_subblocks(depth, whole_layers=options.unit == "mixed")
+        sums = subblocks.collect(model, data.batches, candidates, "statistics of every candidate")
+        fits = {ref: subblocks.fit_map(ref, total, options.ridge) for ref, total in sums.items()}
+        scored = data.batches[:max(1, -(-options.damage_sequences // options.batch_size))]
+        damage = subblocks.damages(model, scored, fits)
+        saved = {ref: subblocks.subblock_parameters(model, ref) - width * width for ref in damage}
+        chosen = subblocks.choose_to_budget(damage, saved, parameter_budget(model, options))
+        selection = Selection([], "ghost-aware", {ref.name: round(value, 6) for ref, value in damage.items()}, "lower",
+                              [ref.name for ref in chosen])
+        calibrator.passes += [{"purpose": "statistics of every sub-block", "batches": len(data.batches)},
+                              {"purpose": "damage of each replacement", "batches": len(scored) * (len(fits) + 1)}]
+    fitted = subblocks.fit_sequentially(model, data.batches, chosen, options.ridge)
+    calibrator.passes.append({"purpose": "sequential fits", "batches": len(data.batches) * len(fitted)})
+    whole = [f for f in fitted if f.ref.block == subblocks.LAYER]
+    maps = [f for f in fitted if f.ref.block != subblocks.LAYER]
+    selection.removed, selection.subblocks = [f.ref.layer for f in whole], [f.ref.name for f in maps]
+    ghosted = prune_layers(model, selection.removed, subblocks.layer_operators(whole), operator_kind="ghost",
+                           subblocks={(f.ref.layer, f.ref.block): (f.map, f.outputs) for f in maps},
+                           operator_dtype=getattr(torch, options.operator_dtype))
+    for fit, record in zip(maps, ghosted.config.ghost_subblocks):
+        record["fit"] = fit.figures
+    for boundary in ghosted.config.ghost_boundaries:  # one map per removed layer, multiplied: the worst one's residual
+        run = [f.figures for f in whole if f.ref.layer in boundary["removed"]]
+        boundary["fit"] = {"relative_residual": max(f["relative_residual"] for f in run),
+                           "fitted_on": run[0]["fitted_on"], "layer_residuals": [f["relative_residual"] for f in run]}
+    provenance(ghosted, calibration_pass.config._name_or_path, dense_parameters, selection, calibrator, options,
+               time.perf_counter() - started).with_changes(
+        operator=SUBBLOCK_RECOVERY, fitting="sequential" if len(fitted) > 1 else "single").save_to(ghosted.config)
+    logger.info("Replaced sub-blocks %s (%s).", selection.subblocks, options.criterion)
+    return ghosted
+
+
+def dense_in_memory(calibration_pass: CalibrationPass, what: str) -> PreTrainedModel:
+    """The dense model of an in-memory pass (layer-by-layer passes have none to count or edit)."""
+    model = getattr(calibration_pass, "model", None)
+    if model is None:
+        raise GhostedError(f"{what} needs the model in memory; a layer-by-layer pass over a folder cannot give it: "
+                           "load the model, or remove a number of whole layers (num_layers).")
+    return model
+
+
+def decoder_parameters(model: PreTrainedModel) -> int:
+    """Parameters of the decoder layers (what a share to remove is a share of)."""
+    return sum(count_parameters(layer) for layer in decoder_layers(model))
+
+
+def parameter_budget(model: PreTrainedModel, options: PruneOptions) -> int:
+    """How many decoder parameters to remove, net of what is added."""
+    if options.num_parameters is not None:
+        return options.num_parameters
+    return round(budget_share(options.remove) * decoder_parameters(model))
+
+
+def resolve_budget(calibration_pass: CalibrationPass, options: PruneOptions) -> PruneOptions:
+    """Whole layers at a parameter budget: the fewest layers whose parameters, net of one boundary's operator, reach
+    it (every layer of a family has the same count but MoE's dense first layers: their mean is used)."""
+    if options.unit != "layer" or (options.remove is None and options.num_parameters is None):
+        return options
+    model = dense_in_memory(calibration_pass, "A parameter budget")
+    depth, width = calibration_pass.config.num_hidden_layers, calibration_pass.config.hidden_size
+    kind, budget = operator_kind(options.operator), parameter_budget(model, options)
+    added = 0 if kind.stock else kind.regressors * width * width
+    num_layers = max(1, math.ceil((budget + added) / (decoder_parameters(model) / depth)))
+    if num_layers >= depth - kind.first_removable:  # what check_request refuses for num_layers, said for a budget
+        raise GhostedError(f"Removing {budget:,} parameters takes {num_layers} whole layers of the "
+                           f"{depth - kind.first_removable} that operator {kind.name!r} can remove: ask for less.")
+    logger.info("A budget of %d parameters: %d whole layers.", budget, num_layers)
+    return PruneOptions.build(options, num_layers=num_layers)
+
+
+def selection_request(depth: int, options: PruneOptions) -> SelectionRequest:
+    """What the criterion is asked to choose, for a model of `depth` layers."""
+    return SelectionRequest(depth=depth, num_layers=options.num_layers,
+                            first=operator_kind(options.operator).first_removable, ridge=options.ridge,
+                            layers=tuple(options.layers or ()), operator=options.operator)
+
+
+def statistics_plan(depth: int, options: PruneOptions) -> StatisticsPlan:
+    """Everything `ghost_prune` with these options can need from the dense model, known before selection: the
+    criterion's statistics and the fit statistics of every boundary it may choose (every candidate span of a
+    contiguous criterion, the given layers' boundaries for 'manual'). ShortGPT's scattered layers and
+    sequential fits of later boundaries need passes on the chosen layers (pass calibration text then)."""
+    chosen, kind = criterion(options.criterion), operator_kind(options.operator)
+    request = selection_request(depth, options)
+    if isinstance(chosen, ContiguousCriterion):
+        spans = chosen.spans(request)
+    elif chosen.takes_layers:
+        spans = boundary_spans(depth, sorted(options.layers))
+    else:
+        spans = []
+    return StatisticsPlan.union([chosen.statistics(request), *(kind.statistics(s, e) for s, e in spans)])
+
+
+def select(calibrator: Calibrator, options: PruneOptions) -> Selection:
+    """The layers to remove, with the scores of every candidate."""
+    chosen = criterion(options.criterion)
+    request = selection_request(calibrator.depth, options)
+    return chosen.select(calibrator.ensure(chosen.statistics(request), f"selection by {chosen.name!r}"), request)
+
+
+def boundary_spans(depth: int, removed: list[int]) -> list[tuple[int, int]]:
+    """(s, e) per boundary: X_s enters the first removed layer, X_e the next kept layer (e == depth: the norm)."""
+    return [(b["removed"][0], b["removed"][-1] + 1) for b in expected_boundaries(depth, removed)]
+
+
+def fit_operators(calibrator: Calibrator, removed: list[int], options: PruneOptions) -> list[BoundaryFit]:
+    """One fit per boundary; sequential fitting refits each source on the model pruned and patched so far."""
+    kind = operator_kind(options.operator)
+    spans = boundary_spans(calibrator.depth, removed)
+    sequential = options.fitting == "sequential" and kind.sequential and len(spans) > 1
+    plans = [kind.statistics(s, e) for s, e in spans]
+    # Sequentially fitted boundaries read their sources from the patched stream, so the dense pass skips them.
+    dense_plan = StatisticsPlan.union(plan.split_at(s)[1] if sequential and k else plan
+                                      for k, (plan, (s, _)) in enumerate(zip(plans, spans)))
+    stats = calibrator.ensure(dense_plan, f"fitting the {kind.name} operators")
+    fits: list[BoundaryFit] = []
+    for k, (plan, (s, e)) in enumerate(zip(plans, spans)):
+        if sequential and k > 0:
+            patch = Patch(tuple(i for i in removed if i < s),
+                          operators={f.source: f.operator.float() for f in fits if f.operator is not None},
+                          transforms={f.source - 1: f.fused.float() for f in fits if f.fused is not None},
+                          normed={f.source: f.normed.float() for f in fits if f.normed is not None})
+            local = calibrator.collect(plan.split_at(s)[0], f"sequential fit {k + 1}/{len(spans)}", patch=patch)
+            fit = kind.fit(stats.with_tensors(local), s, e, options.ridge)
+            fit.figures["fitted_on"] = "pruned and patched model"
+        else:
+            fit = kind.fit(stats, s, e, options.ridge)
+            fit.figures["fitted_on"] = "dense model"
+        fits.append(fit)
+    return fits
+
+
+def build(model: PreTrainedModel, removed: list[int], fits: list[BoundaryFit], options: PruneOptions) -> GhostedForCausalLM:
+    """The pruned model with each boundary's operator installed (and transforms folded into the MLP's output weights)."""
+    operators = {f.source: f.operator for f in fits if f.operator is not None}
+    ghosted = prune_layers(model, removed, operators, operator_kind=options.operator,
+                           operator_dtype=getattr(torch, options.operator_dtype),
+                           normed={f.source: f.normed for f in fits if f.normed is not None})
+    for fit, record in zip(fits, ghosted.config.ghost_boundaries):
+        if fit.fused is not None:
+            record["fused_into"] = fold_into_mlp_writers(ghosted, fit.source - 1, fit.fused)
+        record["operator"] = fit.kind
+        record["fit"] = fit.figures
+    return ghosted
+
+
+def fitting_done(boundaries: list[dict[str, Any]]) -> str:
+    """What the fits were, not what was asked: 'sequential' where a boundary was fitted on the model pruned and
+    patched before it (a kind that cannot be, such as replaceme-ls, is fitted on the dense model), 'single' for one
+    fit, 'none' without a fit."""
+    fitted_on = [b["fit"]["fitted_on"] for b in boundaries
+                 if b.get("operator") != "none" and (b.get("fit") or {}).get("fitted_on")]
+    if len(fitted_on) < 2:
+        return "single" if fitted_on else "none"
+    return "sequential" if any(on != "dense model" for on in fitted_on) else "independent"
+
+
+def provenance(ghosted: GhostedForCausalLM, base_name: str | None, dense_parameters: int, selection: Selection,
+               calibrator: Calibrator, options: PruneOptions, seconds: float) -> Provenance:
+    """Everything needed to reproduce and judge the result; saved in config.json and rendered by the card
+    and `ghosted inspect`."""
+    operator_parameters = sum(p.numel() for p in ghosted.ghost_operators().values())
+    data, stats = calibrator.data_description, calibrator.statistics
+    base = base_model_info(base_name)
+    return Provenance(
+        method=METHOD,
+        base_model=base.hub_id or base_name or None,
+        base_model_path=base_name or None,
+        base_model_license=base.license,
+        base_model_notice=base.notice,
+        selection=selection.describe(),
+        operator=options.operator,
+        fitting=fitting_done(ghosted.config.ghost_boundaries),
+        solver={"dtype": "float64", "solve": "torch.linalg.solve", "ridge": options.ridge,
+                "ridge_scale": "mean diagonal of X^T X"},
+        calibration={**data, "tokens_used": stats.tokens if stats else data.get("tokens"), "processes": calibrator.world,
+                     **({"statistics": {k: v for k, v in stats.origin.items() if k != "plan"}}
+                        if stats is not None and not data else {})},
+        cost={"seconds": round(seconds, 2), "passes": calibrator.passes},
+        parameters={"dense": dense_parameters, "pruned": count_parameters(ghosted) - operator_parameters,
+                    "operators": operator_parameters},
+        options=options.to_dict(),
+        versions={"ghosted_hf": importlib.metadata.version("ghosted_hf"), "transformers": transformers.__version__,
+                  "torch": torch.__version__},
+    )
+
+
+def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
+    """Refuse a request that cannot succeed before any calibration work."""
+    depth = getattr(config, "num_hidden_layers", None)
+    if not isinstance(depth, int):
+        raise GhostedError(f"Expected a decoder-only causal LM (a transformers model with config.num_hidden_layers), "
+                           f"got a {type(config).__name__}.")
+    kind = operator_kind(options.operator)
+    family = architecture(config)
+    if options.unit != "layer":
+        if options.subblocks or options.layers:
+            subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
+        return
+    if kind.stock and kind.name != "none":
+        family.refuse_fold(kind.name)
+    if not criterion(options.criterion).takes_layers:
+        if options.remove is None and options.num_parameters is None:  # a budget sets num_layers once counted
+            check_num_layers(options.num_layers, depth - kind.first_removable)
+        return
+    removed = validate_removal(options.layers, depth)
+    if removed[0] < kind.first_removable:
+        raise GhostedError(f"Operator kind {kind.name!r} cannot remove layers below {kind.first_removable} "
+                           f"(it folds into the kept layer before the boundary); got layers {removed}.")
+
+
+def prepare_calibration(calibration_pass: CalibrationPass, tokenizer: Any, calibration: TextSource | None,
+                        statistics: CalibrationStatistics | str | Path | None, options: PruneOptions,
+                        ) -> tuple[TokenBatches | None, CalibrationStatistics | None]:
+    """(token batches of the calibration text or None, precomputed statistics or None)."""
+    if isinstance(statistics, (str, Path)):
+        statistics = CalibrationStatistics.load(statistics, device=options.stats_device or "cpu")
+    if statistics is not None:
+        config = calibration_pass.config
+        if (statistics.depth, statistics.hidden_size) != (config.num_hidden_layers, config.hidden_size):
+            raise GhostedError(f"The given statistics were collected on a model of {statistics.depth} layers of "
+                               f"width {statistics.hidden_size}, not this one ({config.num_hidden_layers} x "
+                               f"{config.hidden_size}): collect statistics on this model.")
+        check_same_model(statistics, calibration_pass.fingerprint(), "The given statistics")
+    if statistics is not None and "shard" in statistics.origin and statistics.origin["shard"] != "0/1":
+        raise GhostedError(f"The given statistics are shard {statistics.origin['shard']} only: merge all shards first "
+                           "(ghosted stats merge stats-*.safetensors --output stats.safetensors).")
+    needed = statistics_plan(calibration_pass.config.num_hidden_layers, options)
+    if calibration is None:
+        if statistics is None and needed:
+            raise GhostedError("Pass calibration text (list of strings, text file or Dataset) or precomputed statistics.")
+        return None, statistics
+    if not needed:  # e.g. manual layers, no recovery: nothing to measure, so the text is neither read nor tokenized
+        logger.info("criterion %r with operator %r needs no calibration statistics: the calibration text is unused.",
+                    options.criterion, options.operator)
+        return None, statistics
+    if tokenizer is None:
+        raise GhostedError("A tokenizer is needed to tokenize the calibration text.")
+    data = calibration_tokens(tokenizer, calibration, options, calibration_pass.vocab_size,
+                              calibration_pass.config.hidden_size, operator_kind(options.operator).regressors)
+    return data, statistics
+
+
+def calibrate(model: PreTrainedModel | CalibrationPass, tokenizer: Any, calibration: TextSource,
+              options: PruneOptions | None = None, *, shard: ShardSpec | None = None,
+              **overrides: Any) -> CalibrationStatistics:
+    """The statistics `ghost_prune` with these options needs (`statistics_plan`), over shard `shard` of the
+    calibration batches, with the model and data they come from recorded for `CalibrationStatistics.merge`
+    and for the check that `ghost_prune(statistics=...)` is given the same model."""
+    options = PruneOptions.build(options, **overrides)
+    calibration_pass = as_calibration_pass(model)
+    if options.unit != "layer":
+        raise GhostedError(f"unit={options.unit!r} fits each map on the model with the maps before it installed, in one "
+                           "process: it has no statistics to collect ahead; run ghost_prune (ghosted prune) directly.")
+    options = resolve_budget(calibration_pass, options)
+    check_request(calibration_pass.config, options)
+    data, _ = prepare_calibration(calibration_pass, tokenizer, calibration, None, options)
+    calibrator = Calibrator(calibration_pass, data, device=options.stats_device, shard=shard)
+    calibrator.check_agreement(options)
+    stats = calibrator.collect(statistics_plan(calibrator.depth, options), f"statistics shard {calibrator.shard}")
+    stats.origin["model"] = calibration_pass.fingerprint()
+    return stats
+
+
+def calibration_tokens(tokenizer: Any, calibration: TextSource, options: PruneOptions | ExportOptions,
+                       vocab_size: int, hidden_size: int, regressors: int = 1) -> TokenBatches:
+    """The calibration windows `options` ask for (read by the one text reader), checked against the model's vocabulary
+    and against the text a fit of `regressors` x C inputs needs."""
+    data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size,
+                          options.text_column, split=options.split, streaming=options.streaming)
+    check_token_ids(data, vocab_size)
+    check_token_budget(data.num_tokens, hidden_size, regressors)
+    return data
+
+
+def check_token_ids(data: TokenBatches, vocab_size: int) -> None:
+    """Refuse token ids the model has no embedding row for (a tokenizer of another model)."""
+    top = max(int(b["input_ids"].max()) for b in data.batches)
+    if top >= vocab_size:
+        raise GhostedError(f"The tokenizer produced token id {top}, but the model's embedding has {vocab_size} rows: "
+                           "the tokenizer does not belong to this model. Load the tokenizer from the model's own folder.")
+
+
+def check_token_budget(tokens: int, hidden_size: int, regressors: int = 1) -> None:
+    """The one rule for how much text a fit needs, for a fit of `regressors` x C inputs per output channel (the
+    joint `ghost-normed` fit reads X_s and n(X_s): 2): fewer tokens than that leave the least-squares fit
+    underdetermined and are refused; fewer than 10 x that fit, with a warning that the fit may not be stable."""
+    columns = regressors * hidden_size
+    what = f"a {hidden_size}x{hidden_size} operator" if regressors == 1 else f"{regressors} {hidden_size}x{hidden_size} terms jointly"
+    if columns <= tokens < 10 * columns:  # (fewer than that is refused below, without a warning first)
+        logger.warning("The calibration data gave %d tokens for %s: fewer than 10x the %d inputs of the fit (%d), so "
+                       "the fit may not carry over to other text. Add calibration text or raise seq_len / "
+                       "num_sequences.", tokens, what, columns, 10 * columns)
+    if tokens < columns:
+        raise GhostedError(
+            f"The calibration data gave {tokens} usable tokens, but fitting {what} needs at least {columns} (the "
+            f"inputs of the fit), and about {10 * columns} for a stable fit. Add calibration text or raise seq_len / "
+            "num_sequences."
+        )
