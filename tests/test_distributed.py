@@ -247,12 +247,27 @@ def test_a_rank_that_differs_fails_every_rank_before_any_pass(differs: str, tmp_
         assert message.startswith(f"Process 1 of 2 has another {differs} than process 0"), (rank, message)
 
 
-def test_a_process_whose_peers_never_start_stops_with_one_line(dense_folder: Path) -> None:
+@pytest.mark.parametrize("command", ["prune", "heal"])
+def test_a_process_whose_peers_never_start_stops_with_one_line(command: str, dense_folder: Path) -> None:
+    """Within GHOSTED_DISTRIBUTED_TIMEOUT, calibration and healing alike (accelerate alone would wait torch's default
+    30 minutes on CPU processes)."""
+    calibration = dense_folder.parent / "cal.txt"
+    if command == "heal":
+        from ghosted_hf import ghost_prune
+        from tiny import char_tokenizer, texts
+
+        ghost_prune(build("llama"), char_tokenizer(), texts(), num_layers=2, seq_len=32,
+                    num_sequences=8).save_pretrained(dense_folder.parent / "pruned")
+        char_tokenizer().save_pretrained(dense_folder.parent / "pruned")
+        arguments = ["heal", str(dense_folder.parent / "pruned"), "--data", str(calibration), "--steps", "2",
+                     "--seq-len", "32", "--output", str(dense_folder.parent / "healed")]
+    else:
+        arguments = ["prune", str(dense_folder), "--calibration", str(calibration), "--num-layers", "2", "--seq-len",
+                     "32", "--num-sequences", "8", "--dry-run"]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "2",
            "LOCAL_RANK": "0", "GHOSTED_DISTRIBUTED_TIMEOUT": "3"}
-    done = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", "prune", str(dense_folder), "--calibration",
-                           str(dense_folder.parent / "cal.txt"), "--num-layers", "2", "--seq-len", "32",
-                           "--num-sequences", "8", "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *arguments], env=env, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert "Process 0 of 2 found no peers at 127.0.0.1" in last and "within 3 s" in last, last

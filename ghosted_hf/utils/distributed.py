@@ -1,12 +1,15 @@
-"""torch.distributed for data-parallel calibration: joining the group the launcher describes, the rank of
-this process, and the summation of float64 statistics across processes."""
+"""The one distributed layer of calibration and healing: joining the process group the launcher describes (bounded
+by one timeout, failing with one line), the rank of this process, the check that every process runs the same thing,
+and the summation of float64 statistics across processes. Healing's Trainer (accelerate) adopts the group joined
+here; on CUDA it joins it itself, with the same timeout and the same one-line failure (`rendezvous`)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -67,15 +70,28 @@ def init_distributed() -> bool:
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise GhostedError(f"Process {rank} of {world}: MASTER_ADDR and MASTER_PORT are not set, so the processes cannot "
                            "find each other; start them with torchrun or accelerate launch (which set them).")
-    timeout = timeout_s()
-    logger.info("Joining process group: rank %d of %d (%s, timeout %.0f s).", rank, world, backend, timeout)
-    try:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
-    except (RuntimeError, TimeoutError) as error:  # torch raises DistStoreError (a RuntimeError) on a timeout
-        raise GhostedError(f"Process {rank} of {world} found no peers at {os.environ['MASTER_ADDR']}:"
-                           f"{os.environ['MASTER_PORT']} within {timeout:.0f} s ({error}): start every process "
-                           "(torchrun --nproc-per-node N), or raise GHOSTED_DISTRIBUTED_TIMEOUT.") from None
+    logger.info("Joining process group: rank %d of %d (%s, timeout %.0f s).", rank, world, backend, timeout_s())
+    with rendezvous():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s()))
     return True
+
+
+@contextlib.contextmanager
+def rendezvous() -> Iterator[None]:
+    """Around whatever joins the launcher's group (here, or accelerate under the Trainer): peers that do not all
+    come within the timeout fail this process with one line naming the address and the timeout."""
+    import torch.distributed as dist
+
+    try:
+        yield
+    except (RuntimeError, TimeoutError) as error:  # torch raises DistStoreError (a RuntimeError) on a timeout
+        rank, world, _ = launcher_process()
+        if world <= 1 or dist.is_initialized():  # not a failed rendezvous
+            raise
+        raise GhostedError(f"Process {rank} of {world} found no peers at {os.environ.get('MASTER_ADDR')}:"
+                           f"{os.environ.get('MASTER_PORT')} within {timeout_s():.0f} s "
+                           f"({str(error).splitlines()[0][:200]}): start every process (torchrun --nproc-per-node N), "
+                           "or raise GHOSTED_DISTRIBUTED_TIMEOUT.") from None
 
 
 def process_rank() -> tuple[int, int]:

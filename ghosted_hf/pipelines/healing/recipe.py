@@ -19,7 +19,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ...text.tokens import TrainingSequences, training_sequences
 from .distillation import head_is_plain
-from ...utils.distributed import check_agreement, is_main_process, timeout_s
+from ...utils.distributed import check_agreement, init_distributed, is_main_process, rendezvous, timeout_s
 from ...architectures import lora_target_parameters, lora_targets
 from ...errors import GhostedError, MissingDependencyError
 from ...model.provenance import Provenance
@@ -107,9 +107,13 @@ def heal(
         raise GhostedError("save_every, resume and report_to need the checkpoints folder (the run's checkpoints, and "
                            "its logs under runs/).")
     with checkpoint_folder(checkpoints) as output_dir:
-        # Building the arguments joins the launcher's process group: the world size is known from here on.
-        args = _arguments(options, str(output_dir))
-        device = args.device
+        # The launcher's process group is joined here: the world size is known from here on. On CPU processes it is
+        # joined by the distributed layer (accelerate would wait torch's default 30 minutes, not timeout_s()).
+        if not torch.cuda.is_available():
+            init_distributed()
+        with rendezvous():
+            args = _arguments(options, str(output_dir))
+            device = args.device
         precision = resolve_precision(options.precision, device)
         per_step = options.batch_size * options.gradient_accumulation * args.world_size
         steps = (math.ceil(options.tokens / (per_step * options.seq_len)) if options.tokens
