@@ -98,7 +98,7 @@ class Architecture:
                            f"exactly ({reason}). Use operator 'ghost' or 'normed' (remote code), or 'none'.")
 
 
-def _llama_like(norm_after: str | None = None, placement: str = "pre", **extra: Any) -> dict[str, Any]:
+def _llama_like(placement: str = "pre", **extra: Any) -> dict[str, Any]:
     """The Llama layout of names (q/k/v/o, gate/up/down, input_layernorm, post_attention_layernorm)."""
     attention = SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj"), ("o_proj",))
     mlp = SubBlock(("mlp",), "post_attention_layernorm", ("gate_proj", "up_proj"), ("down_proj",))

@@ -79,13 +79,6 @@ def _validate_ghost_tensor(tensor: torch.Tensor, shape: tuple[int, ...], what: s
     return stored
 
 
-def validate_operator(operator: torch.Tensor, hidden_size: int, where: str,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The operator cast to its storage `dtype`, checked."""
-    return _validate_ghost_tensor(operator, (hidden_size, hidden_size), "Operator", where,
-                                  "hidden size x hidden size, applied as x @ W", dtype)
-
-
 def _dense_name(name: str, kept: list[int]) -> str:
     """Name in the dense model of a tensor of the pruned model."""
     layer = layer_of(name)
