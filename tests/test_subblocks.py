@@ -217,10 +217,6 @@ def test_choose_to_budget_takes_the_least_damage_per_parameter() -> None:
     whole = sb.SubBlockRef(0, sb.LAYER)
     assert sb.choose_to_budget({a: 0.0, whole: 0.1, b: 0.5}, {a: 10, whole: 30, b: 10}, 15) == [a, b]
     assert sb.choose_to_budget({whole: 0.0, a: 0.1, b: 0.5}, {a: 10, whole: 30, b: 10}, 35) == [whole, b]
-    # the pick that reaches the budget is the least damage that reaches it, not the next by damage per parameter
-    other = sb.SubBlockRef(1, sb.LAYER)
-    assert sb.choose_to_budget({c: 0.0, other: 0.3, a: 0.2}, {c: 5, other: 30, a: 10}, 12) == [a, c]
-    assert sb.choose_to_budget({c: 0.0, other: 0.3, a: 0.2}, {c: 5, other: 30, a: 6}, 12) == [other, c]
 
 
 def test_a_share_of_parameters_sets_the_number_of_whole_layers() -> None:

@@ -326,25 +326,14 @@ def damages(model: nn.Module, batches: list[Batch], fits: Mapping[SubBlockRef, S
 
 def choose_to_budget(damage: Mapping[SubBlockRef, float], saved: Mapping[SubBlockRef, int], budget: int) -> list[SubBlockRef]:
     """The sub-blocks that remove at least `budget` parameters (net of their maps) with the least damage per parameter
-    saved, cheapest first; a whole layer and its own sub-blocks exclude each other. The pick that reaches the budget
-    is the one of least damage among those that reach it: past the budget, parameters saved are worth nothing, so a
-    small sub-block that finishes it beats a whole layer that overshoots it."""
+    saved, cheapest first; a whole layer and its own sub-blocks exclude each other."""
     order = sorted((ref for ref in damage if saved[ref] > 0), key=lambda ref: (max(damage[ref], 0.0) / saved[ref], ref))
-    chosen: list[SubBlockRef] = []
-    taken: dict[int, str] = {}  # layer -> a block chosen there
-
-    def allowed(ref: SubBlockRef) -> bool:
-        return ref not in chosen and not (ref.layer in taken and LAYER in (ref.block, taken[ref.layer]))
-
-    total = 0
+    chosen, total, taken = [], 0, {}  # taken: layer -> a block chosen there
     for ref in order:
         if total >= budget:
             break
-        if not allowed(ref):
+        if ref.layer in taken and LAYER in (ref.block, taken[ref.layer]):
             continue
-        if saved[ref] >= budget - total:
-            ref = min((r for r in order if saved[r] >= budget - total and allowed(r)),
-                      key=lambda r: (max(damage[r], 0.0), r))
         taken[ref.layer] = ref.block
         chosen.append(ref)
         total += saved[ref]
