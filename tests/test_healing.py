@@ -177,6 +177,17 @@ def test_teacher_base_is_the_recorded_base_model(tmp_path: Path) -> None:
         base_model_reference(model)
 
 
+def test_heal_loads_the_base_model_as_teacher(tmp_path: Path) -> None:
+    """What `ghosted heal --teacher base` does, the Python API does too: the recorded dense folder is the teacher."""
+    build("llama").save_pretrained(tmp_path / "dense")
+    char_tokenizer().save_pretrained(tmp_path / "dense")
+    model = pruned()
+    model.config.ghost_provenance = {**model.config.ghost_provenance, "base_model_path": str(tmp_path / "dense")}
+    healed = heal(model, char_tokenizer(), texts(), teacher="base", steps=2, seq_len=48, progress=False)
+    assert healed.record["teacher"] == str(tmp_path / "dense")
+    assert healed.record["loss"] == "KL to the teacher's logits"
+
+
 def stock(operator: str = "folded"):
     return ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], operator=operator,
                        **FAST)

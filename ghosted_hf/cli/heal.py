@@ -36,11 +36,9 @@ class HealArgs(LoadArgs, OutputArgs):
 
 def cmd_heal(args: argparse.Namespace) -> int:
     """`ghosted heal`: LoRA-heal a pruned model and save it merged (or the adapter alone); rank 0 writes."""
-    import torch
-
     from ..io.card import save_with_card
     from ..utils.distributed import is_main_process
-    from ..pipelines.healing import HealOptions, base_model_reference, heal, merge
+    from ..pipelines.healing import HealOptions, heal, load_teacher, merge
 
     run, options = from_namespace(HealArgs, args), from_namespace(HealOptions, args)
     check_output(run.output, (run.folder, run.data, run.eval_data, run.teacher, run.checkpoints),
@@ -53,12 +51,8 @@ def cmd_heal(args: argparse.Namespace) -> int:
                                "checkpoints would be written into a model; name a folder outside it.")
     model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
                                   revision=run.revision)
-    teacher = None
-    if run.teacher != "none":
-        reference = base_model_reference(model) if run.teacher == "base" else run.teacher
-        teacher, _ = load_model(reference, dtype=run.teacher_dtype or run.dtype, trust_remote_code=run.trust_remote_code)
-        if torch.cuda.is_available():
-            teacher.to(f"cuda:{torch.cuda.current_device()}")
+    teacher = None if run.teacher == "none" else load_teacher(
+        model, run.teacher, dtype=run.teacher_dtype or run.dtype, trust_remote_code=run.trust_remote_code)
     healed = heal(model, tokenizer, run.data or assets.wikipedia_split("calibration"), options, teacher=teacher,
                   eval_data=run.eval_data, checkpoints=checkpoints, resume=run.resume)
     if not is_main_process():

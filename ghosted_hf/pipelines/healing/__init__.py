@@ -14,8 +14,8 @@ from .checkpoints import CHECKPOINT_RECORD, RUN_RECORD, check_same_run, resume_p
 from .options import HealOptions, base_model_reference, healed_kind, resolve_precision
 from .callbacks import lr_factor
 from .trainer import EAGER_MAX_LEN, sharded, training_attention
-from .recipe import HealResult, heal, merge
+from .recipe import HealResult, heal, load_teacher, merge
 
 __all__ = ["CHECKPOINT_RECORD", "EAGER_MAX_LEN", "RUN_RECORD", "HealOptions", "HealResult", "base_model_reference",
-           "check_same_run", "heal", "healed_kind", "lr_factor", "merge", "resolve_precision", "resume_point",
+           "check_same_run", "heal", "healed_kind", "load_teacher", "lr_factor", "merge", "resolve_precision", "resume_point",
            "sharded", "training_attention", "verified_checkpoint"]

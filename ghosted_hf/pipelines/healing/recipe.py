@@ -22,13 +22,15 @@ from .distillation import head_is_plain
 from ...utils.distributed import check_agreement, init_distributed, is_main_process, rendezvous, timeout_s
 from ...architectures import lora_target_parameters, lora_targets
 from ...errors import GhostedError, MissingDependencyError
+from ...model.loading import DTYPES, load_model
 from ...model.provenance import Provenance
 from ...text.documents import read_documents
 from ...remote.modeling_ghosted import GHOST_MODULE
 from .callbacks import Budget, Progress, Record, Schedule
 from .checkpoints import (agreement_claims, check_same_run, checkpoint_folder, claim_checkpoint_folder, resume_point,
                           run_identity, verified_checkpoint)
-from .options import DEFAULT_STEPS, HealOptions, check_meaningful, check_same_vocabulary, healed_kind, resolve_precision
+from .options import (DEFAULT_STEPS, HealOptions, base_model_reference, check_meaningful, check_same_vocabulary,
+                      healed_kind, resolve_precision)
 from .trainer import HealingTrainer, SequenceDataset, collate, sharded, training_attention, unsharded
 
 logger = logging.getLogger(__name__)
@@ -70,13 +72,26 @@ def _arguments(options: HealOptions, output_dir: str) -> TrainingArguments:
     )
 
 
+def load_teacher(model: PreTrainedModel, teacher: str, *, dtype: str | None = None,
+                 trust_remote_code: bool = False) -> PreTrainedModel:
+    """The dense model to distill `model` from: "base" (the model it was pruned from, as its provenance records it)
+    or a folder / Hub id; in `dtype` (None: the student's), on the GPU the student trains on when there is one."""
+    reference = base_model_reference(model) if teacher == "base" else teacher
+    names = {value: name for name, value in DTYPES.items()}
+    loaded, _ = load_model(reference, dtype=dtype or names.get(model.dtype, "float32"),
+                           trust_remote_code=trust_remote_code)
+    if torch.cuda.is_available():
+        loaded.to(f"cuda:{torch.cuda.current_device()}")
+    return loaded
+
+
 def heal(
     model: PreTrainedModel,
     tokenizer: Any,
     data: Any,
     options: HealOptions | None = None,
     *,
-    teacher: nn.Module | None = None,
+    teacher: nn.Module | str | None = None,
     eval_data: Any = None,
     checkpoints: str | os.PathLike | None = None,
     resume: str | os.PathLike | None = None,
@@ -87,7 +102,8 @@ def heal(
 ) -> HealResult:
     """Train LoRA adapters (and, with `train_operators`, the ghost operators) on `data` (anything `text.read_documents`
     reads) for `steps` steps, `tokens` tokens or `minutes` by `clock` (seconds). With a `teacher` the loss is
-    KL(teacher || student) (mixed with the next-token loss by `kd_weight`), otherwise next-token cross-entropy.
+    KL(teacher || student) (mixed with the next-token loss by `kd_weight`), otherwise next-token cross-entropy;
+    `teacher` is a model, or "base" / a folder / a Hub id (`load_teacher`).
     `eval_data`: held-out text (else carved off `data`). `checkpoints`: the folder of resumable checkpoints (with
     `save_every`); `resume`: "last" or a checkpoint folder. `callbacks`: more `transformers.TrainerCallback`s.
     Under FSDP or DeepSpeed ZeRO-3 `model` is consumed (sharded in place); the result's model is the healed model
@@ -98,6 +114,8 @@ def heal(
     if options.train_operators and kind == "stock":
         raise GhostedError("train_operators needs a ghosted model: a stock checkpoint has its operators folded into "
                            "its weights, and LoRA already trains those.")
+    if isinstance(teacher, str):
+        teacher = load_teacher(model, teacher)
     check_meaningful(options, model, teacher, data, eval_data)
     plain_heads = True
     if teacher is not None:
