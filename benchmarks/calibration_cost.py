@@ -23,9 +23,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets
+from ghosted_hf.fitting.selection import SelectionRequest, criterion
 from ghosted_hf.statistics import collect_statistics, least_squares
 from ghosted_hf.text.tokens import tokenize_texts
-from ghosted_hf.fitting.selection import SelectionRequest, criterion
 
 
 def _status(field: str) -> int:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 
+from common import held_out_windows, packaged_model
+
 from ghosted_hf import assets, ghost_prune
-from ghosted_hf.statistics import collect_statistics
-from ghosted_hf.text.tokens import tokenize_texts
 from ghosted_hf.evaluate import gap_closed, perplexity
 from ghosted_hf.fitting.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
-
-from common import held_out_windows, packaged_model
+from ghosted_hf.statistics import collect_statistics
+from ghosted_hf.text.tokens import tokenize_texts
 
 
 def main() -> None:

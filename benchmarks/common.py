@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets
-from ghosted_hf.text.tokens import TokenBatches, tokenize_texts
 from ghosted_hf.evaluate import perplexity
 from ghosted_hf.options import PruneOptions
+from ghosted_hf.text.tokens import TokenBatches, tokenize_texts
 
 
 def packaged_model(name: str = assets.DEFAULT_MODEL) -> tuple[object, Callable[[], torch.nn.Module]]:

@@ -26,13 +26,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inference import decode, prefill, synchronize  # noqa: E402
-
 from transformers import TrainerCallback  # noqa: E402
 
 from ghosted_hf import heal, prune_layers  # noqa: E402
-from ghosted_hf.statistics import CROSS, GRAM, collect_statistics  # noqa: E402
 from ghosted_hf.fitting.operators import operator_kind  # noqa: E402
 from ghosted_hf.fitting.selection import SelectionRequest, criterion  # noqa: E402
+from ghosted_hf.statistics import CROSS, GRAM, collect_statistics  # noqa: E402
 
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

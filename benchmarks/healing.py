@@ -23,17 +23,16 @@ import time
 from pathlib import Path
 
 import torch
-
-from ghosted_hf import assets, ghost_prune
-from ghosted_hf.text.tokens import tokenize_texts
-from ghosted_hf.evaluate import gap_closed, lambada, perplexity
-from ghosted_hf.pipelines.healing import HealOptions, heal
-from ghosted_hf.options import PruneOptions, add_arguments, from_namespace
-from ghosted_hf.pipelines.prune import statistics_plan
-from ghosted_hf.statistics import CalibrationStatistics, collect_statistics
-
 from common import held_out_windows, layer_ranges, packaged_model
 from legacy_healing import legacy_heal
+
+from ghosted_hf import assets, ghost_prune
+from ghosted_hf.evaluate import gap_closed, lambada, perplexity
+from ghosted_hf.options import PruneOptions, add_arguments, from_namespace
+from ghosted_hf.pipelines.healing import HealOptions, heal
+from ghosted_hf.pipelines.prune import statistics_plan
+from ghosted_hf.statistics import CalibrationStatistics, collect_statistics
+from ghosted_hf.text.tokens import tokenize_texts
 
 STARTS = ("ghosted", "plain", "streamline", "folded")
 IMPLEMENTATIONS = ("trainer", "legacy")

@@ -18,13 +18,11 @@ import sys
 import time
 
 import torch
+from common import packaged_model
 
 from ghosted_hf import assets
-from ghosted_hf.text.tokens import training_sequences
 from ghosted_hf.text.documents import Documents
-from ghosted_hf.text.tokens import pack_tokens, text_hash
-
-from common import packaged_model
+from ghosted_hf.text.tokens import pack_tokens, text_hash, training_sequences
 
 SEQ_LEN = 256  # heal's default
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import statistics
 import time
 
+from healing import step_timing_setup
+from legacy_healing import legacy_heal
 from transformers import TrainerCallback
 
 from ghosted_hf.pipelines.healing import HealOptions, heal
-
-from healing import step_timing_setup
-from legacy_healing import legacy_heal
 
 
 class StepStarts(TrainerCallback):

@@ -11,12 +11,11 @@ import contextlib
 import statistics
 import time
 
+from healing import step_timing_setup
 from transformers import TrainerCallback
 
 from ghosted_hf.pipelines import healing
 from ghosted_hf.pipelines.healing import recipe as healing_recipe  # where heal looks training_attention up
-
-from healing import step_timing_setup
 
 ATTENTION = ("sdpa", "eager")
 

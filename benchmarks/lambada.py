@@ -12,12 +12,12 @@ import argparse
 import time
 from pathlib import Path
 
+from common import held_out_windows, layer_ranges, packaged_model
+from healing import cached_statistics
+
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.evaluate import gap_closed, lambada, perplexity
 from ghosted_hf.options import PruneOptions
-
-from common import held_out_windows, layer_ranges, packaged_model
-from healing import cached_statistics
 
 
 def main() -> None:

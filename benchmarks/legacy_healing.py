@@ -11,9 +11,9 @@ from collections.abc import Callable
 import torch
 from peft import LoraConfig, get_peft_model
 
-from ghosted_hf.text.tokens import tokenize_texts
 from ghosted_hf.architectures import lora_targets
 from ghosted_hf.pipelines.healing import HealOptions, lr_factor, resolve_precision, training_attention
+from ghosted_hf.text.tokens import tokenize_texts
 
 
 def legacy_heal(model, tokenizer, data, options: HealOptions, *, minutes: float | None = None,

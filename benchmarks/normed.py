@@ -18,14 +18,14 @@ import json
 import math
 import time
 
+from common import add_model_argument, held_out_windows, layer_ranges, model_title, packaged_model
+
 from ghosted_hf import assets, ghost_prune
-from ghosted_hf.text.tokens import tokenize_texts
 from ghosted_hf.evaluate import gap_closed, lambada, perplexity
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.pipelines.prune import statistics_plan
 from ghosted_hf.statistics import StatisticsPlan, collect_statistics
-
-from common import add_model_argument, held_out_windows, layer_ranges, model_title, packaged_model
+from ghosted_hf.text.tokens import tokenize_texts
 
 KINDS = ("ghost", "normed", "ghost-normed")
 

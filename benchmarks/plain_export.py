@@ -16,15 +16,14 @@ import math
 import time
 
 import torch
+from common import add_setup_arguments, benchmark_setup, model_title
 
 from ghosted_hf import ghost_prune
-from ghosted_hf.statistics import StatisticsPlan, collect_statistics
 from ghosted_hf.evaluate import gap_closed, perplexity
 from ghosted_hf.fitting.operators import OPERATOR_KINDS
-from ghosted_hf.pipelines.prune import boundary_spans
 from ghosted_hf.model.surgery import count_parameters
-
-from common import add_setup_arguments, benchmark_setup, model_title
+from ghosted_hf.pipelines.prune import boundary_spans
+from ghosted_hf.statistics import StatisticsPlan, collect_statistics
 
 ROWS = [  # (row name, operator kind, needs custom code to run)
     ("no recovery", "none", False),

@@ -23,16 +23,16 @@ import argparse
 import json
 import time
 
+from common import add_model_argument, held_out_windows, layer_ranges, model_title, packaged_model
+
 from ghosted_hf import assets, ghost_prune
-from ghosted_hf.statistics import StatisticsPlan, collect_statistics
-from ghosted_hf.text.tokens import tokenize_texts
 from ghosted_hf.evaluate import ZERO_SHOT_TASKS, gap_closed, lambada, perplexity, zero_shot
-from ghosted_hf.pipelines.healing import HealOptions, heal, merge
 from ghosted_hf.fitting.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
+from ghosted_hf.pipelines.healing import HealOptions, heal, merge
 from ghosted_hf.pipelines.prune import boundary_spans, statistics_plan
-
-from common import add_model_argument, held_out_windows, layer_ranges, model_title, packaged_model
+from ghosted_hf.statistics import StatisticsPlan, collect_statistics
+from ghosted_hf.text.tokens import tokenize_texts
 
 METHODS = [  # (row name, options)
     ("no recovery", dict(operator="none")),

@@ -147,8 +147,8 @@ def measure_processes(folder: str, sequences: int, seq_len: int) -> dict:
     """One rank of `calibrate` (the whole ghost-aware plan) under torchrun, or alone."""
     from transformers import AutoModelForCausalLM
 
-    from ghosted_hf.utils.distributed import is_main_process, process_rank
     from ghosted_hf.statistics import Calibrator, FullModelPass, collect_statistics
+    from ghosted_hf.utils.distributed import is_main_process, process_rank
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     data = calibration_data(folder, sequences, seq_len)
@@ -183,7 +183,7 @@ def measure_layer_cost(folder: str, seq_len: int) -> dict:
     """Per-batch costs of one decoder layer's forward and of the float64 accumulation, on one batch."""
     from transformers import AutoModelForCausalLM
 
-    from ghosted_hf.statistics import GRAM, CROSS
+    from ghosted_hf.statistics import CROSS, GRAM
     from ghosted_hf.statistics.accumulate import StatisticsAccumulator
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

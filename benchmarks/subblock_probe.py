@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.architectures import architecture, decoder_layers
-from ghosted_hf.text.tokens import tokenize_texts
-from ghosted_hf.model.loading import NO_HUB_KERNELS
 from ghosted_hf.evaluate import perplexity
 from ghosted_hf.fitting.operators import ridge_epsilon
+from ghosted_hf.model.loading import NO_HUB_KERNELS
+from ghosted_hf.text.tokens import tokenize_texts
 
 RIDGE = 1e-6  # PruneOptions' default, relative to the mean diagonal of the Gram matrix
 

@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 
 import torch
+from common import packaged_model
+from serving import add_bos, llama_perplexity, llama_speed, run, transformers_perplexity
 from transformers import AutoModelForCausalLM
 
-from common import packaged_model
 from ghosted_hf import assets, ghost_prune, save_with_card
 from ghosted_hf.model.loading import NO_HUB_KERNELS
-from serving import add_bos, llama_perplexity, llama_speed, run, transformers_perplexity
 
 
 def transformers_speed(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:

@@ -41,13 +41,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets, ghost_prune
-from ghosted_hf.fitting import subblocks as sb
-from ghosted_hf.text.tokens import tokenize_texts
 from ghosted_hf.evaluate import lambada, perplexity
-from ghosted_hf.pipelines.healing import heal, merge
+from ghosted_hf.fitting import subblocks as sb
 from ghosted_hf.model.loading import NO_HUB_KERNELS
 from ghosted_hf.options import PruneOptions, budget_share
+from ghosted_hf.pipelines.healing import heal, merge
 from ghosted_hf.pipelines.prune import decoder_parameters
+from ghosted_hf.text.tokens import tokenize_texts
 
 CALIBRATION = dict(seq_len=512, num_sequences=32, batch_size=4)
 WINDOWS = 16  # held-out windows of 512 tokens per source

@@ -23,12 +23,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets, ghost_prune, prune_layers
 from ghosted_hf.architectures import decoder_layers, final_norm
-from ghosted_hf.text.tokens import tokenize_texts
-from ghosted_hf.model.loading import NO_HUB_KERNELS
 from ghosted_hf.evaluate import perplexity
 from ghosted_hf.fitting.operators import solve_ghost
+from ghosted_hf.model.loading import NO_HUB_KERNELS
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.remote.configuration_ghosted import expected_boundaries
+from ghosted_hf.text.tokens import tokenize_texts
 
 SINK_RATIO = 20.0  # massive activations sit two to three decades above the median; 20x separates them
 GROUPS = ("first", "sink", "rest")

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 
+from common import packaged_model
 from transformers import AutoModelForCausalLM
 
 from ghosted_hf import prune_layers
 from ghosted_hf.evaluate import ZERO_SHOT_TASKS, zero_shot
-
-from common import packaged_model
 
 
 def main() -> None:

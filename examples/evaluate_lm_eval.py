@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets
-from ghosted_hf.text.tokens import tokenize_texts
 from ghosted_hf.evaluate import ZERO_SHOT_TASKS, perplexity, zero_shot
+from ghosted_hf.text.tokens import tokenize_texts
 
 
 def main(argv: list[str] | None = None) -> dict:

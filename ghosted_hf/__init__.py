@@ -5,22 +5,22 @@ import importlib.metadata
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .remote.configuration_ghosted import GhostedConfig
-from .remote.modeling_ghosted import GhostedForCausalLM, GhostedModel, GhostOperator
 from .assets import default_model_dir, wikipedia_split
-from .io.card import save_with_card
 from .errors import GhostedError
+from .fitting.operators import OPERATOR_KINDS, OperatorKind
+from .fitting.selection import CRITERIA, Criterion
+from .io.card import save_with_card
+from .io.hub import push_to_hub
+from .io.summary import inspect_folder
+from .model.loading import load_for_calibration
+from .model.surgery import prune_layers, to_stock_model
+from .options import ExportOptions, PruneOptions
 from .pipelines.export import export_stock
 from .pipelines.healing import HealOptions, HealResult, heal, merge
-from .io.hub import push_to_hub
-from .model.loading import load_for_calibration
-from .fitting.operators import OPERATOR_KINDS, OperatorKind
-from .options import ExportOptions, PruneOptions
 from .pipelines.prune import calibrate, ghost_prune
-from .fitting.selection import CRITERIA, Criterion
+from .remote.configuration_ghosted import GhostedConfig
+from .remote.modeling_ghosted import GhostedForCausalLM, GhostedModel, GhostOperator
 from .statistics import CalibrationStatistics, LayerwisePass, StatisticsPlan, collect_statistics
-from .io.summary import inspect_folder
-from .model.surgery import prune_layers, to_stock_model
 
 __version__ = importlib.metadata.version("ghosted_hf")
 

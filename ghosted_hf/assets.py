@@ -22,8 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
-from .text.documents import NamedTexts
 from .errors import GhostedError, MissingDependencyError, MissingFileError
+from .text.documents import NamedTexts
 from .utils.hashing import file_sha256
 
 logger = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .assets import cache_root
-from .statistics.capture import input_device
 from .errors import GhostedError, MissingDependencyError
+from .statistics.capture import input_device
 
 
 def perplexity(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], progress: bool = True,

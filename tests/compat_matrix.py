@@ -147,10 +147,10 @@ def save_families(out: Path) -> dict:
     child's own skip-reference."""
     import torch
     from safetensors.torch import save_file
+    from tiny import batch, random_operator, tiny_family
 
     from ghosted_hf import prune_layers
     from ghosted_hf.architectures import ARCHITECTURES
-    from tiny import batch, random_operator, tiny_family
 
     inputs, operators = batch(), {1: random_operator(1), 5: random_operator(5)}
     families = {}

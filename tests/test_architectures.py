@@ -32,13 +32,13 @@ from ghosted_hf.architectures import (
     decoder_layers,
     lora_target_parameters,
 )
-from ghosted_hf.text.tokens import batch_sequences
+from ghosted_hf.io.summary import summarize
 from ghosted_hf.pipelines.healing import heal
 from ghosted_hf.remote.configuration_ghosted import expected_boundaries
 from ghosted_hf.remote.modeling_ghosted import rms_normalized
 from ghosted_hf.statistics import collect_statistics, least_squares
 from ghosted_hf.statistics.layerwise import LayerwisePass
-from ghosted_hf.io.summary import summarize
+from ghosted_hf.text.tokens import batch_sequences
 
 FAMILIES = sorted(ARCHITECTURES)
 REMOVALS = ([1, 2, 5], [0, 3])  # a run of two and the last layer; the first layer and a single one

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny import COMMON, HIDDEN, build, char_tokenizer, random_operator, texts
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ghosted_hf import GhostedError, ghost_prune, prune_layers
 from ghosted_hf.cli import main
 from ghosted_hf.errors import NonFiniteError
 from ghosted_hf.options import PruneOptions
-from tiny import COMMON, HIDDEN, build, char_tokenizer, random_operator, texts
 
 FAST = dict(seq_len=48, num_sequences=24, num_layers=2)
 
@@ -372,9 +372,10 @@ def test_what_the_config_and_the_arguments_can_tell_is_refused_before_any_weight
 def test_what_a_run_reports_is_what_it_did(dense_folder: Path, tmp_path: Path, capsys, caplog) -> None:
     """Two budgets are refused rather than one silently winning; a 2-step heal reports its two steps, not "first 5
     / last 5" of the same mean; manual layers with no recovery neither read nor warn about calibration text."""
+    from tiny import build, char_tokenizer
+
     from ghosted_hf import ghost_prune
     from ghosted_hf.pipelines.healing import HealOptions
-    from tiny import build, char_tokenizer
 
     with pytest.raises(GhostedError, match="Give one budget: steps, tokens or minutes, not steps and minutes"):
         HealOptions(steps=10, minutes=1.0)

@@ -4,20 +4,36 @@ files."""
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import pytest
 import torch
+from tiny import LAYERS, PAD, build, sequences
 from transformers import AutoModelForCausalLM
 
-from ghosted_hf.text.tokens import batch_sequences
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.statistics import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET,
-                                   ROTATED_ABS, CalibrationStatistics, Patch, StatisticsPlan, collect_statistics,
-                                   least_squares, mlp_terms, normed_terms, similarity)
+from ghosted_hf.statistics import (
+    ABS,
+    ANGULAR,
+    COSINE,
+    CROSS,
+    ENERGY,
+    GRAM,
+    MLP_GRAM,
+    MLP_SOURCE,
+    MLP_TARGET,
+    ROTATED_ABS,
+    CalibrationStatistics,
+    Patch,
+    StatisticsPlan,
+    collect_statistics,
+    least_squares,
+    mlp_terms,
+    normed_terms,
+    similarity,
+)
 from ghosted_hf.statistics.declarations import STATISTICS, parse_key
-from tiny import LAYERS, PAD, build, sequences
+from ghosted_hf.text.tokens import batch_sequences
 
 PLAN = (least_squares(0, 3) | least_squares(2, 6) | similarity(1, 2) | similarity(2, 6)
         | StatisticsPlan.of(ABS(2), ABS(6), ROTATED_ABS(2)) | mlp_terms(2, 4) | normed_terms(2, 6))

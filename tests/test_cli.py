@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny import build, char_tokenizer, texts
 
 from ghosted_hf.cli import build_parser
 from ghosted_hf.options import PruneOptions
-from tiny import build, char_tokenizer, texts
 
 
 def ghosted(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -110,8 +110,9 @@ def test_eval_runs_custom_code_only_when_trusted(tmp_path: Path, monkeypatch) ->
 @pytest.mark.slow
 def test_eval_a_hub_id_at_a_revision_offline(tmp_path: Path) -> None:
     from fake_hub import build_hub_cache
-    from ghosted_hf import prune_layers
     from tiny import random_operator
+
+    from ghosted_hf import prune_layers
 
     folder = tmp_path / "ghosted"
     prune_layers(build("llama"), [2], {2: random_operator(1)}).save_pretrained(folder)
@@ -162,9 +163,10 @@ def test_a_bug_is_a_traceback_with_a_hint_not_an_input_error(monkeypatch: pytest
 
 def test_inspect_refuses_what_from_pretrained_refuses(tmp_path: Path, capsys) -> None:
     """`inspect` exits 2 with one line on a folder whose config contradicts itself or its weights."""
+    from tiny import random_operator
+
     from ghosted_hf import prune_layers, save_with_card
     from ghosted_hf.cli import main
-    from tiny import random_operator
 
     save_with_card(prune_layers(build("llama"), [2, 3], {2: random_operator(1)}), tmp_path / "ok", char_tokenizer())
     assert main(["inspect", str(tmp_path / "ok")]) == 0

@@ -11,9 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import compat_venvs
+import pytest
 from compat_venvs import PINNED
 
 SCRIPT = Path(__file__).with_name("compat_matrix.py")

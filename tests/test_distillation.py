@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import build
 from torch import nn
 
 from ghosted_hf.pipelines.healing.distillation import chunked_kd_loss, final_hidden_states, shifted_labels
-from tiny import build
 
 
 def full_logits_loss(student_hidden, teacher_hidden, labels, student_head, teacher_head, kd_weight):

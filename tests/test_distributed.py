@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tiny import build, char_tokenizer, texts, tiny_family
 
 from ghosted_hf.statistics import CalibrationStatistics
-from tiny import build, char_tokenizer, texts, tiny_family
 
 pytestmark = pytest.mark.distributed
 
@@ -50,8 +50,8 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from ghosted_hf.utils.distributed import is_main_process
     from ghosted_hf.pipelines.prune import calibrate, ghost_prune
+    from ghosted_hf.utils.distributed import is_main_process
 
     stats = calibrate(build("llama"), char_tokenizer(), texts(), **OPTIONS)
     results = {}
@@ -115,11 +115,11 @@ def test_two_gloo_processes_equal_one(tmp_path: Path) -> None:
 def test_statistics_of_a_model_loaded_with_a_device_map(tmp_path: Path) -> None:
     """from_pretrained(device_map=...) with layers split over "cpu" and "disk" (accelerate hooks that move or
     load each layer's weights on every call): the same statistics as the plain model."""
+    from tiny import LAYERS, PAD, sequences
     from transformers import AutoModelForCausalLM
 
     from ghosted_hf.statistics import collect_statistics, least_squares, mlp_terms, similarity
     from ghosted_hf.text.tokens import batch_sequences
-    from tiny import LAYERS, PAD, sequences
 
     build("llama").save_pretrained(tmp_path / "model")
     plan = least_squares(0, 3) | least_squares(2, LAYERS) | similarity(1, 4) | mlp_terms(2, 4)
@@ -253,8 +253,9 @@ def test_a_process_whose_peers_never_start_stops_with_one_line(command: str, den
     30 minutes on CPU processes)."""
     calibration = dense_folder.parent / "cal.txt"
     if command == "heal":
-        from ghosted_hf import ghost_prune
         from tiny import char_tokenizer, texts
+
+        from ghosted_hf import ghost_prune
 
         ghost_prune(build("llama"), char_tokenizer(), texts(), num_layers=2, seq_len=32,
                     num_sequences=8).save_pretrained(dense_folder.parent / "pruned")

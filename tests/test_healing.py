@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import copy
-
 import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from isolated import assert_loads_with_same_logits
 from peft import PeftModel
+from tiny import batch, build, char_tokenizer, kl_to_dense, texts
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from ghosted_hf import ghost_prune, save_with_card
-from ghosted_hf.text.tokens import tokenize_texts
-from ghosted_hf.errors import GhostedError
 from ghosted_hf.architectures import lora_targets
-from ghosted_hf.pipelines.healing import (EAGER_MAX_LEN, base_model_reference, heal, lr_factor, merge,
-                                 resolve_precision, sharded)
-from isolated import assert_loads_with_same_logits
-from tiny import batch, build, char_tokenizer, kl_to_dense, texts
+from ghosted_hf.errors import GhostedError
+from ghosted_hf.pipelines.healing import (
+    EAGER_MAX_LEN,
+    base_model_reference,
+    heal,
+    lr_factor,
+    merge,
+    resolve_precision,
+    sharded,
+)
+from ghosted_hf.text.tokens import tokenize_texts
 
 FAST = dict(seq_len=48, num_sequences=24)
 
@@ -283,8 +289,8 @@ def test_gradient_checkpointing_recomputes_the_same_training() -> None:
 
 
 def test_held_out_perplexity_is_the_models_perplexity_on_text_it_never_trained_on() -> None:
-    from ghosted_hf.text.tokens import training_sequences
     from ghosted_hf.text.documents import Documents
+    from ghosted_hf.text.tokens import training_sequences
 
     healed = heal(pruned(), char_tokenizer(), texts(), steps=3, seq_len=48, eval_sequences=4, progress=False,
                   precision="fp32")

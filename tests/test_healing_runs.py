@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_distributed import LAUNCHERS, free_port, rank_messages
 
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.pipelines.healing import CHECKPOINT_RECORD, check_same_run, resume_point, verified_checkpoint
-from test_distributed import LAUNCHERS, free_port, rank_messages
 
 TESTS = Path(__file__).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -107,9 +107,10 @@ def test_resume_refuses_a_checkpoint_of_another_run() -> None:
 
 def test_resume_refuses_a_checkpoint_written_while_healing_another_model(tmp_path: Path) -> None:
     """Same shapes, options and data, other weights: the checkpoint's adapters belong to the other model."""
+    from tiny import build, char_tokenizer, texts
+
     from ghosted_hf import ghost_prune
     from ghosted_hf.pipelines.healing import heal
-    from tiny import build, char_tokenizer, texts
 
     def model(seed: int):
         return ghost_prune(build("llama", seed=seed), char_tokenizer(), texts(), criterion="manual", layers=[2, 3],
@@ -125,10 +126,11 @@ def test_resume_refuses_a_checkpoint_written_while_healing_another_model(tmp_pat
 def test_a_checkpoints_folder_belongs_to_one_run_and_never_to_a_model(tmp_path: Path) -> None:
     """Rotation deletes the oldest checkpoints of the folder: a second run there (or a run while another uses it)
     is refused, and checkpoints are never written into a model folder."""
+    from tiny import build, char_tokenizer, texts
+
     from ghosted_hf import ghost_prune, save_with_card
     from ghosted_hf.cli import main
     from ghosted_hf.pipelines.healing import RUN_RECORD, heal
-    from tiny import build, char_tokenizer, texts
 
     def model():  # heal wraps the model it trains: each run gets a fresh one
         return ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], seq_len=48,
@@ -287,9 +289,10 @@ def test_an_fsdp_config_on_cpu_processes_warns_that_they_train_data_parallel(den
 def run_disagreeing_healer(rank: int, world: int, port: int, out: str, differs: str) -> None:
     """Rank 1 heals with another option, other data or another model than rank 0 (each on its own CPU process)."""
     torch.set_num_threads(1)
+    from tiny import build, char_tokenizer, texts
+
     from ghosted_hf import ghost_prune
     from ghosted_hf.pipelines.healing import heal
-    from tiny import build, char_tokenizer, texts
 
     other = rank == 1
     dense = build("llama", seed=int(other and differs == "model weights"),

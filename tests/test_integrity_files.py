@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import batch, build, char_tokenizer, random_operator, texts
 from transformers import AutoModelForCausalLM
 
 from ghosted_hf import ghost_prune, prune_layers, save_with_card
-from tiny import batch, build, char_tokenizer, random_operator, texts
 
 
 def ghosted(seed: int = 1):
@@ -206,8 +206,8 @@ def test_saved_folders_are_readable_as_any_folder_the_user_makes_and_links_stay_
 def test_the_remote_codes_operator_hash_is_the_packages_tensor_hash(dtype: str) -> None:
     """The remote files keep their own copy of the tensor hash (they import nothing of ghosted_hf): both must give
     the digest every checkpoint records."""
-    from ghosted_hf.utils.hashing import tensor_sha256
     from ghosted_hf.remote.modeling_ghosted import operator_sha256
+    from ghosted_hf.utils.hashing import tensor_sha256
 
     operator = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
     assert operator_sha256(operator, dtype) == tensor_sha256(operator.to(getattr(torch, dtype)))

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import batch, build, random_operator
 from transformers import AutoModelForCausalLM
 
 from ghosted_hf import GhostedForCausalLM, prune_layers
-from tiny import batch, build, random_operator
 
 LAYER_KEY = "model.layers.1.ghost.operator"
 NORM_KEY = "model.norm.ghost.operator"

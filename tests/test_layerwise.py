@@ -7,14 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import LAYERS, PAD, build, char_tokenizer, sequences, texts
 
-from ghosted_hf.statistics import (ABS, ROTATED_ABS, StatisticsPlan, collect_statistics, least_squares,
-                                   mlp_terms, similarity)
-from ghosted_hf.text.tokens import batch_sequences
-from ghosted_hf.statistics.layerwise import LayerwisePass, parse_memory
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.pipelines.prune import ghost_prune
-from tiny import LAYERS, PAD, build, char_tokenizer, sequences, texts
+from ghosted_hf.statistics import (
+    ABS,
+    ROTATED_ABS,
+    StatisticsPlan,
+    collect_statistics,
+    least_squares,
+    mlp_terms,
+    similarity,
+)
+from ghosted_hf.statistics.layerwise import LayerwisePass, parse_memory
+from ghosted_hf.text.tokens import batch_sequences
 
 PLAN = (least_squares(0, 3) | least_squares(2, 6) | least_squares(1, 5) | similarity(1, 2) | similarity(2, 6)
         | StatisticsPlan.of(ABS(2), ABS(6), ROTATED_ABS(2)) | mlp_terms(2, 4))
@@ -116,8 +123,8 @@ def test_prune_chooses_layerwise_when_the_model_exceeds_max_memory(tmp_path: Pat
 def test_layerwise_and_in_memory_shards_merge(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from ghosted_hf.statistics import CalibrationStatistics, ShardSpec
     from ghosted_hf.pipelines.prune import calibrate
+    from ghosted_hf.statistics import CalibrationStatistics, ShardSpec
 
     build("qwen2").save_pretrained(tmp_path / "model")
     options = dict(num_layers=2, seq_len=32, num_sequences=12, batch_size=3)

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_hub import build_hub_cache
+from isolated import assert_loads_with_same_logits, run_without_ghosted
 from safetensors.torch import load_file, save_file
+from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, deleted_reference, random_operator
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import ghosted_hf
 from ghosted_hf import GhostedForCausalLM, prune_layers
-from fake_hub import build_hub_cache
-from isolated import assert_loads_with_same_logits, run_without_ghosted
-from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, deleted_reference, random_operator
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 REMOVALS = {

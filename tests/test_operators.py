@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ghosted_hf.statistics import ABS, ROTATED_ABS, StatisticsPlan, least_squares
-from ghosted_hf.statistics.accumulate import StatisticsAccumulator
-from ghosted_hf.statistics.declarations import mlp, source, target
-from ghosted_hf.utils.hadamard import hadamard, rotation
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.fitting.operators import OPERATOR_KINDS, operator_kind, solve_ghost, squared_residual
 from ghosted_hf.remote.modeling_ghosted import rms_normalized
-from ghosted_hf.statistics import normed_terms
+from ghosted_hf.statistics import ABS, ROTATED_ABS, StatisticsPlan, least_squares, normed_terms
+from ghosted_hf.statistics.accumulate import StatisticsAccumulator
+from ghosted_hf.statistics.declarations import mlp, source, target
+from ghosted_hf.utils.hadamard import hadamard, rotation
 
 C = 24
 
@@ -173,9 +172,10 @@ def test_developer_guide_worked_example_adds_an_operator_kind() -> None:
     """The developer guide's 'Adding an operator kind' snippet: one registry entry is all a new kind needs."""
     from pathlib import Path
 
+    from tiny import build, char_tokenizer, texts
+
     from ghosted_hf import ghost_prune
     from ghosted_hf.options import PruneOptions
-    from tiny import build, char_tokenizer, texts
 
     guide = (Path(__file__).parents[1] / "docs" / "developer-guide.md").read_text()
     snippet = guide.split("### Adding an operator kind", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]

@@ -4,11 +4,11 @@ fields a later version adds survive a round trip."""
 from __future__ import annotations
 
 import pytest
+from tiny import build, char_tokenizer, texts
 
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.model.provenance import Provenance
 from ghosted_hf.pipelines.prune import ghost_prune
-from tiny import build, char_tokenizer, texts
 
 
 def test_what_prune_writes_reads_back_field_for_field() -> None:

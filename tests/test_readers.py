@@ -37,8 +37,9 @@ def fields_of(base: dict, strategy=JSON):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from ghosted_hf import prune_layers, save_with_card
     from tiny import build, char_tokenizer, random_operator
+
+    from ghosted_hf import prune_layers, save_with_card
 
     path = tmp_path_factory.mktemp("readers") / "model"
     save_with_card(prune_layers(build("llama"), [1, 4], {1: random_operator(1), 4: random_operator(2)}), path,
@@ -50,8 +51,8 @@ def folder(tmp_path_factory) -> Path:
 @given(value=JSON)
 def test_any_json_in_a_config_index_or_checkpoint_record(value, tmp_path: Path) -> None:
     from ghosted_hf.model.checkpoint import index_weight_map
-    from ghosted_hf.utils.diskio import read_json_object
     from ghosted_hf.pipelines.healing import CHECKPOINT_RECORD, verified_checkpoint
+    from ghosted_hf.utils.diskio import read_json_object
 
     (tmp_path / "config.json").write_text(json.dumps(value))
     refused_in_one_line(read_json_object, tmp_path / "config.json", "model config")
@@ -68,9 +69,9 @@ def test_any_shape_in_a_saved_folders_config(data, folder: Path, tmp_path: Path)
     summary and push's check each end in the value or one line."""
     import shutil
 
-    from ghosted_hf.model.checkpoint import check_folder
     from ghosted_hf.io.hub import check_ghosted_folder
     from ghosted_hf.io.summary import summarize
+    from ghosted_hf.model.checkpoint import check_folder
     from ghosted_hf.remote.configuration_ghosted import GhostedConfig
 
     config = json.loads((folder / "config.json").read_text())
@@ -103,8 +104,8 @@ def test_any_shape_in_a_statistics_header(data, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     from ghosted_hf.statistics import CalibrationStatistics
-    from ghosted_hf.utils.hashing import tensor_sha256
     from ghosted_hf.statistics.store import FORMAT, FORMAT_VERSION, metadata_sha256
+    from ghosted_hf.utils.hashing import tensor_sha256
 
     gram = torch.eye(4, dtype=torch.float64)
     metadata = {"format": FORMAT, "version": FORMAT_VERSION, "depth": "3", "hidden_size": "4", "tokens": "10",

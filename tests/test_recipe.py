@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ghosted_hf import GhostedForCausalLM, PruneOptions, to_stock_model, ghost_prune
-from ghosted_hf.statistics import CalibrationStatistics, collect_statistics
-from ghosted_hf.text.tokens import tokenize_texts
-from ghosted_hf.errors import GhostedError
-from ghosted_hf.fitting.selection import SelectionRequest, candidate_name, criterion
 from isolated import assert_loads_with_same_logits
 from tiny import EOS, LAYERS, build, char_tokenizer, kl_to_dense, texts
+
+from ghosted_hf import GhostedForCausalLM, PruneOptions, ghost_prune, to_stock_model
+from ghosted_hf.errors import GhostedError
+from ghosted_hf.fitting.selection import SelectionRequest, candidate_name, criterion
+from ghosted_hf.statistics import CalibrationStatistics, collect_statistics
+from ghosted_hf.text.tokens import tokenize_texts
 
 FAST = dict(seq_len=48, num_sequences=24, batch_size=6)
 

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import pytest
+from tiny import LAYERS, PAD, build, plant_identity_layers, sequences
 
+from ghosted_hf.errors import GhostedError
+from ghosted_hf.fitting.selection import (
+    CRITERIA,
+    SelectionRequest,
+    candidate_layers,
+    candidate_name,
+    candidate_spans,
+    criterion,
+    locality_choice,
+    spectral_clusters,
+)
 from ghosted_hf.statistics import collect_statistics
 from ghosted_hf.text.tokens import batch_sequences
-from ghosted_hf.errors import GhostedError
-from ghosted_hf.fitting.selection import (CRITERIA, SelectionRequest, candidate_layers, candidate_name, candidate_spans, criterion,
-                                  locality_choice, spectral_clusters)
-from tiny import LAYERS, PAD, build, plant_identity_layers, sequences
 
 
 @pytest.mark.parametrize("planted", [[0, 1], [2, 3], [4, 5]])  # the first and the last span are candidates too

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import build, char_tokenizer, texts
 
-from ghosted_hf.statistics import CalibrationStatistics, ShardSpec
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.pipelines.prune import calibrate, ghost_prune
-from tiny import build, char_tokenizer, texts
+from ghosted_hf.statistics import CalibrationStatistics, ShardSpec
 
 OPTIONS = dict(num_layers=2, seq_len=32, num_sequences=12, batch_size=2)  # 6 batches, 2 per shard of 3
 

@@ -10,17 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from huggingface_hub import ModelCard
-from safetensors.torch import load_file, save_file
-
 from fake_hub import FakeHub, build_hub_cache
+from huggingface_hub import ModelCard
+from isolated import assert_loads_with_same_logits
+from safetensors.torch import load_file, save_file
+from tiny import batch, build, char_tokenizer, texts
+
 from ghosted_hf import ghost_prune
-from ghosted_hf.io.card import build_card, save_with_card
 from ghosted_hf.errors import GhostedError
+from ghosted_hf.io.card import build_card, save_with_card
 from ghosted_hf.io.hub import push_to_hub
 from ghosted_hf.remote.modeling_ghosted import ghost_tensor_key
-from isolated import assert_loads_with_same_logits
-from tiny import batch, build, char_tokenizer, texts
 
 EVALUATION = [{"task_type": "text-generation", "dataset_type": "wikipedia", "dataset_name": "Wikipedia (held-out articles)",
                "metric_type": "perplexity", "metric_value": 12.5}]

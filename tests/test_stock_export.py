@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ghosted_hf import GhostedError, to_stock_model, ghost_prune, prune_layers, save_with_card
-from ghosted_hf.model.surgery import fold_into_mlp_writers
 from isolated import assert_loads_with_same_logits, run_without_ghosted
 from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, kl_to_dense, texts
+
+from ghosted_hf import GhostedError, ghost_prune, prune_layers, save_with_card, to_stock_model
+from ghosted_hf.model.surgery import fold_into_mlp_writers
 
 ARCHS = ["llama", "qwen2", "qwen3"]  # Qwen2: biases on q/k/v; Qwen3: q/k norms, tied embeddings
 FAST = dict(seq_len=48, num_sequences=24)
@@ -157,9 +157,10 @@ def test_export_stock_refuses_as_little_text_as_prune_does() -> None:
 def test_export_stock_records_its_own_calibration_and_options() -> None:
     """inspect and the card of an export show the export's refit (its kind, its text, its options), and keep the
     ghosted model's own calibration under refitted_from."""
+    from tiny import build, char_tokenizer, texts
+
     from ghosted_hf import export_stock, ghost_prune
     from ghosted_hf.io.summary import summarize
-    from tiny import build, char_tokenizer, texts
 
     ghosted = ghost_prune(build("llama"), char_tokenizer(), texts(), num_layers=2, seq_len=48, num_sequences=16)
     before = dict(ghosted.config.ghost_provenance["calibration"])

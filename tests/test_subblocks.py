@@ -7,18 +7,17 @@ import json
 
 import pytest
 import torch
+from isolated import assert_loads_with_same_logits
 from safetensors.torch import load_file, save_file
+from tiny import HIDDEN, build, char_tokenizer, texts, tiny_family
 from transformers import AutoModelForCausalLM
 
 from ghosted_hf import GhostedError, ghost_prune, prune_layers, to_stock_model
-from ghosted_hf.fitting import subblocks as sb
 from ghosted_hf.architectures import ARCHITECTURES, decoder_layers
+from ghosted_hf.fitting import subblocks as sb
 from ghosted_hf.pipelines.prune import decoder_parameters
 from ghosted_hf.remote.configuration_ghosted import GhostedConfig
 from ghosted_hf.remote.modeling_ghosted import SubBlockBypass
-
-from isolated import assert_loads_with_same_logits
-from tiny import HIDDEN, build, char_tokenizer, texts, tiny_family
 
 CALIBRATION = dict(num_sequences=8, seq_len=64, batch_size=4)
 FAMILIES = sorted(ARCHITECTURES)

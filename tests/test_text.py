@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ghosted_hf.text.tokens import pack_rows, training_sequences
-from ghosted_hf.text.documents import Documents, read_documents
-from ghosted_hf.errors import GhostedError
 from tiny import char_tokenizer, texts
+
+from ghosted_hf.errors import GhostedError
+from ghosted_hf.text.documents import Documents, read_documents
+from ghosted_hf.text.tokens import pack_rows, training_sequences
 
 TESTS = Path(__file__).parent
 

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny import build, char_tokenizer, random_operator, texts
 
 from ghosted_hf import prune_layers, save_with_card
 from ghosted_hf.cli import main
-from tiny import build, char_tokenizer, random_operator, texts
 
 # Each file writes its own marker when imported, then defines what its folder's configs name.
 EVIL = """

@@ -10,13 +10,13 @@ import json
 from pathlib import Path
 
 import torch
+from tiny import batch, build, char_tokenizer, random_operator
 from torch import nn
 from transformers import AttentionInterface, AutoConfig, AutoModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ghosted_hf import GhostedModel, GhostOperator, prune_layers, save_with_card
-from tiny import batch, build, char_tokenizer, random_operator
 
 
 def saved(tmp_path: Path, arch: str = "qwen2") -> Path:

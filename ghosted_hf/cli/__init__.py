@@ -10,7 +10,6 @@ import traceback
 
 from ..errors import GhostedError
 from ..options import PruneOptions, add_arguments
-
 from .demo import DemoArgs, cmd_demo
 from .evaluate import EvalArgs, cmd_eval
 from .export import ExportArgs, GgufArgs, cmd_export_gguf, cmd_export_stock
@@ -23,8 +22,8 @@ from .stats import StatsCollectArgs, StatsMergeArgs, cmd_stats_collect, cmd_stat
 
 def build_parser() -> argparse.ArgumentParser:
     """The `ghosted` parser: one subcommand per job, its flags generated from the option dataclasses."""
-    from ..pipelines.healing import HealOptions
     from ..options import ExportOptions
+    from ..pipelines.healing import HealOptions
 
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="ghosted", description="Layer pruning with closed-form Ghosted Layers recovery.",

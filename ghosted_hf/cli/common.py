@@ -10,8 +10,6 @@ from .. import assets
 from ..model.loading import DTYPES
 from ..options import option
 
-
-
 MODEL_HELP = (f"Local folder, Hub id or packaged model ({', '.join(assets.PACKAGED_MODELS)}) of a causal LM of a "
               f"supported family (docs/architectures.md); None: the packaged {assets.DEFAULT_MODEL}.")
 TEXT_HELP = ("a text file (documents separated by blank lines), a .jsonl/.json/.parquet/.arrow/.csv file, a datasets "

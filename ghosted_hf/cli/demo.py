@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 import argparse
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import assets
 from ..io.files import check_output
 from ..options import PruneOptions, from_namespace, option
-
 from .common import OutputArgs
 
 logger = logging.getLogger(__name__)

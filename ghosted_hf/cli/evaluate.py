@@ -10,7 +10,6 @@ from .. import assets
 from ..errors import GhostedError
 from ..model.loading import load_model
 from ..options import from_namespace, option
-
 from .common import LoadArgs
 
 
@@ -31,8 +30,8 @@ class EvalArgs(LoadArgs):
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """`ghosted eval`: held-out perplexity and, optionally, zero-shot tasks."""
-    from ..text.tokens import tokenize_texts
     from ..evaluate import check_zero_shot, lambada, lambada_items, perplexity, zero_shot
+    from ..text.tokens import tokenize_texts
 
     run = from_namespace(EvalArgs, args)
     if run.limit is not None and not run.tasks:

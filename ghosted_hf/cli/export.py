@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..model.checkpoint import made_as
 from ..errors import GhostedError
 from ..io.files import check_output
-from ..utils.network import check_timeout
+from ..model.checkpoint import made_as
 from ..model.loading import load_model
 from ..options import from_namespace, option
-
+from ..utils.network import check_timeout
 from .common import CALIBRATION_HELP, LoadArgs, OutputArgs, calibration_text
 
 
@@ -40,9 +39,9 @@ class GgufArgs(LoadArgs, OutputArgs):
 def cmd_export_stock(args: argparse.Namespace) -> int:
     """`ghosted export-stock`: refit a ghosted model's operators as foldable ones and save a stock checkpoint."""
     from ..io.card import save_with_card
-    from ..pipelines.export import export_stock
-    from ..options import ExportOptions
     from ..io.summary import render_text, summarize
+    from ..options import ExportOptions
+    from ..pipelines.export import export_stock
 
     run, options = from_namespace(ExportArgs, args), from_namespace(ExportOptions, args)
     check_output(run.output, (run.folder, run.calibration), overwrite=run.overwrite)

@@ -10,8 +10,7 @@ from ..errors import GhostedError
 from ..io.files import check_output, relation, staged_folder
 from ..model.loading import DTYPES, load_model
 from ..options import from_namespace, option
-
-from .common import LoadArgs, OutputArgs, TEXT_HELP
+from .common import TEXT_HELP, LoadArgs, OutputArgs
 
 
 @dataclass(kw_only=True)
@@ -37,8 +36,8 @@ class HealArgs(LoadArgs, OutputArgs):
 def cmd_heal(args: argparse.Namespace) -> int:
     """`ghosted heal`: LoRA-heal a pruned model and save it merged (or the adapter alone); rank 0 writes."""
     from ..io.card import save_with_card
-    from ..utils.distributed import is_main_process
     from ..pipelines.healing import HealOptions, heal, load_teacher, merge
+    from ..utils.distributed import is_main_process
 
     run, options = from_namespace(HealArgs, args), from_namespace(HealOptions, args)
     check_output(run.output, (run.folder, run.data, run.eval_data, run.teacher, run.checkpoints),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..options import from_namespace, option
 from ..io.summary import inspect_folder
+from ..options import from_namespace, option
 
 
 @dataclass(kw_only=True)

@@ -9,7 +9,6 @@ from ..errors import GhostedError
 from ..io.files import check_output
 from ..model.loading import load_for_calibration
 from ..options import PruneOptions, from_namespace, option
-
 from .common import CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text
 
 
@@ -29,10 +28,10 @@ class PruneArgs(LoadArgs, MemoryArgs, OutputArgs):
 def cmd_prune(args: argparse.Namespace) -> int:
     """`ghosted prune`: prune, print the summary, save with a card (rank 0 only under torchrun)."""
     from ..io.card import save_with_card
-    from ..utils.distributed import is_main_process
+    from ..io.summary import render_text, summarize
     from ..model.loading import load_config
     from ..pipelines.prune import check_request, ghost_prune
-    from ..io.summary import render_text, summarize
+    from ..utils.distributed import is_main_process
 
     run, options = from_namespace(PruneArgs, args), from_namespace(PruneOptions, args)
     if not run.dry_run:

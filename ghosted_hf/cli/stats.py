@@ -9,7 +9,6 @@ from pathlib import Path
 from ..io.files import check_output
 from ..model.loading import load_for_calibration
 from ..options import PruneOptions, from_namespace, option
-
 from .common import CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text
 
 
@@ -42,9 +41,9 @@ def write_statistics(stats, path: Path) -> None:
 
 def cmd_stats_collect(args: argparse.Namespace) -> int:
     """`ghosted stats collect`: the statistics of one shard, written atomically."""
-    from ..utils.distributed import is_main_process
     from ..pipelines.prune import calibrate
     from ..statistics import ShardSpec
+    from ..utils.distributed import is_main_process
 
     run, options = from_namespace(StatsCollectArgs, args), from_namespace(PruneOptions, args)
     shard = ShardSpec.parse(run.shard)

@@ -15,9 +15,8 @@ from typing import Any, ClassVar
 import torch
 from tqdm.auto import tqdm
 
-from ..statistics import (ABS, ROTATED_ABS, CalibrationStatistics, StatisticsPlan, least_squares, mlp_terms,
-                         normed_terms)
 from ..errors import GhostedError
+from ..statistics import ABS, ROTATED_ABS, CalibrationStatistics, StatisticsPlan, least_squares, mlp_terms, normed_terms
 from ..utils.hadamard import rotation
 from ..utils.registry import Registry
 

@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..statistics import CalibrationStatistics, StatisticsPlan, least_squares, similarity
 from ..errors import GhostedError
-from .operators import fit_figures, ghost_operator, operator_kind
+from ..statistics import CalibrationStatistics, StatisticsPlan, least_squares, similarity
 from ..utils.registry import Registry
+from .operators import fit_figures, ghost_operator, operator_kind
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,9 @@ from tqdm.auto import tqdm
 
 from ..architectures import architecture, decoder_layers
 from ..errors import GhostedError
-from .operators import ridge_epsilon
 from ..remote.configuration_ghosted import SUBBLOCK_KINDS
 from ..remote.modeling_ghosted import SubBlockBypass
-
+from .operators import ridge_epsilon
 
 Batch = Mapping[str, torch.Tensor]
 LAYER = "layer"  # a whole decoder layer as a candidate (saved as a removed layer and its boundary's operator)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import re
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +14,9 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..assets import NOTICE_FILE, base_model_info
 from ..errors import GhostedError
-from .files import staged_folder
 from ..model.provenance import Provenance
 from ..remote.configuration_ghosted import GhostedConfig
+from .files import staged_folder
 from .summary import summarize
 
 logger = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..model.checkpoint import check_folder, index_weight_map, made_as, weight_map
 from ..errors import GhostedError, MissingFileError
+from ..model.checkpoint import check_folder, index_weight_map, made_as, weight_map
 from ..remote.modeling_ghosted import check_sizes_against_weights, ghost_records, ghost_tensor_keys, operator_sha256
 from ..remote.modeling_ghosted import staged_folder as remote_staged_folder
 

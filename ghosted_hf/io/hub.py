@@ -22,13 +22,13 @@ from typing import Any
 from huggingface_hub import HfApi, ModelCard, get_token
 from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
-from .card import PLOT_FILE, build_card, save_with_card
-from ..model.checkpoint import made_as
-from ..utils.diskio import check_shape
 from ..errors import GhostedError
-from .files import REMOTE_FILES, verify_folder
-from ..utils.network import bounded_network, check_timeout
+from ..model.checkpoint import made_as
 from ..remote.configuration_ghosted import GhostedConfig
+from ..utils.diskio import check_shape
+from ..utils.network import bounded_network, check_timeout
+from .card import PLOT_FILE, build_card, save_with_card
+from .files import REMOTE_FILES, verify_folder
 
 logger = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from ..model.checkpoint import made_as
-from ..utils.diskio import check_shape
 from ..errors import GhostedError
+from ..fitting.selection import candidate_layers
+from ..model.checkpoint import made_as
 from ..model.provenance import BOUNDARY, SUBBLOCK, Provenance
 from ..remote.configuration_ghosted import LAYER_TARGET, GhostedConfig
-from ..fitting.selection import candidate_layers
+from ..utils.diskio import check_shape
 
 SHOWN_FIGURES = ("relative_residual", "residual_vs_target", "pruned_residual_vs_target", "condition_number",
                  "antisymmetric_share", "fitted_on")

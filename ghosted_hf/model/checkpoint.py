@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ..architectures import checked_shapes, layer_of
-from ..utils.diskio import read_json_object
 from ..errors import GhostedError, MissingFileError
+from ..utils.diskio import read_json_object
 
 INDEX_SUFFIX = ".safetensors.index.json"
 

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from .. import assets
-from .checkpoint import check_folder
 from ..errors import GhostedError, MissingFileError
 from ..utils.network import HUB_TIMEOUT_S
+from .checkpoint import check_folder
 
 logger = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .. import assets
-from ..model import loading
-from ..io.card import save_with_card
-from ..text.tokens import tokenize_texts
 from ..evaluate import perplexity
-from ..options import PruneOptions
-from .prune import ghost_prune
+from ..io.card import save_with_card
+from ..model import loading
 from ..model.surgery import count_parameters, prune_layers, to_stock_model
+from ..options import PruneOptions
+from ..text.tokens import tokenize_texts
+from .prune import ghost_prune
 
 logger = logging.getLogger(__name__)
 

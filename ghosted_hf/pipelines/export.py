@@ -12,16 +12,25 @@ import torch
 from transformers import PreTrainedModel
 
 from ..errors import GhostedError
-from ..text.tokens import TextSource, TokenBatches
 from ..fitting.operators import operator_kind
-from ..options import ExportOptions
 from ..model.provenance import Provenance
-from .prune import calibration_tokens
+from ..model.surgery import fold_into_mlp_writers, to_stock_model
+from ..options import ExportOptions
 from ..remote.configuration_ghosted import LAYER_TARGET
 from ..remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
-from ..statistics import CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, CalibrationStatistics, StatisticsPlan
-from ..statistics import collect_statistics
-from ..model.surgery import fold_into_mlp_writers, to_stock_model
+from ..statistics import (
+    CROSS,
+    ENERGY,
+    GRAM,
+    MLP_GRAM,
+    MLP_SOURCE,
+    MLP_TARGET,
+    CalibrationStatistics,
+    StatisticsPlan,
+    collect_statistics,
+)
+from ..text.tokens import TextSource, TokenBatches
+from .prune import calibration_tokens
 
 
 def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSource,

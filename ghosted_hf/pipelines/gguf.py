@@ -19,12 +19,12 @@ falling back): it adds nothing to the stream and costs ~1% of a layer.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterable
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +36,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from ..architectures import ARCHITECTURES, architecture, layer_prefix
 from ..errors import GhostedError
 from ..model.checkpoint import made_as
-from ..utils.diskio import atomic_write
-from ..utils.network import check_timeout
 from ..model.provenance import Provenance
+from ..model.surgery import adopt_tensors
 from ..remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
 from ..remote.modeling_ghosted import GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key, scratch_folder
-from ..model.surgery import adopt_tensors
+from ..utils.diskio import atomic_write
+from ..utils.network import check_timeout
 
 logger = logging.getLogger(__name__)
 

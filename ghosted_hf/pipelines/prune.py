@@ -16,20 +16,28 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..fitting import subblocks
 from ..architectures import architecture, decoder_layers
 from ..assets import base_model_info
-from ..text.tokens import TextSource, TokenBatches, tokenize_texts
 from ..errors import GhostedError
+from ..fitting import subblocks
 from ..fitting.operators import BoundaryFit, operator_kind
-from ..options import ExportOptions, PruneOptions, budget_share
+from ..fitting.selection import ContiguousCriterion, Selection, SelectionRequest, check_num_layers, criterion
 from ..model.provenance import Provenance
+from ..model.surgery import count_parameters, fold_into_mlp_writers, prune_layers, to_stock_model, validate_removal
+from ..options import ExportOptions, PruneOptions, budget_share
 from ..remote.configuration_ghosted import expected_boundaries
 from ..remote.modeling_ghosted import GhostedForCausalLM
-from ..fitting.selection import ContiguousCriterion, Selection, SelectionRequest, check_num_layers, criterion
-from ..statistics import (CalibrationPass, CalibrationStatistics, Calibrator, Patch, ShardSpec, StatisticsPlan,
-                         as_calibration_pass, check_same_model)
-from ..model.surgery import count_parameters, fold_into_mlp_writers, prune_layers, to_stock_model, validate_removal
+from ..statistics import (
+    CalibrationPass,
+    CalibrationStatistics,
+    Calibrator,
+    Patch,
+    ShardSpec,
+    StatisticsPlan,
+    as_calibration_pass,
+    check_same_model,
+)
+from ..text.tokens import TextSource, TokenBatches, tokenize_texts
 
 logger = logging.getLogger(__name__)
 

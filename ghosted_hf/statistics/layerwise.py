@@ -22,8 +22,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..architectures import decoder, decoder_layers, layer_of
-from ..model.checkpoint import check_folder, weight_map
 from ..errors import GhostedError, MissingFileError, NonFiniteError
+from ..model.checkpoint import check_folder, weight_map
 from .accumulate import StatisticsAccumulator
 from .capture import Patch, apply_matrix, mlp_of, release_freed_memory
 from .declarations import Read, mlp, source, target

@@ -19,9 +19,9 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedModel
 
+from ..errors import GhostedError
 from ..text.tokens import TokenBatches
 from ..utils.distributed import all_reduce_sums, check_agreement, process_rank
-from ..errors import GhostedError
 from ..utils.hashing import string_sha256
 from .accumulate import StatisticsAccumulator
 from .capture import Patch, capture_hidden_states, decoder_parts, input_device, patched_stream, release_freed_memory

@@ -10,11 +10,11 @@ distillation trainers hold the full batch x sequence x vocabulary logits, which 
 avoids. LoRA goes on every linear layer of every decoder layer: adapters only near the boundaries, or only
 downstream of them, healed less at every budget measured (docs/removed-levers.md)."""
 
+from .callbacks import lr_factor
 from .checkpoints import CHECKPOINT_RECORD, RUN_RECORD, check_same_run, resume_point, verified_checkpoint
 from .options import HealOptions, base_model_reference, healed_kind, resolve_precision
-from .callbacks import lr_factor
-from .trainer import EAGER_MAX_LEN, sharded, training_attention
 from .recipe import HealResult, heal, load_teacher, merge
+from .trainer import EAGER_MAX_LEN, sharded, training_attention
 
 __all__ = ["CHECKPOINT_RECORD", "EAGER_MAX_LEN", "RUN_RECORD", "HealOptions", "HealResult", "base_model_reference",
            "check_same_run", "heal", "healed_kind", "load_teacher", "lr_factor", "merge", "resolve_precision", "resume_point",

@@ -14,15 +14,14 @@ from typing import Any
 
 from torch import nn
 
+from ...errors import GhostedError, MissingFileError
+from ...io.files import relation
+from ...remote.modeling_ghosted import process_gone, process_tag, scratch_folder
+from ...statistics.origin import config_sha256, model_fingerprint
 from ...text.tokens import TrainingSequences
 from ...utils.diskio import atomic_write_text, read_json_object
-from ...io.files import relation
 from ...utils.hashing import file_sha256, tensor_sha256
-from ...errors import GhostedError, MissingFileError
-from ...statistics.origin import config_sha256, model_fingerprint
-from ...remote.modeling_ghosted import process_gone, process_tag, scratch_folder
 from .options import HealOptions
-
 
 CHECKPOINT_RECORD = "ghosted_checkpoint.json"  # written last: a checkpoint without it is incomplete
 

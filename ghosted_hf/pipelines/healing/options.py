@@ -14,12 +14,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ...model.checkpoint import made_as
-from ...io.files import relation
 from ...errors import GhostedError
+from ...io.files import relation
+from ...model.checkpoint import made_as
 from ...model.provenance import Provenance
 from ...options import Options, PruneOptions, option, positive, same_as
-
 
 SCHEDULES = ("constant", "linear")
 

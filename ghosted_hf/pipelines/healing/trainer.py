@@ -14,11 +14,10 @@ from peft import PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel, Trainer
 
-from .distillation import Head, chunked_kd_loss, final_hidden_states, shifted_labels
-from ...utils.distributed import is_main_process
 from ...errors import GhostedError
+from ...utils.distributed import is_main_process
 from .callbacks import Budget, lr_factor
-
+from .distillation import Head, chunked_kd_loss, final_hidden_states, shifted_labels
 
 EAGER_MAX_LEN = 256  # the training length measured faster with eager attention (benchmarks/healing_step.py)
 
