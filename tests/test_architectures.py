@@ -18,20 +18,8 @@ from safetensors.torch import save_file
 from tiny import batch, char_tokenizer, random_operator, sequences, texts, tiny_family
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-from ghosted_hf import (
-    GhostedError,
-    ghost_prune,
-    prune_layers,
-    save_with_card,
-    to_stock_model,
-)
-from ghosted_hf.architectures import (
-    ARCHITECTURES,
-    LAYER_FIELDS,
-    architecture,
-    decoder_layers,
-    lora_target_parameters,
-)
+from ghosted_hf import GhostedError, ghost_prune, prune_layers, save_with_card, to_stock_model
+from ghosted_hf.architectures import ARCHITECTURES, LAYER_FIELDS, architecture, decoder_layers, lora_target_parameters
 from ghosted_hf.io.summary import summarize
 from ghosted_hf.pipelines.healing import heal
 from ghosted_hf.remote.configuration_ghosted import expected_boundaries

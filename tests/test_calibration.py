@@ -12,26 +12,9 @@ from tiny import LAYERS, PAD, build, sequences
 from transformers import AutoModelForCausalLM
 
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.statistics import (
-    ABS,
-    ANGULAR,
-    COSINE,
-    CROSS,
-    ENERGY,
-    GRAM,
-    MLP_GRAM,
-    MLP_SOURCE,
-    MLP_TARGET,
-    ROTATED_ABS,
-    CalibrationStatistics,
-    Patch,
-    StatisticsPlan,
-    collect_statistics,
-    least_squares,
-    mlp_terms,
-    normed_terms,
-    similarity,
-)
+from ghosted_hf.statistics import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET,
+                                   ROTATED_ABS, CalibrationStatistics, Patch, StatisticsPlan, collect_statistics,
+                                   least_squares, mlp_terms, normed_terms, similarity)
 from ghosted_hf.statistics.declarations import STATISTICS, parse_key
 from ghosted_hf.text.tokens import batch_sequences
 

@@ -17,15 +17,8 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from ghosted_hf import ghost_prune, save_with_card
 from ghosted_hf.architectures import lora_targets
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.pipelines.healing import (
-    EAGER_MAX_LEN,
-    base_model_reference,
-    heal,
-    lr_factor,
-    merge,
-    resolve_precision,
-    sharded,
-)
+from ghosted_hf.pipelines.healing import (EAGER_MAX_LEN, base_model_reference, heal, lr_factor, merge,
+                                          resolve_precision, sharded)
 from ghosted_hf.text.tokens import tokenize_texts
 
 FAST = dict(seq_len=48, num_sequences=24)

@@ -11,15 +11,8 @@ from tiny import LAYERS, PAD, build, char_tokenizer, sequences, texts
 
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.pipelines.prune import ghost_prune
-from ghosted_hf.statistics import (
-    ABS,
-    ROTATED_ABS,
-    StatisticsPlan,
-    collect_statistics,
-    least_squares,
-    mlp_terms,
-    similarity,
-)
+from ghosted_hf.statistics import (ABS, ROTATED_ABS, StatisticsPlan, collect_statistics, least_squares, mlp_terms,
+                                   similarity)
 from ghosted_hf.statistics.layerwise import LayerwisePass, parse_memory
 from ghosted_hf.text.tokens import batch_sequences
 

@@ -17,16 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets, ghost_prune, heal, merge, prune_layers, save_with_card
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.pipelines.gguf import (
-    FFN_WIDTH,
-    SubBlockMaps,
-    convert,
-    export_gguf,
-    normed_blocks,
-    pruned_base,
-    rewrite_as_deci,
-    subblock_maps,
-)
+from ghosted_hf.pipelines.gguf import (FFN_WIDTH, SubBlockMaps, convert, export_gguf, normed_blocks, pruned_base,
+                                       rewrite_as_deci, subblock_maps)
 
 gguf = pytest.importorskip("gguf")
 HEADS, KV_HEADS, FFN, VOCAB = 4, 2, 64, 128

@@ -6,16 +6,8 @@ import pytest
 from tiny import LAYERS, PAD, build, plant_identity_layers, sequences
 
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.fitting.selection import (
-    CRITERIA,
-    SelectionRequest,
-    candidate_layers,
-    candidate_name,
-    candidate_spans,
-    criterion,
-    locality_choice,
-    spectral_clusters,
-)
+from ghosted_hf.fitting.selection import (CRITERIA, SelectionRequest, candidate_layers, candidate_name, candidate_spans,
+                                          criterion, locality_choice, spectral_clusters)
 from ghosted_hf.statistics import collect_statistics
 from ghosted_hf.text.tokens import batch_sequences
 

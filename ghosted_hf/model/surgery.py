@@ -15,29 +15,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..architectures import (
-    StreamWeight,
-    SubBlock,
-    architecture,
-    check_declared,
-    check_layers_match,
-    decoder,
-    decoder_layers,
-    layer_of,
-    layer_prefix,
-    pruned_config,
-    stream_weights,
-)
+from ..architectures import (StreamWeight, SubBlock, architecture, check_declared, check_layers_match, decoder,
+                             decoder_layers, layer_of, layer_prefix, pruned_config, stream_weights)
 from ..errors import GhostedError, NonFiniteError
-from ..remote.configuration_ghosted import (
-    LAYER_TARGET,
-    OPERATOR_DTYPES,
-    SUBBLOCK_KINDS,
-    GhostedConfig,
-    expected_boundaries,
-    pruned_index,
-    required_format_version,
-)
+from ..remote.configuration_ghosted import (LAYER_TARGET, OPERATOR_DTYPES, SUBBLOCK_KINDS, GhostedConfig,
+                                            expected_boundaries, pruned_index, required_format_version)
 from ..remote.modeling_ghosted import GHOST_MODULE, GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key
 from .provenance import Provenance
 

@@ -18,17 +18,8 @@ from ..model.surgery import fold_into_mlp_writers, to_stock_model
 from ..options import ExportOptions
 from ..remote.configuration_ghosted import LAYER_TARGET
 from ..remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
-from ..statistics import (
-    CROSS,
-    ENERGY,
-    GRAM,
-    MLP_GRAM,
-    MLP_SOURCE,
-    MLP_TARGET,
-    CalibrationStatistics,
-    StatisticsPlan,
-    collect_statistics,
-)
+from ..statistics import (CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, CalibrationStatistics, StatisticsPlan,
+                          collect_statistics)
 from ..text.tokens import TextSource, TokenBatches
 from .prune import calibration_tokens
 

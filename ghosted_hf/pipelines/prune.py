@@ -27,16 +27,8 @@ from ..model.surgery import count_parameters, fold_into_mlp_writers, prune_layer
 from ..options import ExportOptions, PruneOptions, budget_share
 from ..remote.configuration_ghosted import expected_boundaries
 from ..remote.modeling_ghosted import GhostedForCausalLM
-from ..statistics import (
-    CalibrationPass,
-    CalibrationStatistics,
-    Calibrator,
-    Patch,
-    ShardSpec,
-    StatisticsPlan,
-    as_calibration_pass,
-    check_same_model,
-)
+from ..statistics import (CalibrationPass, CalibrationStatistics, Calibrator, Patch, ShardSpec, StatisticsPlan,
+                          as_calibration_pass, check_same_model)
 from ..text.tokens import TextSource, TokenBatches, tokenize_texts
 
 logger = logging.getLogger(__name__)

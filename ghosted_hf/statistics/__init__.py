@@ -6,23 +6,8 @@ behind one interface; `store` holds the sums, writes and merges files; `origin` 
 """
 
 from .capture import Patch
-from .declarations import (
-                           ABS,
-                           ANGULAR,
-                           COSINE,
-                           CROSS,
-                           ENERGY,
-                           GRAM,
-                           MLP_GRAM,
-                           MLP_SOURCE,
-                           MLP_TARGET,
-                           NORMED_CROSS,
-                           NORMED_GRAM,
-                           NORMED_SOURCE,
-                           ROTATED_ABS,
-                           Entry,
-                           Statistic,
-)
+from .declarations import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, NORMED_CROSS,
+                           NORMED_GRAM, NORMED_SOURCE, ROTATED_ABS, Entry, Statistic)
 from .layerwise import LayerwisePass
 from .origin import check_same_model, model_fingerprint
 from .passes import CalibrationPass, Calibrator, FullModelPass, as_calibration_pass, collect_statistics

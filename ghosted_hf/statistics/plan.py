@@ -9,22 +9,8 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from .declarations import (
-    ANGULAR,
-    COSINE,
-    CROSS,
-    ENERGY,
-    GRAM,
-    MLP_GRAM,
-    MLP_SOURCE,
-    MLP_TARGET,
-    NORMED_CROSS,
-    NORMED_GRAM,
-    NORMED_SOURCE,
-    Entry,
-    Read,
-    parse_key,
-)
+from .declarations import (ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, NORMED_CROSS,
+                           NORMED_GRAM, NORMED_SOURCE, Entry, Read, parse_key)
 
 
 @dataclass(frozen=True)

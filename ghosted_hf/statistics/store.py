@@ -25,23 +25,8 @@ from safetensors.torch import load_file, save_file
 from ..errors import GhostedError, MissingFileError
 from ..utils.diskio import atomic_write
 from ..utils.hashing import json_sha256, tensor_sha256
-from .declarations import (
-    ABS,
-    ANGULAR,
-    COSINE,
-    CROSS,
-    ENERGY,
-    GRAM,
-    MLP_GRAM,
-    MLP_SOURCE,
-    MLP_TARGET,
-    NORMED_CROSS,
-    NORMED_GRAM,
-    NORMED_SOURCE,
-    ROTATED_ABS,
-    Entry,
-    parse_key,
-)
+from .declarations import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, NORMED_CROSS,
+                           NORMED_GRAM, NORMED_SOURCE, ROTATED_ABS, Entry, parse_key)
 from .plan import StatisticsPlan
 
 FORMAT = "ghosted-statistics"

@@ -120,19 +120,9 @@ def batch_sequences(sequences: list[list[int]], batch_size: int, pad_id: int) ->
     return batches
 
 
-def tokenize_texts(
-    tokenizer: Any,
-    text: TextSource,
-    seq_len: int,
-    num_sequences: int | None = None,
-    batch_size: int = 4,
-    text_column: str = "text",
-    shuffle_seed: int | None = None,
-    *,
-    split: str | None = None,
-    streaming: bool = False,
-    what: str = "Calibration text",
-) -> TokenBatches:
+def tokenize_texts(tokenizer: Any, text: TextSource, seq_len: int, num_sequences: int | None = None, batch_size: int = 4,
+                   text_column: str = "text", shuffle_seed: int | None = None, *, split: str | None = None,
+                   streaming: bool = False, what: str = "Calibration text") -> TokenBatches:
     """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens (documents joined by EOS, every
     sequence starting with the tokenizer's BOS where it adds one) and batch them. Chat-formatted calibration is the caller's choice: render the texts with the tokenizer's chat
     template first. `shuffle_seed`: shuffle the sequences before batching (for training: packed in order, a batch would hold one

@@ -26,25 +26,11 @@ from ...text.documents import read_documents
 from ...text.tokens import TrainingSequences, training_sequences
 from ...utils.distributed import check_agreement, init_distributed, is_main_process, rendezvous, timeout_s
 from .callbacks import Budget, Progress, Record, Schedule
-from .checkpoints import (
-    agreement_claims,
-    check_same_run,
-    checkpoint_folder,
-    claim_checkpoint_folder,
-    resume_point,
-    run_identity,
-    verified_checkpoint,
-)
+from .checkpoints import (agreement_claims, check_same_run, checkpoint_folder, claim_checkpoint_folder, resume_point,
+                          run_identity, verified_checkpoint)
 from .distillation import head_is_plain
-from .options import (
-    DEFAULT_STEPS,
-    HealOptions,
-    base_model_reference,
-    check_meaningful,
-    check_same_vocabulary,
-    healed_kind,
-    resolve_precision,
-)
+from .options import (DEFAULT_STEPS, HealOptions, base_model_reference, check_meaningful, check_same_vocabulary,
+                      healed_kind, resolve_precision)
 from .trainer import HealingTrainer, SequenceDataset, collate, sharded, training_attention, unsharded
 
 logger = logging.getLogger(__name__)
