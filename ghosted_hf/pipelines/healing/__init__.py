@@ -17,5 +17,5 @@ from .recipe import HealResult, heal, load_teacher, merge
 from .trainer import EAGER_MAX_LEN, sharded, training_attention
 
 __all__ = ["CHECKPOINT_RECORD", "EAGER_MAX_LEN", "RUN_RECORD", "HealOptions", "HealResult", "base_model_reference",
-           "check_same_run", "heal", "healed_kind", "load_teacher", "lr_factor", "merge", "resolve_precision", "resume_point",
-           "sharded", "training_attention", "verified_checkpoint"]
+           "check_same_run", "heal", "healed_kind", "load_teacher", "lr_factor", "merge", "resolve_precision",
+           "resume_point", "sharded", "training_attention", "verified_checkpoint"]
