@@ -34,7 +34,7 @@ class StepStarts(TrainerCallback):
 
 def main() -> None:
     args, tokenizer, calibration, model = step_timing_setup(__doc__.splitlines()[0], steps=6)
-    options = HealOptions(steps=args.steps + 1, eval_sequences=0)
+    options = HealOptions(max_steps=args.steps + 1, eval_sequences=0)
     times: dict[str, list[float]] = {"1.0 loop": [], "Trainer": []}
     for _ in range(args.rounds):
         for name, seconds in times.items():

@@ -38,7 +38,7 @@ def main() -> None:
                 def on_step_end(self, args, state, control, **kwargs):
                     seconds.append(time.process_time() - self.clock)
 
-            healed = healing.heal(model, tokenizer, calibration, steps=args.steps + 1, progress=False,
+            healed = healing.heal(model, tokenizer, calibration, max_steps=args.steps + 1, progress=False,
                                   eval_sequences=0, callbacks=[StepTimes()])
             model = healed.model.unload()  # the adapters removed: the same ghosted model for the next configuration
             times[attention] += seconds[1:]  # the first step warms up

@@ -20,9 +20,9 @@ def legacy_heal(model, tokenizer, data, options: HealOptions, *, minutes: float 
                 clock: Callable[[], float] = time.process_time,
                 on_step: Callable[[float], None] | None = None) -> tuple[torch.nn.Module, int]:
     """(PEFT model, steps): next-token loss for `minutes` by `clock` (the schedule decaying over the time), or for
-    `options.steps` steps; `on_step(time)` gets the `clock` at the start of every step and at the end."""
+    `options.max_steps` steps; `on_step(time)` gets the `clock` at the start of every step and at the end."""
     torch.manual_seed(options.seed)
-    batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.batch_size,
+    batches = tokenize_texts(tokenizer, data, options.seq_len, batch_size=options.per_device_train_batch_size,
                              shuffle_seed=options.seed).batches
     config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0, target_modules=lora_targets(model),
                         task_type="CAUSAL_LM")
@@ -30,19 +30,19 @@ def legacy_heal(model, tokenizer, data, options: HealOptions, *, minutes: float 
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trainable if p.ndim > 1], "weight_decay": 0.01},
               {"params": [p for p in trainable if p.ndim <= 1], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=options.lr)
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=options.learning_rate)
     device = next(peft_model.parameters()).device
     precision = resolve_precision(options.precision, device)
     budget, steps, started = minutes * 60 if minutes else None, 0, clock()
     with training_attention(model, device, options.seq_len):
         for batch in itertools.cycle(batches):
-            done = (clock() - started) / budget if budget else steps / options.steps
+            done = (clock() - started) / budget if budget else steps / options.max_steps
             if on_step is not None:
                 on_step(clock())
             if done >= 1 and steps:
                 break
             for group in optimizer.param_groups:
-                group["lr"] = options.lr * lr_factor(options.schedule, done)
+                group["lr"] = options.learning_rate * lr_factor(options.lr_scheduler_type, done)
             peft_model.train()
             ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):

@@ -29,7 +29,7 @@ from ghosted_hf import assets, ghost_prune
 from ghosted_hf.evaluate import ZERO_SHOT_TASKS, gap_closed, lambada, perplexity, zero_shot
 from ghosted_hf.fitting.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
-from ghosted_hf.pipelines.healing import HealOptions, heal, merge
+from ghosted_hf.pipelines.healing import DEFAULT_STEPS, HealOptions, heal, merge
 from ghosted_hf.pipelines.prune import boundary_spans, statistics_plan
 from ghosted_hf.statistics import StatisticsPlan, collect_statistics
 from ghosted_hf.text.tokens import tokenize_texts
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--short-methods", nargs="+", default=None,
                         help="Rows to run for layer counts after the first (default: all).")
     parser.add_argument("--heal", action="store_true", help="Also score the default row after the default healing.")
-    parser.add_argument("--heal-steps", type=int, default=HealOptions().steps, help="Healing steps (a quick check).")
+    parser.add_argument("--heal-steps", type=int, default=DEFAULT_STEPS, help="Healing steps (a quick check).")
     parser.add_argument("--heal-only", action="store_true",
                         help="With --heal: LAMBADA and zero-shot only for the healed rows (perplexity for all).")
     parser.add_argument("--lambada", type=int, default=0, help="LAMBADA items to score (5153: all; 0: skip).")
@@ -75,7 +75,7 @@ def main() -> None:
     calibration = assets.wikipedia_split("calibration")
     held_out = held_out_windows(tokenizer, args.eval_windows)
     cal_data = tokenize_texts(tokenizer, calibration, args.seq_len, args.num_sequences, 4)
-    healing = HealOptions(steps=args.heal_steps)
+    healing = HealOptions(max_steps=args.heal_steps)
 
     def score(model, healed: bool = False) -> dict:
         result = {"ppl": perplexity(model, held_out.batches, progress=False)}

@@ -15,14 +15,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ghosted_hf
 from ghosted_hf import assets
-from ghosted_hf.pipelines.healing import HealOptions, heal, merge
+from ghosted_hf.pipelines.healing import DEFAULT_STEPS, HealOptions, heal, merge
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="Folder of a ghosted model.")
     parser.add_argument("--output", default="ghosted-healed")
-    parser.add_argument("--steps", type=int, default=HealOptions().steps)
+    parser.add_argument("--max-steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--seq-len", type=int, default=HealOptions().seq_len)
     parser.add_argument("--teacher", help="Dense model folder to distill from ('packaged': the packaged SmolLM2-135M).")
     args = parser.parse_args(argv)
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     if args.teacher:
         folder = assets.default_model_dir() if args.teacher == "packaged" else args.teacher
         teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    healed = heal(model, tokenizer, assets.wikipedia_split("calibration"), teacher=teacher, steps=args.steps,
+    healed = heal(model, tokenizer, assets.wikipedia_split("calibration"), teacher=teacher, max_steps=args.max_steps,
                   seq_len=args.seq_len)
     losses = healed.losses
     ghosted_hf.save_with_card(merge(healed), args.output, tokenizer)

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import types
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -26,12 +27,19 @@ T = TypeVar("T")
 
 def option(default: Any = dataclasses.MISSING, help: str = "",
            choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None, *, positional: bool = False,
-           required: bool = False) -> Any:
+           required: bool = False, renamed_from: str | None = None) -> Any:
     """A dataclass field that is also a command-line option: a `--flag`, or a positional argument when it has no
     default or `positional=True`; `required=True` makes the flag mandatory on the command line. `choices` may be
-    a callable, read when used (registries grow)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "positional": positional,
-                                            "required": required})
+    a callable, read when used (registries grow). `renamed_from`: the option's former name, still accepted (with a
+    FutureWarning) by `build` and as a flag."""
+    return field(default=default, metadata={"option": True, "help": help, "choices": choices, "positional": positional,
+                                            "required": required, "renamed_from": renamed_from})
+
+
+def option_fields(cls: Any) -> list[dataclasses.Field]:
+    """The fields declared with `option` (an options class may extend a dataclass it does not own, such as
+    `TrainingArguments`: its own fields are settable from Python, not flags)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("option")]
 
 
 def same_as(cls: type, name: str) -> Any:
@@ -90,7 +98,7 @@ class Options:
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
+        for f in option_fields(self):
             value = _coerce(f.name, getattr(self, f.name), hints[f.name])
             choices = _choices(f)
             if choices and value is not None and value not in choices:
@@ -103,12 +111,18 @@ class Options:
 
     @classmethod
     def build(cls: type[T], options: T | None = None, **overrides: Any) -> T:
-        """`options` (or the defaults) with `overrides` applied; unknown names are refused."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        """`options` (or the defaults) with `overrides` applied; unknown names are refused, former names renamed."""
+        for f in option_fields(cls):
+            old = f.metadata.get("renamed_from")
+            if old in overrides:
+                warnings.warn(f"The option {old} is now {f.name}; {old} will be removed in 2.0.", FutureWarning,
+                              stacklevel=3)
+                overrides[f.name] = overrides.pop(old)
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise UnknownOptionError(f"Unknown option(s) {unknown}; valid options: {sorted(known)}.")
-        base = dataclasses.asdict(options) if options is not None else {}
+        base = {name: getattr(options, name) for name in known} if options is not None else {}
         return cls(**{**base, **overrides})
 
     def to_dict(self) -> dict[str, Any]:
@@ -272,7 +286,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """One argument per field of dataclass `cls`, with its type, default, choices and help. A field
     without a default is a required positional argument; `positional=True` makes an optional one."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in option_fields(cls):
         kind, _ = _base_type(hints[f.name])
         default = f.default
         kwargs: dict[str, Any] = {"help": f.metadata["help"].replace("%", "%%")}  # argparse formats help with %
@@ -289,10 +303,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         elif f.metadata.get("positional"):
             parser.add_argument(f.name, nargs="?", default=default, **kwargs)
         else:
-            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=default,
-                                required=f.metadata.get("required", False), **kwargs)
+            old = f.metadata.get("renamed_from")
+            flags = ["--" + name.replace("_", "-") for name in (f.name, old) if name]
+            parser.add_argument(*flags, dest=f.name, default=default, required=f.metadata["required"], **kwargs)
 
 
 def from_namespace(cls: type[T], namespace: argparse.Namespace) -> T:
     """An instance of dataclass `cls` from the parsed arguments `add_arguments` declared."""
-    return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+    return cls(**{f.name: getattr(namespace, f.name) for f in option_fields(cls)})

@@ -125,8 +125,8 @@ def test_every_family_calibrates_layer_by_layer_selects_fits_and_heals(model_typ
     fused = lora_target_parameters(model)  # experts' 3-D weights: PEFT's parameter wrapper adapts them
     expected_wrappers = sum(name.split(".", 1)[1] in fused for name, _ in decoder_layers(model).named_parameters())
     has_fused_experts = any(p.ndim == 3 and ".experts." in name for name, p in decoder_layers(model).named_parameters())
-    peft_model, losses, _, _ = heal(model, char_tokenizer(), texts(8), teacher=dense, steps=2, seq_len=32,
-                                    batch_size=2, progress=False)
+    peft_model, losses, _, _ = heal(model, char_tokenizer(), texts(8), teacher=dense, max_steps=2, seq_len=32,
+                                    per_device_train_batch_size=2, progress=False)
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     adapted = {name.split(".lora_A.")[0] for name, _ in peft_model.named_parameters() if ".lora_A." in name}
     plain = [name for name, module in peft_model.named_modules() if isinstance(module, torch.nn.Linear)

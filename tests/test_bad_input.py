@@ -115,7 +115,7 @@ def test_cli_errors_are_one_line(dense_folder: Path, tmp_path: Path, capsys) -> 
     assert f"--output {dense_folder} is the input {dense_folder}; write it somewhere else" in err
     err = one_line_error(capsys, "eval", dense_folder, "--limit", "4")
     assert "--limit applies to zero-shot tasks: pass --tasks too" in err
-    err = one_line_error(capsys, "heal", dense_folder, "--output", tmp_path / "healed", "--steps", "1")
+    err = one_line_error(capsys, "heal", dense_folder, "--output", tmp_path / "healed", "--max-steps", "1")
     assert "heal expects a model pruned by ghosted_hf, and this LlamaForCausalLM records no pruning" in err
     err = one_line_error(capsys, "inspect", dense_folder)
     assert "holds a 'llama' model that ghosted_hf did not make" in err
@@ -188,7 +188,7 @@ def test_a_teacher_with_another_vocabulary_is_refused() -> None:
     student = ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], seq_len=48,
                           num_sequences=24)
     with pytest.raises(GhostedError, match="The teacher has a vocabulary of 200 tokens and the model 128"):
-        heal(student, char_tokenizer(), texts(), teacher=build("llama", vocab_size=200), steps=1, progress=False)
+        heal(student, char_tokenizer(), texts(), teacher=build("llama", vocab_size=200), max_steps=1, progress=False)
 
 
 def test_too_little_text_for_a_stable_fit_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -213,7 +213,7 @@ def test_every_command_that_writes_refuses_an_existing_output_and_never_writes_i
         "prune": (lambda out: ["prune", dense_folder, *fit, "--output", out], dense_folder, False),
         "stats collect": (lambda out: ["stats", "collect", dense_folder, *fit, "--output", out], dense_folder, True),
         "stats merge": (lambda out: ["stats", "merge", stats, "--output", out], stats, True),
-        "heal": (lambda out: ["heal", ghosted, "--steps", "1", "--output", out], ghosted, False),
+        "heal": (lambda out: ["heal", ghosted, "--max-steps", "1", "--output", out], ghosted, False),
         "export-stock": (lambda out: ["export-stock", ghosted, "--output", out], ghosted, False),
         "export-gguf": (lambda out: ["export-gguf", ghosted, out, "--llama-cpp", tmp_path], ghosted, True),
         "demo": (lambda out: ["demo", "--model", dense_folder, "--output", out], dense_folder, False),
@@ -286,7 +286,7 @@ def test_options_that_mean_nothing_and_misleading_inputs_get_one_line_that_point
     assert main([str(a) for a in ["prune", dense_folder, "--calibration", cal, "--num-layers", "2", "--seq-len", "48",
                                   "--num-sequences", "16", "--output", ghosted]]) == 0
     os.mkfifo(tmp_path / "fifo")
-    heal = ["heal", ghosted, "--output", tmp_path / "healed", "--steps", "1"]
+    heal = ["heal", ghosted, "--output", tmp_path / "healed", "--max-steps", "1"]
     cases = [
         ([*heal, "--seq-len", "1"], "seq_len must be at least 2"),
         ([*heal, "--seq-len", "100000"], "seq_len 100000 is beyond the model's"),
@@ -299,7 +299,7 @@ def test_options_that_mean_nothing_and_misleading_inputs_get_one_line_that_point
         ([*heal, "--eval-data", tmp_path / "none.txt"], "Evaluation data "),
         ([*heal, "--seed", "-1"], "seed must be between 0 and 2^32 - 1"),
         ([*heal[:-2], "--minutes", "1e308"], "minutes must be a finite number"),
-        ([*heal, "--minutes", "1"], "Give one budget: steps, tokens or minutes, not steps and minutes"),
+        ([*heal, "--minutes", "1"], "Give one budget: max_steps, tokens or minutes, not max_steps and minutes"),
         ([*heal, "--resume", tmp_path / "nowhere", "--checkpoints", tmp_path / "ck"], "nowhere does not exist"),
         (["export-gguf", ghosted, tmp_path / "m.gguf", "--llama-cpp", tmp_path, "--timeout", "0"],
          "timeout must be a positive, finite number of seconds, got 0.0"),
@@ -377,13 +377,13 @@ def test_what_a_run_reports_is_what_it_did(dense_folder: Path, tmp_path: Path, c
     from ghosted_hf import ghost_prune
     from ghosted_hf.pipelines.healing import HealOptions
 
-    with pytest.raises(GhostedError, match="Give one budget: steps, tokens or minutes, not steps and minutes"):
-        HealOptions(steps=10, minutes=1.0)
+    with pytest.raises(GhostedError, match="Give one budget: max_steps, tokens or minutes, not max_steps and minutes"):
+        HealOptions(max_steps=10, minutes=1.0)
     ghosted = tmp_path / "ghosted"
     assert main([str(a) for a in ["prune", dense_folder, "--calibration", tmp_path / "cal.txt", "--num-layers", "2",
                                   "--seq-len", "48", "--num-sequences", "16", "--output", ghosted]]) == 0
     capsys.readouterr()
-    assert main([str(a) for a in ["heal", ghosted, "--data", tmp_path / "cal.txt", "--steps", "2", "--seq-len", "32",
+    assert main([str(a) for a in ["heal", ghosted, "--data", tmp_path / "cal.txt", "--max-steps", "2", "--seq-len", "32",
                                   "--eval-sequences", "0", "--adapter-only", "--output", tmp_path / "healed"]]) == 0
     assert "loss: first 1 step " in capsys.readouterr().out
     with caplog.at_level("INFO", logger="ghosted_hf"):

@@ -137,7 +137,7 @@ def test_heal_trains_on_the_text_by_default_and_distills_from_the_base_on_reques
                  "--num-sequences", "16", "--output", str(tmp_path / "out")]) == 0
     records = {}
     for name, extra in (("default", []), ("base", ["--teacher", "base"])):
-        assert main(["heal", str(tmp_path / "out"), "--output", str(tmp_path / name), "--data", str(cal), "--steps", "2",
+        assert main(["heal", str(tmp_path / "out"), "--output", str(tmp_path / name), "--data", str(cal), "--max-steps", "2",
                      "--seq-len", "32", *extra]) == 0
         records[name] = json.loads((tmp_path / name / "config.json").read_text())["ghost_provenance"]["healing"]
     assert records["default"]["loss"] == "next-token cross-entropy" and records["default"]["teacher"] is None
@@ -221,7 +221,7 @@ def test_heal_bad_input_is_one_line_naming_the_value(dense_folder: Path, tmp_pat
         "same folder": (["--output", pruned], f"is the input {pruned}"),
         "missing column": (["--data", str(tmp_path / "rows.jsonl")], "no 'text' column (columns: ['body'])"),
         "empty data": (["--data", str(tmp_path / "empty.txt")], "The training data (empty.txt) holds no text."),
-        "zero budget": (["--steps", "0"], "steps must be positive (or left out), got 0"),
+        "zero budget": (["--max-steps", "0"], "max_steps must be positive (or -1: 150 unless tokens or minutes), got 0"),
         "nan budget": (["--minutes", "nan"], "minutes must be a finite number, got nan"),
         "other vocabulary": (["--teacher", str(tmp_path / "other")], "The teacher has a vocabulary of 200 tokens"),
         "dense model": (["--output", str(tmp_path / "o2")], "records no pruning"),

@@ -59,8 +59,8 @@ def test_fsdp2_healing_on_one_cuda_process_gives_the_model_of_plain_healing(dens
     cal = tmp_path / "cal.txt"
     assert main(["prune", str(dense_folder), "--calibration", str(cal), "--num-layers", "2", "--seq-len", "48",
                  "--num-sequences", "16", "--output", str(tmp_path / "pruned")]) == 0
-    flags = ["heal", tmp_path / "pruned", "--data", cal, "--steps", "4", "--seq-len", "32", "--eval-sequences", "2",
-             "--batch-size", "4"]
+    flags = ["heal", tmp_path / "pruned", "--data", cal, "--max-steps", "4", "--seq-len", "32", "--eval-sequences", "2",
+             "--per-device-train-batch-size", "4"]
     heal = [sys.executable, "-m", "ghosted_hf.cli", *map(str, flags)]
     one = subprocess.run([*heal, "--precision", "fp32", "--output", str(tmp_path / "one")], capture_output=True,
                          text=True, timeout=300, env=ENV)
@@ -71,7 +71,7 @@ def test_fsdp2_healing_on_one_cuda_process_gives_the_model_of_plain_healing(dens
     def fsdp(name: str, *more: str) -> dict[str, torch.Tensor]:
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
                   "--main_process_port", str(free_port())]
-        run = subprocess.run([*launch, "-m", "ghosted_hf.cli", *map(str, flags), "--save-every", "2",
+        run = subprocess.run([*launch, "-m", "ghosted_hf.cli", *map(str, flags), "--save-steps", "2",
                               "--checkpoints", str(tmp_path / f"{name}.checkpoints"), "--output", str(tmp_path / name),
                               *more], capture_output=True, text=True, timeout=300, env=ENV)
         assert run.returncode == 0, (name, run.stderr[-3000:])

@@ -12,13 +12,14 @@ import torch
 from isolated import assert_loads_with_same_logits
 from peft import PeftModel
 from tiny import batch, build, char_tokenizer, kl_to_dense, texts
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
 from ghosted_hf import ghost_prune, save_with_card
 from ghosted_hf.architectures import lora_targets
+from ghosted_hf.cli import build_parser
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.pipelines.healing import (EAGER_MAX_LEN, base_model_reference, heal, lr_factor, merge,
-                                          resolve_precision, sharded)
+from ghosted_hf.pipelines.healing import (EAGER_MAX_LEN, HealOptions, base_model_reference, heal, lr_factor,
+                                          merge, resolve_precision, sharded)
 from ghosted_hf.text.tokens import tokenize_texts
 
 FAST = dict(seq_len=48, num_sequences=24)
@@ -37,7 +38,7 @@ def mean_lm_loss(model, batches) -> float:
 def test_lora_goes_on_every_linear_layer_of_every_decoder_layer() -> None:
     import re
 
-    healed = heal(pruned(), char_tokenizer(), texts(), steps=1, seq_len=48, progress=False)
+    healed = heal(pruned(), char_tokenizer(), texts(), max_steps=1, seq_len=48, progress=False)
     adapted = {n.split(".lora_A")[0].removeprefix("base_model.model.") for n, _ in healed.model.named_parameters()
                if "lora_A" in n}
     linear = {f"model.layers.{i}.{name}" for i in range(4) for name in
@@ -54,8 +55,8 @@ def test_healing_lowers_the_training_loss(teacher: bool) -> None:
     dense = build("llama")
     measure = (lambda m: kl_to_dense(dense, m, batches)) if teacher else (lambda m: mean_lm_loss(m, batches))
     before = measure(model)
-    peft_model, losses, _, _ = heal(model, tokenizer, texts(), teacher=dense if teacher else None, steps=30,
-                                 lr=1e-3 if teacher else 5e-3, seq_len=48, train_operators=True, progress=False)
+    peft_model, losses, _, _ = heal(model, tokenizer, texts(), teacher=dense if teacher else None, max_steps=30,
+                                 learning_rate=1e-3 if teacher else 5e-3, seq_len=48, train_operators=True, progress=False)
     assert len(losses) == 30
     assert measure(peft_model) < before  # the training objective, on all training batches
     trained = [n for n, p in peft_model.named_parameters() if p.requires_grad]
@@ -95,7 +96,7 @@ def test_short_training_sequences_use_eager_attention_on_cpu_then_the_models_own
         def on_step_end(self, args, state, control, **kwargs):
             seen.append(model.model.layers[0].self_attn.config._attn_implementation)
 
-    heal(model, char_tokenizer(), texts() * 4, steps=2, seq_len=seq_len, batch_size=1, progress=False,
+    heal(model, char_tokenizer(), texts() * 4, max_steps=2, seq_len=seq_len, per_device_train_batch_size=1, progress=False,
          callbacks=[Watch()], eval_sequences=1)
     assert seen == [during, during] and model.model.layers[0].self_attn.config._attn_implementation == "sdpa"
 
@@ -115,22 +116,22 @@ def test_bf16_autocast_healing_trains_fp32_adapters_and_records_its_options() ->
     model = pruned()
     batches = tokenize_texts(tokenizer, texts(), 48, batch_size=4).batches
     before = mean_lm_loss(model, batches)
-    healed = heal(model, tokenizer, texts(), steps=30, lr=5e-3, seq_len=48, precision="bf16", schedule="linear",
-                  progress=False)
+    healed = heal(model, tokenizer, texts(), max_steps=30, learning_rate=5e-3, seq_len=48, precision="bf16",
+                  lr_scheduler_type="linear", progress=False)
     assert mean_lm_loss(healed.model, batches) < before
     adapters = [p for n, p in healed.model.named_parameters() if "lora_" in n]
     assert adapters and all(p.dtype == torch.float32 for p in adapters)
     healing = merge(healed).config.ghost_provenance["healing"]
-    assert healing["precision"] == "bf16" and healing["schedule"] == "linear"
+    assert healing["precision"] == "bf16" and healing["lr_scheduler_type"] == "linear"
 
 
 @pytest.mark.slow
 def test_merged_model_saves_and_reloads_without_ghosted_hf(tmp_path: Path) -> None:
-    merged = merge(heal(pruned(), char_tokenizer(), texts(), steps=10, lr=5e-3, seq_len=48, train_operators=True,
+    merged = merge(heal(pruned(), char_tokenizer(), texts(), max_steps=10, learning_rate=5e-3, seq_len=48, train_operators=True,
                         progress=False))
     healing = merged.config.ghost_provenance["healing"]
     assert type(merged).__name__ == "GhostedForCausalLM" and healing["r"] == 8
-    assert healing["steps"] == 10 and healing["lr"] == 5e-3 and healing["loss"] == "next-token cross-entropy"
+    assert healing["steps"] == 10 and healing["learning_rate"] == 5e-3 and healing["loss"] == "next-token cross-entropy"
     assert 0 < healing["tokens"] <= 10 * 4 * 48
     merged.save_pretrained(tmp_path / "merged")
     assert "LOADED transformers_modules" in assert_loads_with_same_logits(tmp_path / "merged", merged, batch(), tmp_path)
@@ -139,8 +140,8 @@ def test_merged_model_saves_and_reloads_without_ghosted_hf(tmp_path: Path) -> No
 def test_adapter_round_trip_with_peft(tmp_path: Path) -> None:
     base = pruned()
     base.save_pretrained(tmp_path / "base")
-    peft_model = heal(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), char_tokenizer(), texts(), steps=10,
-                      lr=5e-3, seq_len=48, train_operators=True, progress=False).model
+    peft_model = heal(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), char_tokenizer(), texts(), max_steps=10,
+                      learning_rate=5e-3, seq_len=48, train_operators=True, progress=False).model
     peft_model.save_pretrained(tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     inputs = batch()
@@ -159,7 +160,7 @@ def test_a_callback_sees_every_step_and_can_stop_training() -> None:
             calls.append((state.global_step, model.training))
             control.should_training_stop = state.global_step == 3
 
-    _, losses, record, _ = heal(pruned(), char_tokenizer(), texts(), steps=10, lr=5e-3, seq_len=48, progress=False,
+    _, losses, record, _ = heal(pruned(), char_tokenizer(), texts(), max_steps=10, learning_rate=5e-3, seq_len=48, progress=False,
                                 callbacks=[StopAt3()])
     assert calls == [(1, True), (2, True), (3, True)] and len(losses) == 3 and record["steps"] == 3
 
@@ -182,7 +183,7 @@ def test_heal_loads_the_base_model_as_teacher(tmp_path: Path) -> None:
     char_tokenizer().save_pretrained(tmp_path / "dense")
     model = pruned()
     model.config.ghost_provenance = {**model.config.ghost_provenance, "base_model_path": str(tmp_path / "dense")}
-    healed = heal(model, char_tokenizer(), texts(), teacher="base", steps=2, seq_len=48, progress=False)
+    healed = heal(model, char_tokenizer(), texts(), teacher="base", max_steps=2, seq_len=48, progress=False)
     assert healed.record["teacher"] == str(tmp_path / "dense")
     assert healed.record["loss"] == "KL to the teacher's logits"
 
@@ -198,7 +199,7 @@ def test_a_stock_export_heals_into_a_stock_checkpoint_that_loads_without_remote_
                                                                                      operator: str) -> None:
     from ghosted_hf.io.card import save_with_card
 
-    healed = merge(heal(stock(operator), char_tokenizer(), texts(), steps=5, lr=5e-3, seq_len=48, progress=False))
+    healed = merge(heal(stock(operator), char_tokenizer(), texts(), max_steps=5, learning_rate=5e-3, seq_len=48, progress=False))
     assert type(healed).__name__ == "LlamaForCausalLM" and healed.config.num_hidden_layers == 4
     provenance = healed.config.ghost_provenance
     assert provenance["stock_export"]["removed_layers"] == [2, 3] and provenance["healing"]["steps"] == 5
@@ -217,7 +218,7 @@ def test_a_teacher_in_another_dtype_distills() -> None:
     """A bf16 teacher gives the losses its float32 copy gives, up to bf16 rounding of its logits, and not the
     losses of healing without a teacher: it is used, in its own dtype."""
     teacher = build("llama").to(torch.bfloat16)
-    run = dict(steps=2, seq_len=48, progress=False, precision="fp32")
+    run = dict(max_steps=2, seq_len=48, progress=False, precision="fp32")
     healed = heal(pruned(), char_tokenizer(), texts(), teacher=teacher, **run)
     assert next(teacher.parameters()).dtype == torch.bfloat16  # left as given
     upcast = heal(pruned(), char_tokenizer(), texts(), teacher=copy.deepcopy(teacher).float(), **run)
@@ -229,20 +230,47 @@ def test_a_teacher_in_another_dtype_distills() -> None:
 
 def test_a_dense_model_is_refused() -> None:
     with pytest.raises(ValueError, match=r"records no pruning .*healing a dense model is fine-tuning"):
-        heal(build("llama"), char_tokenizer(), texts(), steps=1, progress=False)
+        heal(build("llama"), char_tokenizer(), texts(), max_steps=1, progress=False)
 
 
 @pytest.mark.parametrize("override, message", [
-    (dict(steps=0), "steps must be positive (or left out), got 0"),
+    (dict(max_steps=0), "max_steps must be positive (or -1: 150 unless tokens or minutes), got 0"),
     (dict(tokens=0), "tokens must be positive"),
     (dict(minutes=float("nan")), "minutes must be a finite number, got nan"),
     (dict(kd_weight=1.5), "kd_weight must be between 0 and 1, got 1.5"),
     (dict(tokens=100, minutes=1.0), "Give one budget"),
-    (dict(eval_every=2, eval_sequences=0), "eval_every needs held-out text"),
+    (dict(eval_steps=2, eval_sequences=0), "eval_steps needs held-out text"),
+    (dict(bf16=True), "leave bf16 and fp16 off"),
+    (dict(warmup_steps=5), "leave warmup_steps at 0, got 5"),
+    (dict(lr_scheduler_type="cosine"), "Unknown lr_scheduler_type 'cosine'; choose one of: constant, linear"),
 ])
 def test_bad_options_are_refused_with_the_value(override: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         heal(pruned(), char_tokenizer(), texts(), progress=False, **override)
+
+
+def test_heal_options_extend_training_arguments_and_every_trainer_setting_applies_and_is_recorded() -> None:
+    """As TRL's configs do: a Trainer setting healing does not declare (here AdamW's beta2) reaches the optimizer,
+    and the record keeps the settings changed from healing's defaults, not the Trainer's hundred others."""
+    seen = {}
+
+    class Spy(TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            seen["betas"] = optimizer.param_groups[0]["betas"]
+
+    healed = heal(pruned(), char_tokenizer(), texts(), max_steps=1, seq_len=48, adam_beta2=0.95, progress=False,
+                  callbacks=[Spy()])
+    assert isinstance(HealOptions(), TrainingArguments) and seen["betas"] == (0.9, 0.95)
+    assert healed.record["adam_beta2"] == 0.95 and healed.record["learning_rate"] == 2e-3
+    assert "adam_beta1" not in healed.record and "output_dir" not in healed.record
+
+
+def test_former_option_names_are_still_accepted_with_a_future_warning() -> None:
+    with pytest.warns(FutureWarning, match="The option lr is now learning_rate"):
+        options = HealOptions.build(lr=1e-3, steps=5, batch_size=2)
+    assert (options.learning_rate, options.max_steps, options.per_device_train_batch_size) == (1e-3, 5, 2)
+    parsed = build_parser().parse_args(["heal", "pruned", "--output", "healed", "--steps", "3", "--save-every", "2"])
+    assert (parsed.max_steps, parsed.save_steps) == (3, 2)
 
 
 def test_too_little_or_no_text_is_refused() -> None:
@@ -266,8 +294,8 @@ def adapters(model) -> dict[str, torch.Tensor]:
 
 def test_gradient_accumulation_trains_as_the_larger_batch() -> None:
     """Every micro-batch holds as many tokens, so two of 2 sequences are one step of 4 (up to float rounding)."""
-    runs = [adapters(heal(pruned(), char_tokenizer(), texts(), steps=4, seq_len=48, progress=False, precision="fp32",
-                          batch_size=batch_size, gradient_accumulation=accumulation).model)
+    runs = [adapters(heal(pruned(), char_tokenizer(), texts(), max_steps=4, seq_len=48, progress=False, precision="fp32",
+                          per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation).model)
             for batch_size, accumulation in ((4, 1), (2, 2))]
     assert runs[0].keys() == runs[1].keys()
     for name in runs[0]:
@@ -275,8 +303,8 @@ def test_gradient_accumulation_trains_as_the_larger_batch() -> None:
 
 
 def test_gradient_checkpointing_recomputes_the_same_training() -> None:
-    runs = [adapters(heal(pruned(), char_tokenizer(), texts(), steps=3, seq_len=48, progress=False, precision="fp32",
-                          gradient_checkpointing=checkpointing).model) for checkpointing in (False, True)]
+    runs = [adapters(heal(pruned(), char_tokenizer(), texts(), max_steps=3, seq_len=48, progress=False, precision="fp32",
+                          activation_checkpointing=checkpointing).model) for checkpointing in (False, True)]
     for name in runs[0]:
         torch.testing.assert_close(runs[0][name], runs[1][name], rtol=1e-5, atol=1e-6)
 
@@ -285,7 +313,7 @@ def test_held_out_perplexity_is_the_models_perplexity_on_text_it_never_trained_o
     from ghosted_hf.text.documents import Documents
     from ghosted_hf.text.tokens import training_sequences
 
-    healed = heal(pruned(), char_tokenizer(), texts(), steps=3, seq_len=48, eval_sequences=4, progress=False,
+    healed = heal(pruned(), char_tokenizer(), texts(), max_steps=3, seq_len=48, eval_sequences=4, progress=False,
                   precision="fp32")
     held = training_sequences(char_tokenizer(), Documents(texts(), "t"), 48, held_out=4).held_out
     ids = held.long()
@@ -299,7 +327,7 @@ def test_held_out_perplexity_is_the_models_perplexity_on_text_it_never_trained_o
 def test_tensorboard_gets_every_step_and_the_evaluations(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    heal(pruned(), char_tokenizer(), texts(), steps=4, seq_len=48, eval_every=2, progress=False,
+    heal(pruned(), char_tokenizer(), texts(), max_steps=4, seq_len=48, eval_steps=2, progress=False,
          report_to="tensorboard", checkpoints=tmp_path)
     events = EventAccumulator(str(next(tmp_path.glob("runs/*")))).Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
@@ -330,14 +358,14 @@ def test_a_diverged_heal_stops_with_the_step_and_saves_nothing(cause: str, tmp_p
     """A run whose loss becomes NaN or Inf stops there with one line naming the step and the remedy; a model
     holding NaN or Inf anywhere (not only in its operators) is never saved."""
     teacher = None
-    options = dict(steps=3, seq_len=48, progress=False)
+    options = dict(max_steps=3, seq_len=48, progress=False)
     if cause == "teacher":
         teacher = build("llama")
         with torch.no_grad():
             teacher.lm_head.weight[3, 5] = float("nan")
     else:
-        options["lr"] = 1e10
-    with pytest.raises(GhostedError, match=r"Healing diverged at step \d+: the training loss is (nan|inf).*Lower --lr"):
+        options["learning_rate"] = 1e10
+    with pytest.raises(GhostedError, match=r"Healing diverged at step \d+: the training loss is (nan|inf).*Lower --learning-rate"):
         heal(pruned(), char_tokenizer(), texts(), teacher=teacher, **options)
 
     model = pruned()

@@ -46,7 +46,7 @@ class Kill(TrainerCallback):
 
 model = ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], seq_len=48,
                     num_sequences=24)
-healed = heal(model, char_tokenizer(), texts(), steps=7, save_every=2, seq_len=48, eval_sequences=2, eval_every=3,
+healed = heal(model, char_tokenizer(), texts(), max_steps=7, save_steps=2, seq_len=48, eval_sequences=2, eval_steps=3,
               checkpoints={checkpoints!r}, resume={resume!r}, callbacks=[Kill()], progress=False)
 save_file({{n: p.detach().contiguous() for n, p in healed.model.named_parameters() if "lora_" in n}}, {out!r})
 """
@@ -97,10 +97,10 @@ def test_resume_takes_the_newest_complete_checkpoint_and_checks_its_files(tmp_pa
 
 
 def test_resume_refuses_a_checkpoint_of_another_run() -> None:
-    run = {"options": {"lr": 2e-3, "seq_len": 256}, "data_sha256": "aa", "processes": 1}
+    run = {"options": {"learning_rate": 2e-3, "seq_len": 256}, "data_sha256": "aa", "processes": 1}
     check_same_run({"run": run}, run, Path("checkpoint-4"))
-    other = {**run, "options": {"lr": 1e-3, "seq_len": 256}, "processes": 2}
-    with pytest.raises(GhostedError, match=r"checkpoint-4 was written by another run \(lr 0.002 then, 0.001 now, "
+    other = {**run, "options": {"learning_rate": 1e-3, "seq_len": 256}, "processes": 2}
+    with pytest.raises(GhostedError, match=r"checkpoint-4 was written by another run \(learning_rate 0.002 then, 0.001 now, "
                                            r"processes 1 then, 2 now\)"):
         check_same_run({"run": run}, other, Path("checkpoint-4"))
 
@@ -116,7 +116,7 @@ def test_resume_refuses_a_checkpoint_written_while_healing_another_model(tmp_pat
         return ghost_prune(build("llama", seed=seed), char_tokenizer(), texts(), criterion="manual", layers=[2, 3],
                            seq_len=48, num_sequences=24)
 
-    options = dict(steps=2, save_every=1, seq_len=48, checkpoints=tmp_path / "checkpoints", progress=False)
+    options = dict(max_steps=2, save_steps=1, seq_len=48, checkpoints=tmp_path / "checkpoints", progress=False)
     heal(model(0), char_tokenizer(), texts(), **options)
     heal(model(0), char_tokenizer(), texts(), resume="last", **options)  # the same model resumes
     with pytest.raises(GhostedError, match=r"checkpoint-\d was written by another run \(.*model_weights_sha256 .* then"):
@@ -136,10 +136,10 @@ def test_a_checkpoints_folder_belongs_to_one_run_and_never_to_a_model(tmp_path: 
         return ghost_prune(build("llama"), char_tokenizer(), texts(), criterion="manual", layers=[2, 3], seq_len=48,
                            num_sequences=24)
 
-    options = dict(steps=2, save_every=1, seq_len=48, eval_sequences=0, checkpoints=tmp_path / "ck", progress=False)
+    options = dict(max_steps=2, save_steps=1, seq_len=48, eval_sequences=0, checkpoints=tmp_path / "ck", progress=False)
     heal(model(), char_tokenizer(), texts(), **options)
     with pytest.raises(GhostedError, match=r"ck already holds checkpoints: continue that run with --resume last"):
-        heal(model(), char_tokenizer(), texts(), **{**options, "lr": 1e-3})
+        heal(model(), char_tokenizer(), texts(), **{**options, "learning_rate": 1e-3})
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         import socket
@@ -162,7 +162,7 @@ def test_a_checkpoints_folder_belongs_to_one_run_and_never_to_a_model(tmp_path: 
     (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
     for checkpoints in (tmp_path / "out" / "ck", folder / "ck"):
         code = main(["heal", str(folder), "--data", str(tmp_path / "cal.txt"), "--output", str(tmp_path / "out"),
-                     "--checkpoints", str(checkpoints), "--save-every", "1", "--steps", "1"])
+                     "--checkpoints", str(checkpoints), "--save-steps", "1", "--max-steps", "1"])
         assert code == 2 and not checkpoints.exists()
 
 
@@ -177,15 +177,15 @@ def test_heal_under_torchrun_and_accelerate_launch_gives_the_adapters_of_one_pro
     cal = tmp_path / "cal.txt"
     assert main(["prune", str(dense_folder), "--calibration", str(cal), "--num-layers", "2", "--seq-len", "48",
                  "--num-sequences", "16", "--output", str(tmp_path / "pruned")]) == 0
-    flags = ["heal", tmp_path / "pruned", "--data", cal, "--steps", "4", "--seq-len", "32", "--precision", "fp32",
+    flags = ["heal", tmp_path / "pruned", "--data", cal, "--max-steps", "4", "--seq-len", "32", "--precision", "fp32",
              "--eval-sequences", "2", "--adapter-only"]
-    one = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), "--batch-size", "4", "--output",
+    one = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), "--per-device-train-batch-size", "4", "--output",
                           tmp_path / "one"], capture_output=True, text=True, timeout=300, env=ENV)
     assert one.returncode == 0, one.stderr[-3000:]
     reference = load_file(tmp_path / "one" / "adapter_model.safetensors")
     for launcher, command in LAUNCHERS.items():
         two = subprocess.run([sys.executable, *command(free_port()), "-m", "ghosted_hf.cli", *map(str, flags),
-                              "--batch-size", "2", "--output", tmp_path / launcher], capture_output=True, text=True,
+                              "--per-device-train-batch-size", "2", "--output", tmp_path / launcher], capture_output=True, text=True,
                              timeout=300, env=ENV)
         assert two.returncode == 0, (launcher, failure(two.stderr))
         assert two.stdout.count("Saved the adapter") == 1, launcher  # only rank 0 reports and writes
@@ -235,9 +235,9 @@ def test_sharded_healing_gives_the_model_of_one_process_and_resumes(sharding: st
     cal = tmp_path / "cal.txt"
     assert main(["prune", str(dense_folder), "--calibration", str(cal), "--num-layers", "2", "--seq-len", "48",
                  "--num-sequences", "16", "--output", str(tmp_path / "pruned")]) == 0
-    flags = ["heal", tmp_path / "pruned", "--data", cal, "--steps", "4", "--seq-len", "32", "--precision", "fp32",
+    flags = ["heal", tmp_path / "pruned", "--data", cal, "--max-steps", "4", "--seq-len", "32", "--precision", "fp32",
              "--eval-sequences", "2", "--teacher", dense_folder, "--kd-weight", "0.5", "--kl-chunk", "16"]
-    one = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), "--batch-size", "4", "--output",
+    one = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), "--per-device-train-batch-size", "4", "--output",
                           tmp_path / "one"], capture_output=True, text=True, timeout=300, env=ENV)
     assert one.returncode == 0, one.stderr[-3000:]
     config, only_sharded_writes = SHARDED[sharding]
@@ -248,8 +248,8 @@ def test_sharded_healing_gives_the_model_of_one_process_and_resumes(sharding: st
     def sharded(name: str, *more: str) -> dict[str, torch.Tensor]:
         launch = ["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
                   "--main_process_port", str(free_port())]
-        two = subprocess.run([sys.executable, *launch, "-m", "ghosted_hf.cli", *map(str, flags), "--batch-size", "2",
-                              "--save-every", "2", "--checkpoints", str(tmp_path / f"{name}.checkpoints"),
+        two = subprocess.run([sys.executable, *launch, "-m", "ghosted_hf.cli", *map(str, flags), "--per-device-train-batch-size", "2",
+                              "--save-steps", "2", "--checkpoints", str(tmp_path / f"{name}.checkpoints"),
                               "--output", str(tmp_path / name), *more], capture_output=True, text=True, timeout=300,
                              env=env)
         assert two.returncode == 0, (name, failure(two.stderr))
@@ -279,7 +279,7 @@ def test_an_fsdp_config_on_cpu_processes_warns_that_they_train_data_parallel(den
     launch = ["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp.yaml"), "--main_process_port",
               str(free_port())]
     two = subprocess.run([sys.executable, *launch, "-m", "ghosted_hf.cli", "heal", str(tmp_path / "pruned"), "--data",
-                          str(cal), "--steps", "1", "--seq-len", "32", "--batch-size", "2", "--eval-sequences", "0",
+                          str(cal), "--max-steps", "1", "--seq-len", "32", "--per-device-train-batch-size", "2", "--eval-sequences", "0",
                           "--adapter-only", "--output", str(tmp_path / "out")], capture_output=True, text=True,
                          timeout=300, env=ENV)
     assert two.returncode == 0, failure(two.stderr)
@@ -300,8 +300,9 @@ def run_disagreeing_healer(rank: int, world: int, port: int, out: str, differs: 
     model = ghost_prune(dense, char_tokenizer(), texts(), criterion="manual", layers=[2], seq_len=32, num_sequences=8)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), GHOSTED_DISTRIBUTED_TIMEOUT="60")  # after pruning: one process each
-    options = dict(steps=2 + int(other and differs == "steps"), lr=1e-3 * (1 + int(other and differs == "lr")),
-                   seq_len=32, batch_size=2, eval_sequences=0, progress=False)
+    options = dict(max_steps=2 + int(other and differs == "max_steps"),
+                   learning_rate=1e-3 * (1 + int(other and differs == "learning_rate")),
+                   seq_len=32, per_device_train_batch_size=2, eval_sequences=0, progress=False)
     try:
         heal(model, char_tokenizer(), texts(seed=int(other and differs == "training data")), **options)
         message = "no error"
@@ -311,7 +312,7 @@ def run_disagreeing_healer(rank: int, world: int, port: int, out: str, differs: 
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("differs", ["lr", "steps", "model config"])  # data and weights: test_distributed.py
+@pytest.mark.parametrize("differs", ["learning_rate", "max_steps", "model config"])  # data and weights: test_distributed.py
 def test_a_healing_rank_that_differs_fails_every_rank_before_the_first_step(differs: str, tmp_path: Path) -> None:
     """Other options would train diverging replicas, other steps hang in a collective, another depth fails inside
     DDP: every process checks the run identity of every other first, and each ends with one line."""

@@ -140,7 +140,7 @@ def test_a_write_removes_what_killed_writes_to_its_target_left_and_nothing_else(
     writers = {  # stem of the scratch path -> a write that makes one
         ".model.saving-": lambda: save_with_card(model, tmp_path / "model", char_tokenizer()),
         ".plain.saving-": lambda: model.save_pretrained(tmp_path / "plain"),
-        "ghosted-heal-": lambda: heal(model, char_tokenizer(), texts(), steps=1, seq_len=16, batch_size=1,
+        "ghosted-heal-": lambda: heal(model, char_tokenizer(), texts(), max_steps=1, seq_len=16, per_device_train_batch_size=1,
                                       eval_sequences=0, progress=False),
     }
     for stem, write in writers.items():

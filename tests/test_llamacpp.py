@@ -169,7 +169,7 @@ def test_a_healed_normed_model_still_exports_unless_its_operators_were_trained()
     is refused by name rather than written without it."""
     def healed(**options):
         model = prune_layers(build("llama"), [2, 3], normed={2: random_operator(2)})
-        return merge(heal(model, char_tokenizer(), texts(), steps=3, lr=5e-3, seq_len=48, progress=False, **options))
+        return merge(heal(model, char_tokenizer(), texts(), max_steps=3, learning_rate=5e-3, seq_len=48, progress=False, **options))
 
     frozen = healed()
     assert sorted(normed_blocks(frozen)) == [2]

@@ -84,7 +84,7 @@ def test_examples_run_offline(smollm, tmp_path: Path, monkeypatch) -> None:
         env={"HF_HUB_CACHE": str(tmp_path / "cache")},
     )
     assert generated.strip() == _greedy_pipeline_text(tmp_path / "arrived", "The history of the city began", 8)
-    losses = _example("heal_lora").main([out, "--output", "healed", "--steps", "2", "--seq-len", "64"])
+    losses = _example("heal_lora").main([out, "--output", "healed", "--max-steps", "2", "--seq-len", "64"])
     assert len(losses) == 2 and (tmp_path / "healed" / "README.md").is_file()
     results = _example("evaluate_lm_eval").main(["healed", "--tasks", "arc_easy", "--limit", "4", "--windows", "1"])
     healed = AutoModelForCausalLM.from_pretrained(tmp_path / "healed", dtype=torch.float32).eval()

@@ -355,7 +355,7 @@ def test_a_sub_block_model_heals_merges_and_reloads(tmp_path) -> None:
     from ghosted_hf.pipelines.healing import heal, merge
 
     model = replaced_model(build("llama"), ["1.attention", "4.mlp"])
-    healed = heal(model, char_tokenizer(), texts(), steps=3, seq_len=48, train_operators=True, progress=False)
+    healed = heal(model, char_tokenizer(), texts(), max_steps=3, seq_len=48, train_operators=True, progress=False)
     trained = {n for n, p in healed.model.named_parameters() if p.requires_grad}
     assert any("layers.1.self_attn.ghost." in n for n in trained) and any("layers.4.mlp.ghost." in n for n in trained)
     assert not any("layers.1.self_attn.q_proj" in n for n in trained)  # nothing of the replaced attention is left

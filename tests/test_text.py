@@ -192,7 +192,7 @@ def test_prune_and_heal_read_one_jsonl_file_as_the_same_documents_with_one_ident
     assert main(["prune", str(dense_folder), "--calibration", data, "--num-layers", "2", "--seq-len", "48",
                  "--num-sequences", "1000", "--output", str(tmp_path / "pruned")]) == 0  # more than the file holds
     provenance = json.loads((tmp_path / "pruned" / "config.json").read_text())["ghost_provenance"]
-    assert main(["heal", str(tmp_path / "pruned"), "--data", data, "--steps", "1", "--seq-len", "48",
+    assert main(["heal", str(tmp_path / "pruned"), "--data", data, "--max-steps", "1", "--seq-len", "48",
                  "--output", str(tmp_path / "healed")]) == 0
     healing = json.loads((tmp_path / "healed" / "config.json").read_text())["ghost_provenance"]["healing"]["data"]
     calibration = provenance["calibration"]

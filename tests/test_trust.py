@@ -83,7 +83,7 @@ def commands(folders: dict[str, Path], out: Path) -> list[list[str]]:
         ["prune", dense, "--num-layers", "1", "--layerwise", "--dry-run", *small],
         ["stats", "collect", dense, "--num-layers", "1", "--output", str(out / "stats.safetensors"), *small],
         ["export-stock", ghosted, "--output", str(out / "stock"), "--seq-len", "16", "--num-sequences", "8", "--calibration", cal],
-        ["heal", ghosted, "--output", str(out / "healed"), "--steps", "1", "--seq-len", "16", "--batch-size", "1",
+        ["heal", ghosted, "--output", str(out / "healed"), "--max-steps", "1", "--seq-len", "16", "--per-device-train-batch-size", "1",
          "--eval-sequences", "1", "--data", cal],
         ["export-gguf", ghosted, str(out / "model.gguf"), "--llama-cpp", str(out / "no-llama-cpp")],
         ["inspect", ghosted],

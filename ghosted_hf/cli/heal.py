@@ -42,7 +42,7 @@ def cmd_heal(args: argparse.Namespace) -> int:
     run, options = from_namespace(HealArgs, args), from_namespace(HealOptions, args)
     check_output(run.output, (run.folder, run.data, run.eval_data, run.teacher, run.checkpoints),
                  overwrite=run.overwrite)
-    needs_folder = options.save_every or run.resume or options.report_to != "none"
+    needs_folder = options.writes_files() or run.resume
     checkpoints = run.checkpoints or (f"{run.output.rstrip('/')}.checkpoints" if needs_folder else None)
     for folder, what in ((run.output, "the output folder"), (run.folder, "the model folder")):
         if checkpoints is not None and relation(checkpoints, folder) in ("is", "lies inside"):

@@ -30,7 +30,7 @@ RUN_RECORD = "ghosted_run.json"  # which run (and process) a checkpoints folder 
 
 
 # What may change when a run is resumed: how often it saves and evaluates, and where it reports.
-RESUMABLE_CHANGES = ("save_every", "eval_every", "report_to")
+RESUMABLE_CHANGES = ("save_steps", "eval_steps", "report_to")
 
 
 def run_identity(options: HealOptions, sequences: TrainingSequences, processes: int,

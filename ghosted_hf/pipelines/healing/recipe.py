@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import os
@@ -14,17 +13,17 @@ from typing import Any, NamedTuple
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
-from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
+from transformers import PreTrainedModel, TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ...architectures import lora_target_parameters, lora_targets
-from ...errors import GhostedError, MissingDependencyError
+from ...errors import GhostedError
 from ...model.loading import DTYPES, load_model
 from ...model.provenance import Provenance
 from ...remote.modeling_ghosted import GHOST_MODULE
 from ...text.documents import read_documents
 from ...text.tokens import TrainingSequences, training_sequences
-from ...utils.distributed import check_agreement, init_distributed, is_main_process, rendezvous, timeout_s
+from ...utils.distributed import check_agreement, is_main_process
 from .callbacks import Budget, Progress, Record, Schedule
 from .checkpoints import (agreement_claims, check_same_run, checkpoint_folder, claim_checkpoint_folder, resume_point,
                           run_identity, verified_checkpoint)
@@ -52,24 +51,6 @@ def _lora(model: PreTrainedModel, options: HealOptions) -> PeftModel:
                         target_parameters=lora_target_parameters(model) or None,
                         modules_to_save=[GHOST_MODULE] if options.train_operators else None, task_type="CAUSAL_LM")
     return get_peft_model(model, config)
-
-
-def _arguments(options: HealOptions, output_dir: str) -> TrainingArguments:
-    report = [] if options.report_to == "none" else [options.report_to]
-    if report and importlib.util.find_spec(options.report_to) is None:
-        raise MissingDependencyError(f"report_to {options.report_to} needs the {options.report_to} package: pip install "
-                                     f"{options.report_to}.")
-    return TrainingArguments(
-        output_dir=output_dir, max_steps=options.steps or DEFAULT_STEPS, per_device_train_batch_size=options.batch_size,
-        per_device_eval_batch_size=options.batch_size, gradient_accumulation_steps=options.gradient_accumulation,
-        learning_rate=options.lr, weight_decay=0.01, max_grad_norm=0.0,  # as measured: AdamW, no clipping
-        activation_checkpointing=options.gradient_checkpointing, activation_checkpointing_kwargs={"use_reentrant": False},
-        logging_steps=1, report_to=report,
-        eval_strategy="steps" if options.eval_every else "no", eval_steps=options.eval_every,
-        prediction_loss_only=True, label_names=["labels"],
-        save_strategy="steps" if options.save_every else "no", save_steps=options.save_every or 1, save_total_limit=2, seed=options.seed, data_seed=options.seed, remove_unused_columns=False,
-        disable_tqdm=True, ddp_timeout=int(timeout_s()), use_cpu=not torch.cuda.is_available(),
-    )
 
 
 def load_teacher(model: PreTrainedModel, teacher: str, *, dtype: str | None = None,
@@ -121,21 +102,20 @@ def heal(
     if teacher is not None:
         check_same_vocabulary(model, teacher)
         plain_heads = head_is_plain(model) and head_is_plain(teacher)
-    if (options.save_every or resume is not None or options.report_to != "none") and checkpoints is None:
-        raise GhostedError("save_every, resume and report_to need the checkpoints folder (the run's checkpoints, and "
-                           "its logs under runs/).")
+    if checkpoints is not None and options.output_dir is not None and str(checkpoints) != options.output_dir:
+        raise GhostedError(f"Two folders for the run's checkpoints: checkpoints={str(checkpoints)!r} and the options' "
+                           f"output_dir={options.output_dir!r}; give one.")
+    checkpoints = options.output_dir if checkpoints is None else checkpoints
+    if (options.writes_files() or resume is not None) and checkpoints is None:
+        raise GhostedError("save_steps, resume and report_to need the checkpoints folder (the run's checkpoints, and "
+                           "its logs under runs/): checkpoints= or the options' output_dir.")
     with checkpoint_folder(checkpoints) as output_dir:
-        # The launcher's process group is joined here: the world size is known from here on. On CPU processes it is
-        # joined by the distributed layer (accelerate would wait torch's default 30 minutes, not timeout_s()).
-        if not torch.cuda.is_available():
-            init_distributed()
-        with rendezvous():
-            args = _arguments(options, str(output_dir))
-            device = args.device
-        precision = resolve_precision(options.precision, device)
-        per_step = options.batch_size * options.gradient_accumulation * args.world_size
+        # The options joined the launcher's process group: the world size is known.
+        args = options.trainer_arguments(str(output_dir))
+        device, precision = args.device, resolve_precision(options.precision, args.device)
+        per_step = options.per_device_train_batch_size * options.gradient_accumulation_steps * args.world_size
         steps = (math.ceil(options.tokens / (per_step * options.seq_len)) if options.tokens
-                 else options.steps or DEFAULT_STEPS)
+                 else options.max_steps if options.max_steps > 0 else DEFAULT_STEPS)
         args.max_steps = 10**9 if options.minutes else steps  # a timed run is stopped by `Schedule`
         sequences = _training_data(tokenizer, data, eval_data, options, per_step, steps * per_step)
         budget = Budget(None if options.minutes else steps, options.minutes * 60 if options.minutes else None, clock)
@@ -155,7 +135,7 @@ def heal(
             callbacks=[Schedule(budget), Record(budget, run), Progress(budget, per_step * options.seq_len, progress),
                        *callbacks],
             teacher=teacher, kd_weight=kd_weight, kl_chunk=options.kl_chunk, budget=budget,
-            schedule=options.schedule, precision=precision, plain_heads=plain_heads)
+            schedule=options.lr_scheduler_type, precision=precision, plain_heads=plain_heads)
         gather = sharded(trainer)
         fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
         if fsdp_asked and not trainer.is_fsdp_enabled and is_main_process():

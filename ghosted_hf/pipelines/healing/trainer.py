@@ -18,6 +18,7 @@ from ...errors import GhostedError
 from ...utils.distributed import is_main_process
 from .callbacks import Budget, lr_factor
 from .distillation import Head, chunked_kd_loss, final_hidden_states, shifted_labels
+from .options import without_zero3_construction
 
 EAGER_MAX_LEN = 256  # the training length measured faster with eager attention (benchmarks/healing_step.py)
 
@@ -96,7 +97,7 @@ class HealingTrainer(Trainer):
         if model.training and not torch.isfinite(loss.detach()).all():
             raise GhostedError(
                 f"Healing diverged at step {self.state.global_step + 1}: the training loss is {float(loss):g}. "
-                "Nothing was saved. Lower --lr (or check that the model and the teacher hold finite weights: "
+                "Nothing was saved. Lower --learning-rate (or check that the model and the teacher hold finite weights: "
                 "ghosted inspect)."
             )
         return result
@@ -153,20 +154,6 @@ def sharded(trainer: Trainer) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _without_zero3_construction() -> Iterator[None]:
-    """While a ZeRO-3 config is active transformers builds every model partitioned (`deepspeed.zero.Init`), a
-    collective the other processes would not join: the main process builds its unsharded copy without it."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    active = hf_deepspeed._hf_deepspeed_config_weak_ref  # restored afterwards, as the Trainer left it
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = active
-
-
 def unsharded(trainer: Trainer, peft_model: PeftModel, model_class: type[PreTrainedModel]) -> PeftModel | None:
     """Neither `merge` nor `save_pretrained` can use parameter shards, and gathering them is a collective: every
     process takes part, the main process rebuilds the PEFT model unsharded on its CPU from the full state dict (the
@@ -174,7 +161,7 @@ def unsharded(trainer: Trainer, peft_model: PeftModel, model_class: type[PreTrai
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if not is_main_process():
         return None
-    with torch.device("meta"), _without_zero3_construction():
+    with torch.device("meta"), without_zero3_construction():
         config = peft_model.peft_config[peft_model.active_adapter]
         rebuilt = get_peft_model(model_class._from_config(peft_model.get_base_model().config), config)
     rebuilt.load_state_dict({name: tensor.cpu() for name, tensor in state.items()}, strict=True, assign=True)
