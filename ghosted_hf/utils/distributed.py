@@ -84,7 +84,9 @@ def rendezvous() -> Iterator[None]:
 
     try:
         yield
-    except (RuntimeError, TimeoutError) as error:  # torch raises DistStoreError (a RuntimeError) on a timeout
+    # The process that hosts the store times out waiting for the others (DistStoreError), the others connecting to
+    # it (DistNetworkError); any other error is not a failed rendezvous.
+    except (dist.DistStoreError, dist.DistNetworkError, TimeoutError) as error:
         rank, world, _ = launcher_process()
         if world <= 1 or dist.is_initialized():  # not a failed rendezvous
             raise

@@ -4,20 +4,19 @@ must be one the device runs."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel, TrainingArguments
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 
 from ...errors import GhostedError, MissingDependencyError
 from ...io.files import relation
@@ -36,21 +35,6 @@ REPORTERS = ("none", "tensorboard", "wandb")
 
 
 DEFAULT_STEPS = 150  # without max_steps, tokens or minutes
-
-
-@contextlib.contextmanager
-def without_zero3_construction() -> Iterator[None]:
-    """While a ZeRO-3 config is active transformers builds every model partitioned (`deepspeed.zero.Init`): the
-    main process builds its unsharded copy without it, and `HealOptions` leaves it to the Trainer's arguments (so
-    that the models loaded after the options are whole, as the Trainer expects)."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    active = hf_deepspeed._hf_deepspeed_config_weak_ref  # restored afterwards, as the Trainer left it
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = active
 
 
 @dataclass
@@ -114,7 +98,7 @@ class HealOptions(Options, TrainingArguments):
 
     def __post_init__(self) -> None:
         if isinstance(self.report_to, list):  # as `TrainingArguments` leaves it (options rebuilt by `build`)
-            self.report_to = self.report_to[0] if len(self.report_to) == 1 else "none" if not self.report_to else ""
+            self.report_to = self.report_to[0] if len(self.report_to) == 1 else "none" if not self.report_to else self.report_to
         Options.__post_init__(self)
         # Derived, so that options rebuilt with other values stay consistent
         self.eval_strategy = "steps" if self.eval_steps else "no"
@@ -125,10 +109,13 @@ class HealOptions(Options, TrainingArguments):
         output_dir = self.output_dir
         if not torch.cuda.is_available():  # CPU processes join here (accelerate would wait 30 minutes, not ours)
             init_distributed()
-        # `TrainingArguments` sets the device up (a launched process joins its group) and, under ZeRO-3, would make
-        # every model loaded from here on partitioned: that is left to the Trainer's own arguments (`trainer_arguments`).
-        with rendezvous(), without_zero3_construction():
+        # `TrainingArguments` sets the device up (a launched process joins its group) and, under ZeRO-3, makes every
+        # model loaded from then on partitioned: that is left to the Trainer's own arguments (`trainer_arguments`).
+        with rendezvous():
+            zero3_before = is_deepspeed_zero3_enabled()
             TrainingArguments.__post_init__(self)
+        if not zero3_before:
+            unset_hf_deepspeed_config()
         self.output_dir = output_dir  # None stays None: `heal` makes the run's folder
 
     def trainer_arguments(self, output_dir: str) -> TrainingArguments:

@@ -13,12 +13,12 @@ import torch
 from peft import PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel, Trainer
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from ...errors import GhostedError
 from ...utils.distributed import is_main_process
 from .callbacks import Budget, lr_factor
 from .distillation import Head, chunked_kd_loss, final_hidden_states, shifted_labels
-from .options import without_zero3_construction
 
 EAGER_MAX_LEN = 256  # the training length measured faster with eager attention (benchmarks/healing_step.py)
 
@@ -161,9 +161,17 @@ def unsharded(trainer: Trainer, peft_model: PeftModel, model_class: type[PreTrai
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if not is_main_process():
         return None
-    with torch.device("meta"), without_zero3_construction():
-        config = peft_model.peft_config[peft_model.active_adapter]
-        rebuilt = get_peft_model(model_class._from_config(peft_model.get_base_model().config), config)
+    # Under ZeRO-3 transformers builds every model partitioned (`deepspeed.zero.Init`), a collective the other
+    # processes would not join: the copy is built without it, and the Trainer's setting restored after.
+    unset_hf_deepspeed_config()
+    try:
+        with torch.device("meta"):
+            config = peft_model.peft_config[peft_model.active_adapter]
+            rebuilt = get_peft_model(model_class._from_config(peft_model.get_base_model().config), config)
+    finally:
+        deepspeed = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+        if deepspeed is not None:
+            deepspeed.set_deepspeed_weakref()
     rebuilt.load_state_dict({name: tensor.cpu() for name, tensor in state.items()}, strict=True, assign=True)
     # Buffers are not sharded, and the non-persistent ones (rotary frequencies) are not in a state dict.
     trained = {name.replace("_fsdp_wrapped_module.", ""): b for name, b in peft_model.named_buffers()}
