@@ -86,7 +86,8 @@ def heal(
     KL(teacher || student) (mixed with the next-token loss by `kd_weight`), otherwise next-token cross-entropy;
     `teacher` is a model, or "base" / a folder / a Hub id (`load_teacher`).
     `eval_data`: held-out text (else carved off `data`). `checkpoints` (or the options' `output_dir`): the folder of
-    resumable checkpoints (with `save_steps`); `resume`: "last" or a checkpoint folder. `callbacks`: more `transformers.TrainerCallback`s.
+    resumable checkpoints (with `save_steps`); `resume`: "last" or a checkpoint folder. `callbacks`: more
+    `transformers.TrainerCallback`s.
     Under FSDP or DeepSpeed ZeRO-3 `model` is consumed (sharded in place); the result's model is the healed model
     gathered on the main process, None on the others."""
     options = HealOptions.build(options, **overrides)
