@@ -179,14 +179,14 @@ def test_heal_under_torchrun_and_accelerate_launch_gives_the_adapters_of_one_pro
                  "--num-sequences", "16", "--output", str(tmp_path / "pruned")]) == 0
     flags = ["heal", tmp_path / "pruned", "--data", cal, "--max-steps", "4", "--seq-len", "32", "--precision", "fp32",
              "--eval-sequences", "2", "--adapter-only"]
-    one = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), "--per-device-train-batch-size", "4", "--output",
-                          tmp_path / "one"], capture_output=True, text=True, timeout=300, env=ENV)
+    one = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), "--per-device-train-batch-size",
+                          "4", "--output", tmp_path / "one"], capture_output=True, text=True, timeout=300, env=ENV)
     assert one.returncode == 0, one.stderr[-3000:]
     reference = load_file(tmp_path / "one" / "adapter_model.safetensors")
     for launcher, command in LAUNCHERS.items():
         two = subprocess.run([sys.executable, *command(free_port()), "-m", "ghosted_hf.cli", *map(str, flags),
-                              "--per-device-train-batch-size", "2", "--output", tmp_path / launcher], capture_output=True, text=True,
-                             timeout=300, env=ENV)
+                              "--per-device-train-batch-size", "2", "--output", tmp_path / launcher],
+                             capture_output=True, text=True, timeout=300, env=ENV)
         assert two.returncode == 0, (launcher, failure(two.stderr))
         assert two.stdout.count("Saved the adapter") == 1, launcher  # only rank 0 reports and writes
         adapters = load_file(tmp_path / launcher / "adapter_model.safetensors")
@@ -237,8 +237,8 @@ def test_sharded_healing_gives_the_model_of_one_process_and_resumes(sharding: st
                  "--num-sequences", "16", "--output", str(tmp_path / "pruned")]) == 0
     flags = ["heal", tmp_path / "pruned", "--data", cal, "--max-steps", "4", "--seq-len", "32", "--precision", "fp32",
              "--eval-sequences", "2", "--teacher", dense_folder, "--kd-weight", "0.5", "--kl-chunk", "16"]
-    one = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), "--per-device-train-batch-size", "4", "--output",
-                          tmp_path / "one"], capture_output=True, text=True, timeout=300, env=ENV)
+    one = subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, flags), "--per-device-train-batch-size",
+                          "4", "--output", tmp_path / "one"], capture_output=True, text=True, timeout=300, env=ENV)
     assert one.returncode == 0, one.stderr[-3000:]
     config, only_sharded_writes = SHARDED[sharding]
     (tmp_path / "accelerate.yaml").write_text(config.format(folder=tmp_path))
@@ -248,8 +248,8 @@ def test_sharded_healing_gives_the_model_of_one_process_and_resumes(sharding: st
     def sharded(name: str, *more: str) -> dict[str, torch.Tensor]:
         launch = ["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
                   "--main_process_port", str(free_port())]
-        two = subprocess.run([sys.executable, *launch, "-m", "ghosted_hf.cli", *map(str, flags), "--per-device-train-batch-size", "2",
-                              "--save-steps", "2", "--checkpoints", str(tmp_path / f"{name}.checkpoints"),
+        two = subprocess.run([sys.executable, *launch, "-m", "ghosted_hf.cli", *map(str, flags),
+                              "--per-device-train-batch-size", "2", "--save-steps", "2", "--checkpoints", str(tmp_path / f"{name}.checkpoints"),
                               "--output", str(tmp_path / name), *more], capture_output=True, text=True, timeout=300,
                              env=env)
         assert two.returncode == 0, (name, failure(two.stderr))
@@ -279,8 +279,8 @@ def test_an_fsdp_config_on_cpu_processes_warns_that_they_train_data_parallel(den
     launch = ["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp.yaml"), "--main_process_port",
               str(free_port())]
     two = subprocess.run([sys.executable, *launch, "-m", "ghosted_hf.cli", "heal", str(tmp_path / "pruned"), "--data",
-                          str(cal), "--max-steps", "1", "--seq-len", "32", "--per-device-train-batch-size", "2", "--eval-sequences", "0",
-                          "--adapter-only", "--output", str(tmp_path / "out")], capture_output=True, text=True,
+                          str(cal), "--max-steps", "1", "--seq-len", "32", "--per-device-train-batch-size", "2",
+                          "--eval-sequences", "0", "--adapter-only", "--output", str(tmp_path / "out")], capture_output=True, text=True,
                          timeout=300, env=ENV)
     assert two.returncode == 0, failure(two.stderr)
     assert two.stderr.count("these 2 CPU processes train data-parallel") == 1, two.stderr[-3000:]

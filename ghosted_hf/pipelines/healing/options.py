@@ -1,5 +1,5 @@
-"""What `heal` is asked (`HealOptions`: transformers' `TrainingArguments` extended, shared by the Python API and the CLI) and the rules that refuse a request that
-cannot mean anything: the model must be one ghosted_hf pruned, the teacher must share its vocabulary, the precision
+"""What `heal` is asked (`HealOptions`: transformers' `TrainingArguments` extended, shared by the Python API and the
+CLI) and the rules that refuse a request that cannot mean anything: the model must be one ghosted_hf pruned, the teacher must share its vocabulary, the precision
 must be one the device runs."""
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class HealOptions(Options, TrainingArguments):
 
     def __post_init__(self) -> None:
         if isinstance(self.report_to, list):  # as `TrainingArguments` leaves it (options rebuilt by `build`)
-            self.report_to = self.report_to[0] if len(self.report_to) == 1 else "none" if not self.report_to else self.report_to
+            self.report_to = self.report_to[0] if len(self.report_to) == 1 else self.report_to or "none"
         Options.__post_init__(self)
         # Derived, so that options rebuilt with other values stay consistent
         self.eval_strategy = "steps" if self.eval_steps else "no"
@@ -132,7 +132,8 @@ class HealOptions(Options, TrainingArguments):
         if len(budgets) > 1:
             raise GhostedError(f"Give one budget: max_steps, tokens or minutes, not {' and '.join(budgets)}.")
         if self.max_steps < 1 and self.max_steps != -1:
-            raise GhostedError(f"max_steps must be positive (or -1: 150 unless tokens or minutes), got {self.max_steps}.")
+            raise GhostedError(f"max_steps must be positive (or -1: 150 unless tokens or minutes), got "
+                               f"{self.max_steps}.")
         if self.seq_len < 2:
             raise GhostedError(f"seq_len must be at least 2 (a token and the next to predict), got {self.seq_len}.")
         if not 0 <= self.seed < 2**32:
