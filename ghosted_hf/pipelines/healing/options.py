@@ -1,6 +1,6 @@
 """What `heal` is asked (`HealOptions`: transformers' `TrainingArguments` extended, shared by the Python API and the
-CLI) and the rules that refuse a request that cannot mean anything: the model must be one ghosted_hf pruned, the teacher must share its vocabulary, the precision
-must be one the device runs."""
+CLI) and the rules that refuse a request that cannot mean anything: the model must be one ghosted_hf pruned, the
+teacher must share its vocabulary, the precision must be one the device runs."""
 
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ class HealOptions(Options, TrainingArguments):
     seed: int = option(0, "Random seed of the adapters' initialisation and of the order of the training sequences.")
     # Trainer settings healing sets (not flags): the run's folder comes from `heal`'s `checkpoints`
     output_dir: str | None = field(default=None, metadata={"help": "Folder of the run's checkpoints and logs."})
+    per_device_eval_batch_size: int = 4
     logging_steps: float = 1
     save_total_limit: int | None = 2
     disable_tqdm: bool | None = True  # `Progress` shows the run (and knows timed runs)

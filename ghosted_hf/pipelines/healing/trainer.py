@@ -97,8 +97,8 @@ class HealingTrainer(Trainer):
         if model.training and not torch.isfinite(loss.detach()).all():
             raise GhostedError(
                 f"Healing diverged at step {self.state.global_step + 1}: the training loss is {float(loss):g}. "
-                "Nothing was saved. Lower --learning-rate (or check that the model and the teacher hold finite weights: "
-                "ghosted inspect)."
+                "Nothing was saved. Lower --learning-rate (or check that the model and the teacher hold finite "
+                "weights: ghosted inspect)."
             )
         return result
 
