@@ -98,8 +98,7 @@ class HealOptions(Options, TrainingArguments):
     streaming: bool = same_as(PruneOptions, "streaming")
 
     def __post_init__(self) -> None:
-        if isinstance(self.report_to, list):  # as `TrainingArguments` leaves it (options rebuilt by `build`)
-            self.report_to = self.report_to[0] if len(self.report_to) == 1 else self.report_to or "none"
+        self.report_to = _one_reporter(self.report_to)  # a list where `TrainingArguments` left it (`build`)
         Options.__post_init__(self)
         # Derived, so that options rebuilt with other values stay consistent
         self.eval_strategy = "steps" if self.eval_steps else "no"
@@ -168,9 +167,9 @@ class HealOptions(Options, TrainingArguments):
     def to_dict(self) -> dict[str, Any]:
         """What was asked, as plain values: every healing option, and the Trainer settings that differ from
         healing's defaults (recorded in the provenance, and what a resumed run must share)."""
-        values, defaults = TrainingArguments.to_dict(self), TrainingArguments.to_dict(_defaults())
+        values, defaults = TrainingArguments.to_dict(self), _default_values()
         declared = {f.name for f in option_fields(self)}
-        values["report_to"] = values["report_to"][0] if values["report_to"] else "none"
+        values["report_to"] = _one_reporter(values["report_to"])
         return {name: value for name, value in values.items()
                 if name in declared or (value != defaults.get(name) and name not in NOT_ASKED)}
 
@@ -184,9 +183,17 @@ class HealOptions(Options, TrainingArguments):
 NOT_ASKED = ("output_dir", "ddp_timeout", "eval_strategy", "save_strategy", "data_seed")
 
 
+def _one_reporter(report_to: str | list[str]) -> str | list[str]:
+    """The option's form of `TrainingArguments`' list of reporters: "none", one name, or (from Python) several."""
+    if not isinstance(report_to, list):
+        return report_to
+    return report_to[0] if len(report_to) == 1 else report_to or "none"
+
+
 @functools.cache
-def _defaults() -> HealOptions:
-    return HealOptions()
+def _default_values() -> dict[str, Any]:
+    """`TrainingArguments.to_dict` of healing's defaults, read by every record."""
+    return TrainingArguments.to_dict(HealOptions())
 
 
 def healed_kind(model: Any) -> str:
