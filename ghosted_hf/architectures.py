@@ -1,13 +1,8 @@
 """The architecture registry: everything ghosted_hf knows about a decoder family, in one place.
 
-What transformers can tell is derived from the model: the decoder (`model.model`), its `layers` and final `norm`,
-the embeddings, and the head, whose logits post-processing and loss the ghosted model takes from the family's own
-causal-LM class. An entry declares only what cannot be derived: where the norms sit and how their gain reads,
-which linear layers read each normalised stream and which write the residual stream, and what the family's stock
-checkpoints and llama.cpp can hold. Config fields that encode structure by layer index are declared once, by
-name, in `LAYER_FIELDS`; a per-layer field this module does not know is a reason to refuse, never to guess, and
-every pruned layer is compared with the dense layer it stands for before a model is built.
-
+What transformers can tell (decoder, layers, norms, embeddings, head) is derived from the model; an entry declares
+only what cannot be: where the norms sit, which weights read and write the stream, what stock checkpoints and
+llama.cpp can hold. A per-layer config field not in `LAYER_FIELDS` is a reason to refuse, never to guess.
 Adding a family is one `Architecture` entry and one tiny-model test (tests/test_architectures.py).
 """
 
@@ -15,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -29,15 +24,11 @@ GAINS = ("weight", "one-plus-weight")  # RMSNorm(x) * w, or RMSNorm(x) * (1 + w)
 
 @dataclass(frozen=True)
 class SubBlock:
-    """One residual branch of a decoder layer: the module (the first of `modules` the layer has), the norm whose
-    output it reads (None: it reads the stream itself, post-norm), the weights that read that normalised stream
-    and those that write the residual stream (for a stock fold), and the norm applied to its output before it is
-    added (sandwich and post-norm families).
-
-    A reader or writer is a Linear module's name, or a parameter's path with the axis that has the stream's width
-    (``"experts.gate_up_proj@-1"``: fused experts, router weights); a name a layer lacks is skipped (dense and
-    sparse layers of one family differ), and `stream_weights` refuses a sub-block holding a weight of the stream's
-    width that no name declares."""
+    """One residual branch of a decoder layer: the module (the first of `modules` the layer has), the norm it reads
+    (None: the stream itself, post-norm), the weights that read that normalised stream and write the residual stream
+    (for a stock fold), and the norm on its output before it is added (sandwich and post-norm families). A reader or
+    writer is a Linear's name, or a parameter's path with the axis of the stream's width (``"experts.gate_up_proj@-1"``:
+    fused experts, routers); a name a layer lacks is skipped (dense and sparse layers of one family differ)."""
 
     modules: tuple[str, ...]
     norm: str | None
@@ -100,26 +91,15 @@ class Architecture:
                            f"exactly ({reason}). Use operator 'ghost' or 'normed' (remote code), or 'none'.")
 
 
-def _llama_like(placement: str = "pre", **extra: Any) -> dict[str, Any]:
-    """The Llama layout of names (q/k/v/o, gate/up/down, input_layernorm, post_attention_layernorm)."""
-    attention = SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj"), ("o_proj",))
-    mlp = SubBlock(("mlp",), "post_attention_layernorm", ("gate_proj", "up_proj"), ("down_proj",))
-    return {"attention": attention, "mlp": mlp, "norm_placement": placement, **extra}
-
-
-_SANDWICH = {
-    "attention": SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj"), ("o_proj",),
-                          output_norm="post_attention_layernorm"),
-    "mlp": SubBlock(("mlp",), "pre_feedforward_layernorm", ("gate_proj", "up_proj"), ("down_proj",),
-                    output_norm="post_feedforward_layernorm"),
-    "norm_placement": "sandwich",
-}
-_POST_NORM = {
-    "attention": SubBlock(("self_attn",), None, ("q_proj", "k_proj", "v_proj"), ("o_proj",),
-                          output_norm="post_attention_layernorm"),
-    "mlp": SubBlock(("mlp",), None, ("gate_proj", "up_proj"), ("down_proj",), output_norm="post_feedforward_layernorm"),
-    "norm_placement": "post",
-}
+# Llama's names (q/k/v/o, gate/up/down, input_layernorm, post_attention_layernorm); other layouts as differences.
+_LLAMA_ATTENTION = SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj"), ("o_proj",))
+_LLAMA_MLP = SubBlock(("mlp",), "post_attention_layernorm", ("gate_proj", "up_proj"), ("down_proj",))
+_LLAMA = {"attention": _LLAMA_ATTENTION, "mlp": _LLAMA_MLP}
+_SANDWICH = {"attention": replace(_LLAMA_ATTENTION, output_norm="post_attention_layernorm"),
+             "mlp": replace(_LLAMA_MLP, norm="pre_feedforward_layernorm", output_norm="post_feedforward_layernorm"),
+             "norm_placement": "sandwich"}
+_POST_NORM = {"attention": replace(_LLAMA_ATTENTION, norm=None, output_norm="post_attention_layernorm"),
+              "mlp": replace(_LLAMA_MLP, norm=None, output_norm="post_feedforward_layernorm"), "norm_placement": "post"}
 # The router, the fused experts (F.linear layout: [experts, out, in]), shared experts and their gate; a name a layer
 # lacks is skipped (first_k_dense_replace, mlp_only_layers: dense MLPs with Llama's names).
 _MOE_READERS = ("gate.weight@-1", "gate.wg", "router.weight@-1", "experts.gate_up_proj@-1", "gate_proj", "up_proj",
@@ -129,8 +109,7 @@ _MOE_WRITERS = ("experts.down_proj@-2", "down_proj", "shared_expert.down_proj", 
                 "shared_mlp.down_proj")
 _MOE_MLP = SubBlock(("mlp", "block_sparse_moe"), "post_attention_layernorm", _MOE_READERS, _MOE_WRITERS)
 # Attention of the MoE families: Llama's names, or DeepSeek's multi-head latent attention (low-rank q and kv inputs).
-_ATTENTION = SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj", "q_a_proj",
-                                                          "kv_a_proj_with_mqa"), ("o_proj",))
+_ATTENTION = replace(_LLAMA_ATTENTION, readers=(*_LLAMA_ATTENTION.readers, "q_a_proj", "kv_a_proj_with_mqa"))
 # Hybrids: softmax attention (gated q_proj), or a gated DeltaNet reading the stream through its input projections
 # (Qwen3-Next fuses them in pairs, Qwen3.5 keeps four) and writing it through out_proj.
 _HYBRID_ATTENTION = SubBlock(("self_attn", "linear_attn"), "input_layernorm",
@@ -139,26 +118,23 @@ _HYBRID_ATTENTION = SubBlock(("self_attn", "linear_attn"), "input_layernorm",
 
 ENTRIES: tuple[Architecture, ...] = (
     # Dense pre-norm families with Llama's names: every operator kind, stock folds checked numerically.
-    Architecture(("llama", "mistral"), **_llama_like(), stock_folds=True, gguf_architecture="llama",
+    Architecture(("llama", "mistral"), **_LLAMA, stock_folds=True, gguf_architecture="llama",
                  real_model="smollm2-135m-instruct"),
     # llama.cpp's converter writes Qwen as its own `qwen2`/`qwen3` architectures, which the DeciLM rewrite cannot map.
-    Architecture(("qwen2", "qwen3"), **_llama_like(), stock_folds=True),
-    Architecture(("smollm3", "ministral", "helium", "seed_oss", "ernie4_5", "hunyuan_v1_dense"), **_llama_like(),
+    Architecture(("qwen2", "qwen3"), **_LLAMA, stock_folds=True),
+    Architecture(("smollm3", "ministral", "helium", "seed_oss", "ernie4_5", "hunyuan_v1_dense"), **_LLAMA,
                  stock_folds=True),
-    Architecture(("arcee",), attention=_llama_like()["attention"],
-                 mlp=SubBlock(("mlp",), "post_attention_layernorm", ("up_proj",), ("down_proj",)), stock_folds=True),
+    Architecture(("arcee",), attention=_LLAMA_ATTENTION, mlp=replace(_LLAMA_MLP, readers=("up_proj",)),
+                 stock_folds=True),
     # Multipliers on embeddings, residual branches, attention and logits: scalars, which a rotation passes.
-    Architecture(("granite",), **_llama_like(), stock_folds=True),
-    Architecture(("gemma",), **_llama_like(), gain="one-plus-weight", stock_folds=True),
-    Architecture(("phi3",), attention=SubBlock(("self_attn",), "input_layernorm", ("qkv_proj",), ("o_proj",)),
-                 mlp=SubBlock(("mlp",), "post_attention_layernorm", ("gate_up_proj",), ("down_proj",)),
-                 stock_folds=True),
-    Architecture(("glm", "glm4"), attention=SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj"),
-                                                     ("o_proj",), output_norm="post_self_attn_layernorm"),
-                 mlp=SubBlock(("mlp",), "post_attention_layernorm", ("gate_up_proj",), ("down_proj",),
-                              output_norm="post_mlp_layernorm"), norm_placement="sandwich"),
-    Architecture(("starcoder2",), attention=SubBlock(("self_attn",), "input_layernorm", ("q_proj", "k_proj", "v_proj"),
-                                                     ("o_proj",)),
+    Architecture(("granite",), **_LLAMA, stock_folds=True),
+    Architecture(("gemma",), **_LLAMA, gain="one-plus-weight", stock_folds=True),
+    Architecture(("phi3",), attention=replace(_LLAMA_ATTENTION, readers=("qkv_proj",)),
+                 mlp=replace(_LLAMA_MLP, readers=("gate_up_proj",)), stock_folds=True),
+    Architecture(("glm", "glm4"), attention=replace(_LLAMA_ATTENTION, output_norm="post_self_attn_layernorm"),
+                 mlp=replace(_LLAMA_MLP, readers=("gate_up_proj",), output_norm="post_mlp_layernorm"),
+                 norm_placement="sandwich"),
+    Architecture(("starcoder2",), attention=_LLAMA_ATTENTION,
                  mlp=SubBlock(("mlp",), "post_attention_layernorm", ("c_fc",), ("c_proj",)), centered_norm=True),
     Architecture(("cohere", "cohere2"), attention=SubBlock(("self_attn",), "input_layernorm"),
                  mlp=SubBlock(("mlp",), "input_layernorm"), centered_norm=True),  # parallel branches, one norm
@@ -177,7 +153,7 @@ ENTRIES: tuple[Architecture, ...] = (
     # Hybrids: some layers hold linear attention (gated DeltaNet) instead of softmax attention.
     Architecture(("qwen3_next",), attention=_HYBRID_ATTENTION, mlp=_MOE_MLP, gain="one-plus-weight", moe=True,
                  hybrid=True, stock_folds=True, layerwise=False),
-    Architecture(("qwen3_5_text",), attention=_HYBRID_ATTENTION, mlp=_llama_like()["mlp"], gain="one-plus-weight",
+    Architecture(("qwen3_5_text",), attention=_HYBRID_ATTENTION, mlp=_LLAMA_MLP, gain="one-plus-weight",
                  hybrid=True, stock_folds=True),
 )
 ARCHITECTURES: dict[str, Architecture] = {t: entry for entry in ENTRIES for t in entry.model_types}
@@ -197,9 +173,6 @@ def architecture(config_or_model: Any) -> Architecture:
         raise GhostedError(f"{model_type!r} is an encoder-decoder model: ghosted_hf prunes decoder-only causal LMs.")
     raise GhostedError(f"Unsupported architecture {model_type!r}: it is not in ghosted_hf's architecture registry "
                        f"(supported: {', '.join(sorted(ARCHITECTURES))}; docs/architectures.md says how to add one).")
-
-
-# --------------------------------------------------------------------------- the decoder, derived
 
 
 def decoder(model: nn.Module) -> nn.Module:
@@ -237,16 +210,14 @@ def layer_of(name: str) -> int | None:
 
 
 def checked_shapes(config: dict[str, Any]) -> dict[str, tuple[str, str]]:
-    """Checkpoint tensors whose shapes a config states, for checking a folder before a model is built: name -> the
-    config field of each axis. The first layer's MLP output projection where the family's MLP has a plain one
-    (a mixture of experts may not)."""
+    """Checkpoint tensors whose shapes a config states (name -> the config field of each axis), to check a folder
+    before a model is built; the first MLP output projection only where the family has a plain one."""
     shapes = {EMBEDDING_WEIGHT: ("vocab_size", "hidden_size")}
     model_type = config.get("model_type")
     entry = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None  # (a damaged config: checked later)
     plain = [w for w in entry.mlp.writers if "@" not in w and "." not in w] if entry else []
     if plain:
-        down = f"{layer_prefix(0)}{entry.mlp.modules[0]}.{plain[0]}.weight"
-        shapes[down] = ("hidden_size", "intermediate_size")
+        shapes[f"{layer_prefix(0)}{entry.mlp.modules[0]}.{plain[0]}.weight"] = ("hidden_size", "intermediate_size")
     return shapes
 
 
@@ -310,9 +281,7 @@ def lora_target_parameters(model: nn.Module) -> list[str]:
                    if p.ndim == 3 and any(name.endswith("." + d) for d in declared)})
 
 
-# --------------------------------------------------------------------------- per-layer config fields
-
-Rule = Callable[[Any, list[int], dict[str, Any]], Any]
+Rule = Callable[[Any, list[int], dict[str, Any]], Any]  # a per-layer field's (value, kept, dense values) -> new value
 
 
 def _sliced(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
@@ -359,8 +328,7 @@ def _unchanged(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
     return value
 
 
-# Fields that encode structure by layer index, and how each re-indexes when layers go. `mlp_only_layers` must come
-# after nothing that changes `decoder_sparse_step` first: the rules read the dense values.
+# Fields that encode structure by layer index, and how each re-indexes when layers go (every rule reads dense values).
 LAYER_FIELDS: dict[str, Rule] = {
     "layer_types": _sliced, "mlp_layer_types": _sliced, "no_rope_layers": _sliced, "layer_rope_theta": _sliced,
     "num_attention_heads_per_layer": _sliced, "indexer_types": _sliced, "layers_block_type": _sliced,
@@ -399,9 +367,8 @@ _INDEX_ATTRIBUTE = re.compile(r"(^|_)(idx|index|layer_id|layer_number|layer_num)
 
 
 def _signature(layer: nn.Module, skip: Iterable[str] = ()) -> list[tuple]:
-    """What makes a decoder layer the layer it is, apart from its index: every submodule's class, parameter
-    shapes and plain attributes (sliding or global, rotary or not, dense or sparse, ...); the modules `skip` (replaced
-    sub-blocks) left out."""
+    """What makes a decoder layer the layer it is, apart from its index (sliding or global, rotary or not, dense or
+    sparse, ...): every submodule's class, parameter shapes and plain attributes, but those of `skip`."""
     signature = []
     for name, module in layer.named_modules():
         if name.split(".")[0] in {"ghost", *skip}:
@@ -416,9 +383,8 @@ def _signature(layer: nn.Module, skip: Iterable[str] = ()) -> list[tuple]:
 
 def check_layers_match(dense: Iterable[nn.Module], pruned: Iterable[nn.Module], kept: list[int],
                        replaced: Mapping[int, Iterable[str]] | None = None) -> None:
-    """Refuse a pruned model whose layer i is not built like the dense layer kept[i] (a per-layer config field
-    re-indexed wrongly would change it), naming the first difference; `replaced[i]`: the sub-blocks of pruned layer i
-    that are maps, not compared."""
+    """Refuse a pruned model whose layer i is not built like dense layer kept[i] (a per-layer config field re-indexed
+    wrongly), naming the first difference; `replaced[i]`: pruned layer i's sub-blocks that are maps, not compared."""
     for new, (old_layer, new_layer) in enumerate(zip(dense, pruned, strict=True)):
         skip = tuple((replaced or {}).get(new, ()))
         before, after = _signature(old_layer, skip), _signature(new_layer, skip)
@@ -429,17 +395,11 @@ def check_layers_match(dense: Iterable[nn.Module], pruned: Iterable[nn.Module], 
                                "model's config.json.")
 
 
-# --------------------------------------------------------------------------- the generated docs table
-
-
 def _layout(entry: Architecture) -> str:
     norm = "LayerNorm" if entry.centered_norm else "RMSNorm (1 + w)" if entry.gain == "one-plus-weight" else "RMSNorm"
-    parts = [f"{entry.norm_placement}-norm {norm}"]
-    if entry.moe:
-        parts.append("mixture of experts")
-    if entry.hybrid:
-        parts.append("linear-attention layers")
-    return ", ".join(parts)
+    extras = [part for part, has in (("mixture of experts", entry.moe), ("linear-attention layers", entry.hybrid))
+              if has]
+    return ", ".join([f"{entry.norm_placement}-norm {norm}", *extras])
 
 
 def _stock_export(entry: Architecture) -> str:

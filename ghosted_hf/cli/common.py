@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import assets
-from ..model.loading import DTYPES
+from ..model.loading import DTYPES, load_model
 from ..options import option
 
 MODEL_HELP = (f"Local folder, Hub id or packaged model ({', '.join(assets.PACKAGED_MODELS)}) of a causal LM of a "
@@ -27,6 +27,10 @@ class LoadArgs:
     dtype: str = option("float32", "Dtype to load the model in.", tuple(DTYPES))
     revision: str | None = option(None, "Branch, tag or commit of a Hub model id.")
     trust_remote_code: bool = option(False, TRUST_HELP)
+
+    def load(self, reference: str | None) -> tuple[Any, Any]:
+        """The model and tokenizer at `reference`, loaded as these arguments say."""
+        return load_model(reference, dtype=self.dtype, trust_remote_code=self.trust_remote_code, revision=self.revision)
 
 
 @dataclass(kw_only=True)

@@ -39,8 +39,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         logger.warning("Replacing the previous demo output in %s.", Path(run.output).resolve())
     rows = run_demo(run.output, options, model=run.model, eval_windows=run.eval_windows)
     config = json.loads((Path(run.output) / "config.json").read_text())
-    print()
-    print(format_rows(rows, config["removed_layers"], f"{run.eval_windows} windows of 512 tokens"))
+    print("\n" + format_rows(rows, config["removed_layers"], f"{run.eval_windows} windows of 512 tokens"))
     print(f"\nSaved the ghosted model to {Path(run.output).resolve()} "
           f"(load it with AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)).")
     return 0

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from .. import assets
 from ..errors import GhostedError
-from ..model.loading import load_model
 from ..options import from_namespace, option
 from .common import LoadArgs
 
@@ -40,8 +39,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         check_zero_shot(run.tasks)  # before the perplexity run, not after it
     if run.lambada:
         lambada_items(1)
-    model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
-                                  revision=run.revision)
+    model, tokenizer = run.load(run.folder)
     text = run.text if run.text is not None else assets.wikipedia_split("evaluation")
     held_out = tokenize_texts(tokenizer, text, run.seq_len, run.windows, batch_size=4, what="Evaluation text")
     results: dict = {"perplexity": perplexity(model, held_out.batches), "perplexity_tokens": held_out.num_tokens}

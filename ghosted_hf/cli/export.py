@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from ..errors import GhostedError
 from ..io.files import check_output
 from ..model.checkpoint import made_as
-from ..model.loading import load_model
 from ..options import from_namespace, option
 from ..utils.network import check_timeout
 from .common import CALIBRATION_HELP, LoadArgs, OutputArgs, calibration_text
@@ -45,8 +44,7 @@ def cmd_export_stock(args: argparse.Namespace) -> int:
 
     run, options = from_namespace(ExportArgs, args), from_namespace(ExportOptions, args)
     check_output(run.output, (run.folder, run.calibration), overwrite=run.overwrite)
-    model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
-                                  revision=run.revision)
+    model, tokenizer = run.load(run.folder)
     if made_as(model.config) != "ghosted":
         raise GhostedError(f"{run.folder} holds a {model.config.model_type!r} model, not a ghosted one: it is a stock "
                            "checkpoint already.")
@@ -64,8 +62,7 @@ def cmd_export_gguf(args: argparse.Namespace) -> int:
     run = from_namespace(GgufArgs, args)
     output = check_output(run.output, (run.folder,), overwrite=run.overwrite, file=True)
     check_timeout(run.timeout)  # before the model loads
-    model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
-                                  revision=run.revision)
+    model, tokenizer = run.load(run.folder)
     export_gguf(model, tokenizer, output, run.llama_cpp, run.outtype, run.timeout)
     print(f"Wrote {output} (llama.cpp architecture deci; run it with llama-cli / llama-server, quantize it with "
           "llama-quantize).")

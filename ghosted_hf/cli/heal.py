@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .. import assets
 from ..errors import GhostedError
 from ..io.files import check_output, relation, staged_folder
-from ..model.loading import DTYPES, load_model
+from ..model.loading import DTYPES
 from ..options import from_namespace, option
 from .common import TEXT_HELP, LoadArgs, OutputArgs
 
@@ -48,8 +48,7 @@ def cmd_heal(args: argparse.Namespace) -> int:
         if checkpoints is not None and relation(checkpoints, folder) in ("is", "lies inside"):
             raise GhostedError(f"--checkpoints {checkpoints} {relation(checkpoints, folder)} {what} {folder}: "
                                "checkpoints would be written into a model; name a folder outside it.")
-    model, tokenizer = load_model(run.folder, dtype=run.dtype, trust_remote_code=run.trust_remote_code,
-                                  revision=run.revision)
+    model, tokenizer = run.load(run.folder)
     teacher = None if run.teacher == "none" else load_teacher(
         model, run.teacher, dtype=run.teacher_dtype or run.dtype, trust_remote_code=run.trust_remote_code)
     healed = heal(model, tokenizer, run.data or assets.wikipedia_split("calibration"), options, teacher=teacher,

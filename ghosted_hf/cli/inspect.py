@@ -18,8 +18,7 @@ class InspectArgs:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """`ghosted inspect`: what a saved ghosted folder (or stock checkpoint ghosted_hf made) contains and how it
-    was made."""
+    """`ghosted inspect`: what a saved folder ghosted_hf made contains and how it was made."""
     run = from_namespace(InspectArgs, args)
     print(inspect_folder(run.folder, top_scores=run.top))
     return 0

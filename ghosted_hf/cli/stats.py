@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..io.files import check_output
 from ..model.loading import load_for_calibration
@@ -31,14 +30,6 @@ class StatsMergeArgs(OutputArgs):
     output: str | None = option(None, "New statistics file to write (safetensors).", required=True)
 
 
-def write_statistics(stats, path: Path) -> None:
-    """Write on the main process only (`CalibrationStatistics.save` writes all or nothing)."""
-    from ..utils.distributed import is_main_process
-
-    if is_main_process():
-        stats.save(path)
-
-
 def cmd_stats_collect(args: argparse.Namespace) -> int:
     """`ghosted stats collect`: the statistics of one shard, written atomically."""
     from ..pipelines.prune import calibrate
@@ -53,8 +44,8 @@ def cmd_stats_collect(args: argparse.Namespace) -> int:
         run.model, dtype=run.dtype, device=run.device, max_memory=run.max_memory, layerwise=run.layerwise,
         activations_dir=run.activations_dir, trust_remote_code=run.trust_remote_code, revision=run.revision)
     stats = calibrate(model, tokenizer, calibration, options, shard=shard)
-    write_statistics(stats, path)
-    if is_main_process():
+    if is_main_process():  # every process holds the sums; `save` writes all or nothing
+        stats.save(path)
         print(f"Wrote shard {shard} ({stats.tokens} tokens, {len(stats.tensors)} statistics) to {path}")
     return 0
 
@@ -62,10 +53,12 @@ def cmd_stats_collect(args: argparse.Namespace) -> int:
 def cmd_stats_merge(args: argparse.Namespace) -> int:
     """`ghosted stats merge`: all shards of one run summed into one statistics file."""
     from ..statistics import CalibrationStatistics
+    from ..utils.distributed import is_main_process
 
     run = from_namespace(StatsMergeArgs, args)
     path = check_output(run.output, tuple(run.files), overwrite=run.overwrite, file=True)
     merged = CalibrationStatistics.merge(run.files)
-    write_statistics(merged, path)
+    if is_main_process():
+        merged.save(path)
     print(f"Merged {len(run.files)} shards ({merged.tokens} tokens) into {path}")
     return 0

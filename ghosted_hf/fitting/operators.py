@@ -1,9 +1,7 @@
 """Closed-form boundary operators from calibration statistics alone (float64 throughout), as a registry.
 
-Every operator kind maps the hidden state entering the first removed layer, X_s, toward the one the
-dense model sends to the first kept layer, X_e. A kind is one `OperatorKind` subclass registered with
-`@register`: it declares the statistics it needs, its closed-form fit and its properties, and nothing
-outside its own class compares its name.
+Every kind maps X_s, entering the first removed layer, toward X_e, what the dense model sends to the first kept
+layer. A kind is one `OperatorKind` subclass registered with `@register`; nothing outside it compares its name.
 """
 
 from __future__ import annotations
@@ -57,10 +55,10 @@ class OperatorKind:
         """What `selection_residual` reads beyond the least-squares statistics."""
         return StatisticsPlan()
 
-    def selection_residual(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> float | None:
-        """||fit - X_e||^2 / ||X_e||^2, as ghost-aware selection scores the span for this kind; None: the kind is
-        scored by the ghost fit (a kind whose own fit is not a least-squares fit of X_e)."""
-        return None
+    def selection_residual(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> float:
+        """||fit - X_e||^2 / ||X_e||^2, as ghost-aware selection scores the span for this kind: by default the ghost
+        fit's (for a kind whose own fit is not a least-squares fit of X_e)."""
+        return fit_figures(stats, s, e, ghost_operator(stats, s, e, ridge)[0])["residual_vs_target"]
 
 
 logger = logging.getLogger(__name__)
@@ -95,8 +93,10 @@ def _ratio(numerator: float, denominator: float) -> float:
     return max(numerator, 0.0) / denominator if denominator > 0 else 0.0
 
 
-def residual_figures(residual: float, untouched: float, energy: float) -> dict[str, float]:
-    """The fit figures reported per boundary, from three squared residuals."""
+def residual_figures(stats: CalibrationStatistics, s: int, e: int, residual: float) -> dict[str, float]:
+    """The fit figures reported per boundary, from the fit's squared residual ||X W - X_e||^2."""
+    gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
+    untouched = squared_residual(gram, cross, energy, torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device))
     return {
         # ||X W - X_e||^2 / ||X_e - X||^2: share of the pruning error left (1 = no recovery).
         "relative_residual": _ratio(residual, untouched),
@@ -110,20 +110,13 @@ def fit_figures(stats: CalibrationStatistics, s: int, e: int, w: torch.Tensor) -
     """Relative residuals of `w` on the calibration tokens (where the pair statistics exist)."""
     if not stats.has_pair(s, e):
         return {}
-    gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    return residual_figures(squared_residual(gram, cross, energy, w), squared_residual(gram, cross, energy, eye), energy)
+    return residual_figures(stats, s, e, squared_residual(stats.gram(s), stats.cross(s, e), stats.energy(s, e), w))
 
 
 def ghost_operator(stats: CalibrationStatistics, s: int, e: int, ridge: float) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(W = I + M, M, eps) of the ghost least-squares fit."""
     m, eps = solve_ghost(stats.gram(s), stats.cross(s, e), ridge)
     return m + torch.eye(m.shape[0], dtype=m.dtype, device=m.device), m, eps
-
-
-def _safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    ratio = numerator / denominator.clamp_min(torch.finfo(torch.float64).tiny)
-    return torch.where(denominator > 0, ratio, torch.ones_like(ratio))
 
 
 @register
@@ -189,15 +182,13 @@ class Normed(OperatorKind):
     def selection_statistics(self, s: int, e: int) -> StatisticsPlan:
         return normed_terms(s, e)
 
-    def selection_residual(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> float | None:
+    def selection_residual(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> float:
         w, a, _ = fit_normed(stats, s, e, ridge, joint=self.joint)
         return max(normed_residual(stats, s, e, w, a), 0.0) / stats.energy(s, e)
 
     def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
         w, a, figures = fit_normed(stats, s, e, ridge, joint=self.joint)
-        gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
-        untouched = squared_residual(gram, cross, energy, torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device))
-        figures.update(residual_figures(normed_residual(stats, s, e, w, a), untouched, energy))
+        figures.update(residual_figures(stats, s, e, normed_residual(stats, s, e, w, a)))
         return BoundaryFit(self.name, s, e, operator=w, normed=a, figures=figures)
 
 
@@ -224,10 +215,9 @@ class NoOperator(OperatorKind):
         return StatisticsPlan()  # nothing to fit; the figures are reported where the criterion's statistics exist
 
     def fit(self, stats: CalibrationStatistics | None, s: int, e: int, ridge: float) -> BoundaryFit:
-        if stats is None or not stats.has_pair(s, e):
+        if stats is None:
             return BoundaryFit(self.name, s, e)
-        w = torch.eye(stats.hidden_size, dtype=torch.float64)
-        return BoundaryFit(self.name, s, e, figures=fit_figures(stats, s, e, w))
+        return BoundaryFit(self.name, s, e, figures=fit_figures(stats, s, e, torch.eye(stats.hidden_size)))
 
 
 @register
@@ -236,26 +226,23 @@ class LinearPatchDiag(OperatorKind):
 
     name = "linearpatch-diag"
     summary = "per-channel scale mean|X_e| / mean|X_s|"
+    rotated: ClassVar[bool] = False  # the scale acts in a Hadamard basis, not on the channels themselves
 
     def statistics(self, s: int, e: int) -> StatisticsPlan:
-        return super().statistics(s, e) | StatisticsPlan.of(ABS(s), ABS(e))
-
-    def channel_means(self, stats: CalibrationStatistics, i: int) -> torch.Tensor:
-        return stats.abs_mean(i)
-
-    def basis(self, stats: CalibrationStatistics) -> torch.Tensor | None:
-        """The orthonormal basis the scale acts in (None: the channels themselves)."""
-        return None
+        mean = ROTATED_ABS if self.rotated else ABS
+        return super().statistics(s, e) | StatisticsPlan.of(mean(s), mean(e))
 
     def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
-        w = torch.diag(_safe_ratio(self.channel_means(stats, e), self.channel_means(stats, s)))
-        h = self.basis(stats)
-        if h is not None:
-            w = h.to(w) @ w @ h.to(w).T
-        figures: dict[str, Any] = fit_figures(stats, s, e, w)
-        if h is not None:
-            figures["rotation"] = stats.rotation_kind
-        return BoundaryFit(self.name, s, e, operator=w, figures=figures)
+        mean = stats.rotated_abs_mean if self.rotated else stats.abs_mean
+        target, source = mean(e), mean(s)
+        w = torch.diag(torch.where(source > 0, target / source.clamp_min(torch.finfo(torch.float64).tiny), 1.0))
+        if not self.rotated:
+            return BoundaryFit(self.name, s, e, operator=w, figures=fit_figures(stats, s, e, w))
+        h, kind = rotation(stats.hidden_size)
+        if kind != stats.rotation_kind:
+            raise GhostedError(f"Statistics were rotated with {stats.rotation_kind}, but {kind} is available now.")
+        w = h.to(w) @ w @ h.to(w).T
+        return BoundaryFit(self.name, s, e, operator=w, figures={**fit_figures(stats, s, e, w), "rotation": kind})
 
 
 @register
@@ -264,18 +251,7 @@ class LinearPatchRotate(LinearPatchDiag):
 
     name = "linearpatch-rotate"
     summary = "the same scale in a Hadamard basis, W = H diag(d) H^T (LinearPatch)"
-
-    def statistics(self, s: int, e: int) -> StatisticsPlan:
-        return OperatorKind.statistics(self, s, e) | StatisticsPlan.of(ROTATED_ABS(s), ROTATED_ABS(e))
-
-    def channel_means(self, stats: CalibrationStatistics, i: int) -> torch.Tensor:
-        return stats.rotated_abs_mean(i)
-
-    def basis(self, stats: CalibrationStatistics) -> torch.Tensor:
-        h, kind = rotation(stats.hidden_size)
-        if kind != stats.rotation_kind:
-            raise GhostedError(f"Statistics were rotated with {stats.rotation_kind}, but {kind} is available now.")
-        return h
+    rotated = True
 
 
 @register
@@ -303,17 +279,8 @@ class ReplaceMeLS(OperatorKind):
             gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
             untouched = energy - 2.0 * float(torch.trace(cross)) + float(torch.trace(gram))  # ||X_e - X_s||^2
             target = untouched + 2.0 * float(torch.trace(m_target) - torch.trace(m_source)) + float(torch.trace(mm))
-            residual = float(((mm @ t) * t).sum() - 2.0 * (t * rhs).sum()) + target
-            figures.update(residual_figures(residual, untouched, energy))
+            figures.update(residual_figures(stats, s, e, squared_residual(mm, rhs, target, t)))
         return BoundaryFit(self.name, s, e, fused=t, figures=figures)
-
-
-def scaled_procrustes(z_gram_trace: float, z_cross: torch.Tensor) -> tuple[float, torch.Tensor, float]:
-    """(c, Q, tr S) minimising ||c Z Q - X_e||^2 over c >= 0 and orthogonal Q, from tr(Z^T Z) and Z^T X_e = U S V^T:
-    Q = U V^T, c = tr(S) / tr(Z^T Z)."""
-    u, singular, vh = torch.linalg.svd(z_cross)
-    trace = float(singular.sum())
-    return (trace / z_gram_trace if z_gram_trace > 0 else 1.0), u @ vh, trace
 
 
 def fit_folded(stats: CalibrationStatistics, s: int, e: int, ridge: float, *, rotation: bool = True,
@@ -324,27 +291,26 @@ def fit_folded(stats: CalibrationStatistics, s: int, e: int, ridge: float, *, ro
     scale) for (c, Q) given T, least squares for T given (c, Q)."""
     gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    if transform:
-        mm, m_source, m_target = stats.mlp_terms(s, e)  # M^T M, M^T X_s, M^T X_e
-        eps = ridge_epsilon(mm, ridge)
-        mm_inverse_solve = lambda rhs: torch.linalg.solve(mm + eps * eye, rhs)  # noqa: E731
-    delta = torch.zeros_like(gram)  # T - I: Z = X_s + M delta
+    delta = torch.zeros_like(gram)  # T - I: Z = X_s + M delta (no M without the transform: all its terms 0)
+    mm, m_source, m_target = stats.mlp_terms(s, e) if transform else (delta, delta, delta)  # M^T M, M^T X_s, M^T X_e
     residual = float("inf")
     # Each iteration solves a C x C system: minutes for a wide model, so a bar shows once it takes 2 s.
     for _ in tqdm(range(iterations), desc=f"Folding the boundary before layer {e}: alternating fits", leave=False,
                   delay=2):
-        z_cross = cross + delta.T @ m_target if transform else cross  # Z^T X_e
-        z_gram = float(torch.trace(gram)) if not transform else float(
-            torch.trace(gram) + 2.0 * (delta * m_source).sum() + ((mm @ delta) * delta).sum())  # tr(Z^T Z)
-        if rotation:
-            c, q, trace = scaled_procrustes(z_gram, z_cross)
+        z_cross = cross + delta.T @ m_target  # Z^T X_e
+        z_gram = float(torch.trace(gram) + 2.0 * (delta * m_source).sum() + ((mm @ delta) * delta).sum())  # tr(Z^T Z)
+        if rotation:  # scaled Procrustes: Z^T X_e = U S V^T, Q = U V^T, c = tr(S) / tr(Z^T Z)
+            u, singular, vh = torch.linalg.svd(z_cross)
+            q, trace = u @ vh, float(singular.sum())
+            c = trace / z_gram if z_gram > 0 else 1.0
         else:  # a positive scale alone (a sign flip would not survive the norms downstream)
             q, trace = eye, float(torch.trace(z_cross))
             c = max(trace / z_gram, 1e-6) if z_gram > 0 else 1.0
         previous, residual = residual, c * c * z_gram - 2.0 * c * trace + energy
         if not transform or previous - residual <= 1e-12 * energy:
             break
-        delta = mm_inverse_solve(m_target @ q.T / c - m_source)  # c M (T - I) ~ X_e Q^T - c X_s
+        # c M (T - I) ~ X_e Q^T - c X_s
+        delta = torch.linalg.solve(mm + ridge_epsilon(mm, ridge) * eye, m_target @ q.T / c - m_source)
     return c, q, (eye + delta if transform else None), max(residual, 0.0)
 
 
@@ -366,10 +332,7 @@ class Folded(OperatorKind):
     def fit(self, stats: CalibrationStatistics, s: int, e: int, ridge: float) -> BoundaryFit:
         # At layer 0 only the embeddings are upstream: no MLP output to transform.
         c, q, t, residual = fit_folded(stats, s, e, ridge, rotation=self.rotation, transform=s >= 1)
-        gram, cross, energy = stats.gram(s), stats.cross(s, e), stats.energy(s, e)
-        eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-        figures: dict[str, Any] = residual_figures(residual, squared_residual(gram, cross, energy, eye), energy)
-        figures["scale"] = c
+        figures = {**residual_figures(stats, s, e, residual), "scale": c}
         return BoundaryFit(self.name, s, e, operator=c * q, fused=t, figures=figures)
 
 

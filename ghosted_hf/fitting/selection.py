@@ -1,8 +1,7 @@
 """Which layers to remove, scored from calibration statistics, as a registry of criteria.
 
-Contiguous criteria score every candidate boundary of `num_layers` layers, from the one starting at
-layer 0 (or at the operator kind's first removable layer) to the one ending at the last layer (whose
-target is the input of the final norm): none is excluded. A criterion is one `Criterion` subclass
+Contiguous criteria score every span of `num_layers` layers from the operator kind's first removable layer to the
+last layer (whose target is the final norm's input): none is excluded. A criterion is one `Criterion` subclass
 registered with `@register`; nothing outside its class compares its name.
 """
 
@@ -16,7 +15,7 @@ import torch
 from ..errors import GhostedError
 from ..statistics import CalibrationStatistics, StatisticsPlan, least_squares, similarity
 from ..utils.registry import Registry
-from .operators import fit_figures, ghost_operator, operator_kind
+from .operators import operator_kind
 
 
 @dataclass(frozen=True)
@@ -66,12 +65,6 @@ def candidate_spans(depth: int, n: int, first: int = 0) -> list[tuple[int, int]]
     return [(s, s + n) for s in range(first, depth - n + 1)]
 
 
-def check_num_layers(num_layers: int, depth: int) -> None:
-    """Refuse a number of layers to remove that leaves no layer or removes none."""
-    if not 1 <= num_layers < depth:
-        raise GhostedError(f"num_layers must be between 1 and {depth - 1} for a model with {depth} layers, got {num_layers}.")
-
-
 class Criterion:
     """One way to choose the layers. Subclasses set the class attributes and implement `statistics`/`select`."""
 
@@ -104,8 +97,7 @@ class ContiguousCriterion(Criterion):
     def select(self, stats: CalibrationStatistics | None, request: SelectionRequest) -> Selection:
         spans = self.spans(request)
         scores = {candidate_name(s, e): self.score(stats, s, e, request) for s, e in spans}
-        sign = 1 if self.better == "higher" else -1
-        best = max(spans, key=lambda span: sign * scores[candidate_name(*span)])
+        best = (max if self.better == "higher" else min)(spans, key=lambda span: scores[candidate_name(*span)])
         return Selection(list(range(*best)), self.name, scores, self.better)
 
 
@@ -131,11 +123,7 @@ class GhostAware(ContiguousCriterion):
         return StatisticsPlan.union(least_squares(s, e) | kind.selection_statistics(s, e) for s, e in self.spans(request))
 
     def score(self, stats: CalibrationStatistics, s: int, e: int, request: SelectionRequest) -> float:
-        own = operator_kind(request.operator).selection_residual(stats, s, e, request.ridge)
-        if own is not None:
-            return own
-        w, _, _ = ghost_operator(stats, s, e, request.ridge)
-        return fit_figures(stats, s, e, w)["residual_vs_target"]
+        return operator_kind(request.operator).selection_residual(stats, s, e, request.ridge)
 
 
 @register
@@ -212,8 +200,7 @@ def spectral_clusters(affinity: torch.Tensor, seed: int = 0) -> list[list[int]]:
     n = affinity.shape[0]
     if n < 4:
         return [list(range(n))]
-    degree = affinity.sum(1).clamp_min(1e-12)
-    scale = degree.rsqrt()
+    scale = affinity.sum(1).clamp_min(1e-12).rsqrt()
     laplacian = torch.eye(n, dtype=affinity.dtype) - scale[:, None] * affinity * scale[None, :]
     values, vectors = torch.linalg.eigh(laplacian)
     k = 2 + int(torch.argmax(values[2:n // 2 + 1] - values[1:n // 2]))

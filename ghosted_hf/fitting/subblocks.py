@@ -1,13 +1,11 @@
-"""Sub-blocks as the unit of removal: an attention or MLP sub-block replaced by a closed-form linear map of the input
-it read (its norm's output), fitted in float64 on what it returned, sequentially down the network. A whole layer is
-one more candidate of the same machinery (a map of the residual stream it read onto what it added), so whole layers
-and sub-blocks can be chosen together.
+"""Sub-blocks as the unit of removal: an attention or MLP sub-block replaced by a closed-form linear map of its input
+(its norm's output), fitted in float64 on what it returned, sequentially down the network. A whole layer is one more
+candidate (a map of the stream it read onto what it added), so whole layers and sub-blocks can be chosen together.
 
-Selection is recovery-aware and measured, not guessed: each candidate's map is fitted on the dense model and the
-damage it does is the rise of the calibration loss with that one sub-block replaced; the cheapest damage per
-parameter saved is removed first until the parameter budget is met. The fit's own residual ranks badly (a sub-block
-that writes the first token's massive activation fits best and is the most harmful to replace:
-benchmarks/results/subblock_probe.md), so it is recorded but does not rank.
+Selection is measured, not guessed: a candidate's damage is the rise of the calibration loss with it alone replaced by
+its map fitted on the dense model; the cheapest damage per parameter saved goes first until the budget is met. The
+fit's own residual ranks badly (the sub-block that writes the first token's massive activation fits best and harms
+most: benchmarks/results/subblock_probe.md), so it is recorded but does not rank.
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ CANDIDATE_KINDS = (*SUBBLOCK_KINDS, LAYER)  # a layer's own hooks run after its 
 
 @dataclass(frozen=True)
 class SubBlockRef:
-    """A sub-block of the dense model (or, as block "layer", the whole layer): its layer (dense numbering) and kind, in
-    network order."""
+    """A sub-block of the dense model (block "layer": the whole layer) by dense layer number; sorts in network order."""
 
     layer: int
     block: str  # "attention" or "mlp" (attention runs first in every family), or "layer"
@@ -54,8 +51,7 @@ class SubBlockRef:
 
 
 def parse_subblock(text: str, kinds: tuple[str, ...] = SUBBLOCK_KINDS) -> SubBlockRef:
-    """"12.attention" or "12.mlp" (dense layer numbering; "12.layer" too where `kinds` has it, as in recorded
-    scores)."""
+    """"12.attention" or "12.mlp" (dense numbering; "12.layer" too where `kinds` has it, as in recorded scores)."""
     match = re.fullmatch(r"\s*(\d+)\.(\w+)\s*", str(text))
     if match is None or match.group(2) not in kinds:
         raise GhostedError(f"A sub-block is written LAYER.KIND with KIND one of {', '.join(kinds)} (e.g. "
@@ -92,17 +88,13 @@ def slot(model: nn.Module, ref: SubBlockRef) -> tuple[nn.Module, str]:
 
 def subblock_parameters(model: nn.Module, ref: SubBlockRef) -> int:
     """Parameters of one sub-block (what replacing it removes, before its map is added)."""
-    layer, name = slot(model, ref)
-    return sum(p.numel() for p in getattr(layer, name).parameters())
+    return sum(p.numel() for p in getattr(*slot(model, ref)).parameters())
 
 
 def all_subblocks(depth: int, whole_layers: bool = False) -> list[SubBlockRef]:
     """Every candidate of a model of `depth` layers (whole layers among them with `whole_layers`), in network order."""
     kinds = CANDIDATE_KINDS if whole_layers else SUBBLOCK_KINDS
     return sorted(SubBlockRef(i, kind) for i in range(depth) for kind in kinds)
-
-
-# ------------------------------------------------------------------------------------------------- statistics
 
 
 @dataclass
@@ -145,29 +137,22 @@ class _Resume(nn.Module):
         return hidden_states if self.state is None else self.state.to(hidden_states.device)
 
 
-@contextmanager
-def resumed(model: nn.Module, start: int, state: torch.Tensor | None) -> Iterator[None]:
-    """Within the context, a forward of `model` starts at decoder layer `start` from `state` (its input, as stored by
-    `layer_inputs`), so a pass over a deep sub-block does not rerun the layers before it."""
+def _run(model: nn.Module, batch: Batch, start: int, state: torch.Tensor | None) -> Any:
+    """One forward of `batch` started at decoder layer `start` from `state` (its input, as stored by `layer_inputs`), so
+    a pass over a deep sub-block does not rerun the layers before it; None where a hook stopped it."""
+    device = model.get_input_embeddings().weight.device
     layers = decoder_layers(model)
     saved = [layers[j] for j in range(start)]
     try:
         for j in range(start):
             layers[j] = _Resume(state if j == start - 1 else None)
-        yield
+        with torch.no_grad():
+            return model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False)
+    except _Stop:
+        return None
     finally:
         for j, layer in enumerate(saved):
             layers[j] = layer
-
-
-def _run(model: nn.Module, batch: Batch, start: int, state: torch.Tensor | None) -> Any:
-    """One forward of `batch` resumed at layer `start` (None where a hook stopped it)."""
-    device = model.get_input_embeddings().weight.device
-    with resumed(model, start, state), torch.no_grad():
-        try:
-            return model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False)
-        except _Stop:
-            return None
 
 
 def layer_inputs(model: nn.Module, batches: list[Batch], layers: Iterable[int], start: int = 0,
@@ -200,7 +185,6 @@ def collect(model: nn.Module, batches: Iterable[Batch], refs: Iterable[SubBlockR
     refs = sorted(refs)
     sums = {ref: Sums() for ref in refs}
     keep: list[torch.Tensor] = []
-    hooks = []
 
     def hook(ref: SubBlockRef):
         def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -214,9 +198,7 @@ def collect(model: nn.Module, batches: Iterable[Batch], refs: Iterable[SubBlockR
                 raise _Stop
         return record
 
-    for ref in refs:
-        layer, name = slot(model, ref)
-        hooks.append(getattr(layer, name).register_forward_hook(hook(ref), with_kwargs=True))
+    hooks = [getattr(*slot(model, ref)).register_forward_hook(hook(ref), with_kwargs=True) for ref in refs]
     try:
         for b, batch in enumerate(tqdm(list(batches), desc=what, leave=False)):
             keep[:] = [batch["attention_mask"].flatten().bool()]
@@ -282,8 +264,7 @@ def install(model: nn.Module, fit: SubBlockFit) -> None:
     """Put `fit`'s map in its sub-block's place in `model` (the module is kept as `.original` for `replaced`)."""
     layer, name = slot(model, fit.ref)
     original = getattr(layer, name)
-    weight = next(original.parameters())
-    value = fit.map.to(device=weight.device, dtype=torch.float32)
+    value = fit.map.to(device=next(original.parameters()).device, dtype=torch.float32)
     if fit.ref.block == LAYER:
         bypass = _LayerMap(value)
     else:
@@ -291,9 +272,6 @@ def install(model: nn.Module, fit: SubBlockFit) -> None:
         bypass.ghost.operator.data = value
     object.__setattr__(bypass, "original", original)  # not a child: its weights stay out of the bypass
     setattr(layer, name, bypass)
-
-
-# ------------------------------------------------------------------------------------------------- selection
 
 
 def calibration_loss(model: nn.Module, batches: list[Batch], start: int = 0,
@@ -304,8 +282,7 @@ def calibration_loss(model: nn.Module, batches: list[Batch], start: int = 0,
         logits = _run(model, batch, start, None if states is None else states[b]).logits[:, :-1].float()
         ids, mask = batch["input_ids"].to(logits.device), batch["attention_mask"].to(logits.device)
         labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum",
-                                                 ignore_index=-100)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
         total, count = total + float(loss), count + int((labels != -100).sum())
     return total / count
 
@@ -363,13 +340,10 @@ def layer_operators(fits: Iterable[SubBlockFit]) -> dict[int, torch.Tensor]:
     """{first layer of a run of consecutive whole layers: its boundary's operator} from the layers' fitted maps: the
     product of their (I + A) in network order, which is what the fitted model applied to the stream (x @ W)."""
     runs: dict[int, torch.Tensor] = {}
-    last = None
+    first = last = None
     for fit in sorted((f for f in fits if f.ref.block == LAYER), key=lambda f: f.ref):
         step = torch.eye(fit.map.shape[0], dtype=torch.float64) + fit.map.double().cpu()
-        if last is not None and fit.ref.layer == last + 1:
-            first = max(runs)
-            runs[first] = runs[first] @ step
-        else:
-            runs[fit.ref.layer] = step
+        first = first if last is not None and fit.ref.layer == last + 1 else fit.ref.layer
+        runs[first] = runs[first] @ step if first in runs else step
         last = fit.ref.layer
     return runs

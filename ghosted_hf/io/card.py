@@ -27,8 +27,7 @@ PLOT_FILE = "selection_scores.png"
 
 
 def eval_results(config: GhostedConfig) -> list[EvalResult]:
-    """`model-index` entries from ``ghost_provenance["evaluation"]`` (a list of
-    {task_type, dataset_type, dataset_name, metric_type, metric_value} records)."""
+    """`model-index` entries from the ``ghost_provenance["evaluation"]`` records."""
     return [EvalResult(**record) for record in Provenance.of(config).evaluation]
 
 
@@ -54,11 +53,10 @@ def write_score_plot(config: GhostedConfig, folder: Path) -> str | None:
         return None
     scores = Provenance.of(config).selection["scores"]  # in layer order, not ranked
     chosen = {name for name, _, removed in summary.scores if removed}
-    names = list(scores)
+    names, values = list(scores), list(scores.values())
     figure, axes = plt.subplots(figsize=(max(6, 0.3 * len(names)), 3))
-    axes.bar(range(len(names)), [scores[n] for n in names],
-             color=["tab:red" if n in chosen else "tab:gray" for n in names])
-    axes.set_yscale(score_axis_scale([scores[n] for n in names]))
+    axes.bar(range(len(names)), values, color=["tab:red" if n in chosen else "tab:gray" for n in names])
+    axes.set_yscale(score_axis_scale(values))
     axes.set_xticks(range(len(names)), names, rotation=90, fontsize=7)
     axes.set_ylabel(f"{summary.criterion} ({summary.better} is better)")
     axes.set_title("Layer selection scores (removed in red)")

@@ -1,9 +1,5 @@
-"""Saved folders that are complete or untouched, and verified before they are shared.
-
-`staged_folder` writes a whole model folder beside its destination and moves it into place only when
-every file is written, so an interrupted save leaves the previous folder as it was and no file of an
-earlier save survives into the new one. `verify_folder` reads every weight file completely before a push.
-"""
+"""Saved folders that are complete or untouched (`staged_folder`), and verified before they are shared
+(`verify_folder`)."""
 
 from __future__ import annotations
 
@@ -43,10 +39,9 @@ def check_output(output: str | os.PathLike | None, inputs: tuple[str | os.PathLi
         raise GhostedError(f"--output {path} already exists; pass --overwrite to replace it, or name a new {what}.")
     if file and not path.parent.is_dir():
         raise GhostedError(f"--output {path}: folder {path.parent} does not exist; create it first.")
-    writable = next((p for p in (path, *path.parents) if p.exists()), None)
-    if writable is not None and not os.access(writable if writable != path else path.parent, os.W_OK):
-        raise GhostedError(f"--output {path}: {writable if writable != path else path.parent} is not writable; name a "
-                           "folder you can write to.")  # said now, not after the calibration pass
+    writable = next((p for p in (path.parent, *path.parents) if p.exists()), None)
+    if writable is not None and not os.access(writable, os.W_OK):  # said now, not after the calibration pass
+        raise GhostedError(f"--output {path}: {writable} is not writable; name a folder you can write to.")
     return path
 
 
@@ -60,8 +55,7 @@ def relation(path: str | os.PathLike, other: str | os.PathLike) -> str | None:
 
 @contextlib.contextmanager
 def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
-    """Yield an empty sibling folder of `target` to write a whole model into; on success it replaces
-    `target`, on any error it is removed and `target` is left as it was (the remote save's own staging)."""
+    """The remote save's `staged_folder` (a whole folder written beside `target`, or nothing), refusing a file."""
     target = Path(target)
     if target.exists() and not target.is_dir():
         raise GhostedError(f"{target} is an existing file; save to a folder.")
@@ -69,26 +63,18 @@ def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
         yield staging
 
 
-def weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """(the safetensors files the folder's model loads, the index's weight map or None when unsharded)."""
-    index = index_weight_map(folder)
-    names = index if index is not None else weight_map(folder)  # the one reader of the layout
-    return [folder / name for name in sorted(set(names.values()))], index
-
-
 def verify_folder(folder: str | os.PathLike) -> dict[str, Any]:
-    """Read every weight file completely and check it against its index and the config's operator hashes;
-    returns the config. Raises a GhostedError naming the first broken file or tensor."""
+    """The folder's config, once every weight file was read whole and checked against its index and operator hashes."""
     from safetensors import safe_open
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise MissingFileError(f"{folder} is not a saved model folder (no config.json).")
     config = check_folder(folder)  # sizes against the headers first: seconds, before reading every byte
-    files, weight_map = weight_files(folder)
+    index = index_weight_map(folder)  # None when unsharded
     found: dict[str, str] = {}
     tensors: dict[str, Any] = {}
-    for file in files:
+    for file in [folder / name for name in sorted(set((weight_map(folder) if index is None else index).values()))]:
         if not file.is_file():
             raise MissingFileError(f"{file.name} is listed in the safetensors index of {folder} but missing.")
         try:
@@ -100,8 +86,8 @@ def verify_folder(folder: str | os.PathLike) -> dict[str, Any]:
                         tensors[key] = tensor
         except Exception as error:  # safetensors raises its own error type for damaged files
             raise GhostedError(f"{file} is damaged or truncated ({error}); save the model again.") from None
-    if weight_map is not None and found != weight_map:
-        missing = sorted(set(weight_map) - set(found))[:3]
+    if index is not None and found != index:
+        missing = sorted(set(index) - set(found))[:3]
         raise GhostedError(f"The safetensors index of {folder} does not match its files (e.g. {missing}); save again.")
     if made_as(config) == "ghosted":
         check_ghosted_layout(folder, config, tensors)
@@ -111,8 +97,7 @@ def verify_folder(folder: str | os.PathLike) -> dict[str, Any]:
 
 def check_ghosted_layout(folder: Path, config: dict[str, Any], operators: dict[str, Any]) -> None:
     """What `from_pretrained` refuses about a ghosted folder's layout, said before any load: a config that
-    contradicts itself (boundaries, depth, format version), another depth than the weights hold, operators of
-    the wrong shape or the wrong number of them."""
+    contradicts itself or the weights' depth, operators of the wrong shape or number."""
     from ..remote.configuration_ghosted import GhostedConfig
 
     try:

@@ -1,10 +1,7 @@
 """Push a saved ghosted model (weights, remote code, card) to the Hugging Face Hub with huggingface_hub.
 
-The folder is copied into a private staging folder, the copy verified (every weight file read completely,
-index and operator hashes checked), and exactly that copy uploaded in one commit: what changes in the
-folder meanwhile is not sent. A second commit pins the first in the card's code sample. Every network call
-waits at most `timeout` seconds for an answer. Pulling needs no code of ours:
-``AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True, revision=<commit>)``.
+A verified private copy of the folder is uploaded in one commit (what changes in the folder meanwhile is not sent),
+and a second commit pins the first in the card's code sample. Pulling needs no code of ours (trust_remote_code).
 """
 
 from __future__ import annotations
@@ -36,9 +33,9 @@ logger = logging.getLogger(__name__)
 class PushResult:
     """What `push_to_hub` made: the commit of the weights and code (the revision to pin), and the card's."""
 
-    commit: str  # the commit holding the weights and code: the revision to pin
+    commit: str
     commit_url: str
-    card_commit: str | None  # the follow-up commit that pins `commit` in the card
+    card_commit: str | None
 
 
 def check_ghosted_folder(folder: Path) -> dict[str, Any]:
@@ -84,29 +81,6 @@ def announce_extra_files(folder: Path) -> list[str]:
     return sorted(extra)
 
 
-def _is_connection_error(error: Exception) -> bool:
-    """No answer from the Hub: offline mode, refused or failed connections, whatever HTTP client
-    huggingface_hub uses (requests, httpx and its successors name it TransportError)."""
-    return isinstance(error, OSError) or any(c.__name__ == "TransportError" for c in type(error).__mro__)
-
-
-def _remote_model_type(api: HfApi, repo_id: str, revision: str | None) -> str | None:
-    """model_type of the config.json already in the repo, or None for a new or empty repo."""
-    try:
-        path = api.hf_hub_download(repo_id, "config.json", revision=revision)
-    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
-        return None
-    return json.loads(Path(path).read_text()).get("model_type")
-
-
-def _pinned_card(folder: Path, repo_id: str, commit: str) -> str:
-    """The folder's card rendered again with `commit` pinned in its code sample (license kept)."""
-    config = GhostedConfig.from_pretrained(folder)
-    license = ModelCard.load(folder / "README.md").data.license
-    plot = PLOT_FILE if (folder / PLOT_FILE).is_file() else None
-    return str(build_card(config, repo_id=repo_id, license=license, plot=plot, revision=commit))
-
-
 def push_to_hub(
     model_or_folder: Any,
     repo_id: str,
@@ -146,7 +120,8 @@ def push_to_hub(
             with bounded_network(timeout):
                 return _upload(api, folder, repo_id, private, revision, commit_message, overwrite_other_model)
         except Exception as error:
-            if not _is_connection_error(error):
+            # No answer (offline mode, failed connections): httpx and its successors name it TransportError.
+            if not isinstance(error, OSError) and all(c.__name__ != "TransportError" for c in type(error).__mro__):
                 raise
             raise GhostedError(f"Cannot reach the Hub at {api.endpoint} to push {repo_id}, or it did not answer "
                                f"within {timeout:g} s ({type(error).__name__}: {error}); check the network, "
@@ -156,14 +131,21 @@ def push_to_hub(
 def _upload(api: HfApi, folder: Path, repo_id: str, private: bool, revision: str | None, commit_message: str,
             overwrite_other_model: bool) -> PushResult:
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    existing = _remote_model_type(api, repo_id, revision)
+    try:
+        remote = json.loads(Path(api.hf_hub_download(repo_id, "config.json", revision=revision)).read_text())
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
+        remote = {}  # a new or empty repo
+    existing = remote.get("model_type")
     if existing not in (None, "ghosted") and not overwrite_other_model:
         raise GhostedError(f"{repo_id} already holds a {existing!r} model; choose another repo id or pass "
                            "overwrite_other_model=True.")
     if revision is not None:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision, commit_message=commit_message)
-    card = api.upload_file(path_or_fileobj=_pinned_card(folder, repo_id, info.oid).encode(), path_in_repo="README.md",
-                           repo_id=repo_id, revision=revision, commit_message=f"Model card: pin revision {info.oid}")
+    pinned = build_card(GhostedConfig.from_pretrained(folder), repo_id=repo_id, revision=info.oid,  # license kept
+                        license=ModelCard.load(folder / "README.md").data.license,
+                        plot=PLOT_FILE if (folder / PLOT_FILE).is_file() else None)
+    card = api.upload_file(path_or_fileobj=str(pinned).encode(), path_in_repo="README.md", repo_id=repo_id,
+                           revision=revision, commit_message=f"Model card: pin revision {info.oid}")
     logger.info("Pushed %s to %s", folder, info.commit_url)
     return PushResult(commit=info.oid, commit_url=info.commit_url, card_commit=getattr(card, "oid", None))

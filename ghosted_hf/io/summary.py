@@ -20,8 +20,10 @@ SHOWN_FIGURES = ("relative_residual", "residual_vs_target", "pruned_residual_vs_
                  "antisymmetric_share", "fitted_on")
 
 
-def _figure(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+def _figures(record: dict[str, Any]) -> str:
+    fit = record.get("fit") or {}
+    return ", ".join(f"{k}={fit[k]:.4g}" if isinstance(fit[k], float) else f"{k}={fit[k]}"
+                     for k in SHOWN_FIGURES if k in fit) or "-"
 
 
 @dataclass
@@ -71,16 +73,13 @@ class ModelSummary:
     subblocks: list[SubBlockSummary] = field(default_factory=list)  # replaced sub-blocks (format 1.2)
 
 
-NUMBER = (int, float)
-
-
 def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
     """The summary of a ghosted model's config, or of a stock export's (whose provenance keeps the layout)."""
     prov = Provenance.of(config)
     selection = prov.selection or {}
     scores = selection.get("scores") or {}
     for name, score in scores.items():
-        check_shape(score, NUMBER, f"config.json: ghost_provenance.selection.scores.{name}")
+        check_shape(score, (int, float), f"config.json: ghost_provenance.selection.scores.{name}")
     stock, kind = prov.stock_export, made_as(config)
     if kind == "ghosted":
         text, depth, removed_layers = config.text_config, config.original_num_hidden_layers, config.removed_layers
@@ -129,10 +128,9 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
 
 
 def _subblock(record: dict[str, Any]) -> SubBlockSummary:
-    fit = record.get("fit") or {}
     return SubBlockSummary(name=f"{record['original_layer']}.{record['block']}",
                            layer=f"pruned layer {record['layer']} (dense {record['original_layer']}).{record['module']}",
-                           figures=", ".join(f"{k}={_figure(fit[k])}" for k in SHOWN_FIGURES if k in fit) or "-")
+                           figures=_figures(record))
 
 
 def _fitting(fitting: str) -> str:
@@ -144,12 +142,11 @@ def _fitting(fitting: str) -> str:
 def _boundary(record: dict[str, Any]) -> BoundarySummary:
     feeds = (f"pruned layer {record['layer']} (dense {record['original_layer']})" if record["target"] == LAYER_TARGET
              else "final norm")
-    fit = record.get("fit") or {}
     return BoundarySummary(
         removed=record["removed"],
         feeds=feeds,
         operator=record["operator"] + (f", fused into {record['fused_into']}" if record.get("fused_into") else ""),
-        figures=", ".join(f"{k}={_figure(fit[k])}" for k in SHOWN_FIGURES if k in fit) or "-",
+        figures=_figures(record),
     )
 
 
@@ -176,8 +173,7 @@ def render_text(summary: ModelSummary, tensors: dict[str, tuple[int, ...]] | Non
         lines.append(f"healing         : {s.healing}")
     lines.append("boundaries      :" + ("" if s.boundaries else " none"))
     for b in s.boundaries:
-        lines.append(f"  removed {b.removed} -> {b.feeds}: {b.operator}")
-        lines.append(f"      {b.figures}")
+        lines += [f"  removed {b.removed} -> {b.feeds}: {b.operator}", f"      {b.figures}"]
     if s.subblocks:
         lines.append("sub-blocks      : replaced by a linear map of their input (format 1.2)")
         for r in s.subblocks:
@@ -200,13 +196,10 @@ def inspect_folder(folder: str | Path, top_scores: int = 8) -> str:
     if top_scores < 0:
         raise GhostedError(f"--top must be 0 or more (selection scores to show), got {top_scores}.")
     folder = Path(folder)
-    config_path = folder / "config.json"
     if not folder.is_dir():
         raise GhostedError(f"inspect reads a local model folder, and {folder} is none (for a Hub id, download it first: "
                            f"hf download {folder} --local-dir DIR).")
-    if not config_path.is_file():
-        raise GhostedError(f"{folder} has no config.json: it is not a saved model folder.")
-    raw = verify_folder(folder)  # a truncated or altered weight file is named here, not deep in a load
+    raw = verify_folder(folder)  # a truncated or altered weight file (or no config.json) is named here, not in a load
     kind = made_as(raw)
     if kind == "ghosted":
         config = GhostedConfig.from_pretrained(folder)

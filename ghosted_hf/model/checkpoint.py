@@ -1,8 +1,7 @@
 """Reading a safetensors checkpoint's layout without loading it: which file holds which tensor, and whether the
 config describes those tensors (`check_folder`, run before any model is built).
 
-Every file name an index lists must be a plain safetensors file name inside the folder: an index cannot
-send a reader elsewhere on the disk.
+Every file an index lists must be a plain safetensors file of the folder: an index cannot send a reader elsewhere.
 """
 
 from __future__ import annotations
@@ -40,6 +39,18 @@ def index_weight_map(folder: Path) -> dict[str, str] | None:
     return weight_map
 
 
+def _header(file: Path, keys: list[str] | None = None) -> dict[str, list[int]]:
+    """Tensor name -> shape of `keys` (default: every tensor), from a safetensors file's header only."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return {key: list(handle.get_slice(key).get_shape()) for key in (handle.keys() if keys is None else keys)}
+    except Exception as error:  # safetensors' own error types
+        raise GhostedError(f"{file} is damaged or truncated ({type(error).__name__}: {error}); re-download or "
+                           "re-save the model.") from None
+
+
 def weight_map(folder: Path) -> dict[str, str]:
     """Tensor name -> file name, from the index or the single model.safetensors (its header only)."""
     from_index = index_weight_map(folder)
@@ -50,43 +61,17 @@ def weight_map(folder: Path) -> dict[str, str]:
         raise GhostedError(f"{single} is not a regular file (a folder, a FIFO or a device): re-save the model.")
     if not single.is_file():
         raise MissingFileError(f"{folder} holds no model.safetensors and no safetensors index: save the model first.")
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(single), framework="pt") as handle:
-            return {k: single.name for k in handle.keys()}
-    except Exception as error:  # safetensors' own error types
-        raise GhostedError(f"{single} is damaged or truncated ({type(error).__name__}: {error}); re-download or "
-                           "re-save the model.") from None
+    return dict.fromkeys(_header(single), single.name)
 
 
 def _plain_file_name(name: object) -> bool:
-    return isinstance(name, str) and name.endswith(".safetensors") and Path(name).name == name and name not in (
-        ".", "..")
-
-
-def _shapes(folder: Path, names: dict[str, str], wanted: tuple[str, ...]) -> dict[str, list[int]]:
-    """The shapes of the `wanted` tensors that the folder holds, read from the safetensors headers only."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for key in wanted:
-        if key in names:
-            try:
-                with safe_open(str(folder / names[key]), framework="pt") as handle:
-                    shapes[key] = list(handle.get_slice(key).get_shape())
-            except Exception as error:  # safetensors' own error types
-                raise GhostedError(f"{folder / names[key]} is damaged or truncated ({type(error).__name__}: {error}); "
-                                   "re-download or re-save the model.") from None
-    return shapes
+    return isinstance(name, str) and name.endswith(".safetensors") and Path(name).name == name
 
 
 def check_folder(folder: str | Path) -> dict[str, Any]:
-    """Refuse a model folder whose config.json does not describe its weight files, from the index and the headers
-    alone (seconds, whatever the model's size), before any model of the claimed size is built: a config that is
-    no JSON object, index entries that are not plain files of the folder or are missing, fewer decoder layers
-    than claimed (or, for a model ghosted_hf made, another number), another vocabulary, hidden or MLP size than
-    the embedding and the first MLP hold. Returns the config."""
+    """Refuse a model folder whose config.json does not describe its weight files (missing files, another number of
+    decoder layers, vocabulary, hidden or MLP size), from the index and the headers alone: seconds, before any model
+    of the claimed size is built. Returns the config."""
     folder = Path(folder)
     config = read_json_object(folder / "config.json", "model config")
     names = weight_map(folder)
@@ -95,20 +80,18 @@ def check_folder(folder: str | Path) -> dict[str, Any]:
             raise MissingFileError(f"{file} is listed in the safetensors index of {folder} but missing (or not a "
                                    "file); re-download or re-save the model.")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    ours = made_as(config) is not None
     claimed = text.get("num_hidden_layers")
     if claimed is not None:
         if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed < 1:
             raise GhostedError(f"{folder / 'config.json'}: num_hidden_layers should be a positive integer, and is "
                                f"{claimed!r}; the config is damaged.")
         held = {layer_of(name) for name in names} - {None}
-        complete = held >= set(range(claimed)) and (not ours or len(held) == claimed)
-        if not complete:
+        if not held >= set(range(claimed)) or (made_as(config) is not None and len(held) != claimed):
             raise GhostedError(f"{folder / 'config.json'} claims {claimed} decoder layers, but the weight files hold "
                                f"{len(held)}: the config does not belong to these weights; re-save the model.")
     expected = checked_shapes(text)
-    shapes = _shapes(folder, names, tuple(expected))
-    for key, shape in shapes.items():
+    for key in [key for key in expected if key in names]:
+        shape = _header(folder / names[key], [key])[key]
         sizes, fields = [text.get(field) for field in expected[key]], ", ".join(expected[key])
         if all(isinstance(v, int) for v in sizes) and shape != sizes:
             raise GhostedError(f"{folder / 'config.json'} claims ({fields}) = {tuple(sizes)}, but {key} in the weight "

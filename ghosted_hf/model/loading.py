@@ -28,8 +28,7 @@ def resolve(ref: str | None) -> str:
             raise GhostedError(f"{path} is a file; pass the model's folder (holding config.json) or a Hub id.")
         if not (path / "config.json").is_file():
             raise MissingFileError(f"{path} holds no config.json: it is not a saved model folder.")
-        return resolved
-    if resolved.startswith((".", "/", "~")) or resolved.count("/") > 1 or not assets.HUB_ID.match(resolved):
+    elif resolved.startswith((".", "/", "~")) or resolved.count("/") > 1 or not assets.HUB_ID.match(resolved):
         raise MissingFileError(f"Model folder {resolved} does not exist (and it is not a Hub id such as org/name).")
     return resolved
 
@@ -96,14 +95,13 @@ def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | Non
     # No Python file of the folder runs unless the user trusts it: not the model's (ghosted_hf's own classes are
     # registered with the Auto classes, so a ghosted model needs none), not a tokenizer's, not custom_generate/.
     # Always a bool: None makes transformers prompt on stdin for code it has no local class for.
+    trust = bool(trust_remote_code)
     if config is None:
-        config = load_config(ref, trust_remote_code=trust_remote_code, revision=revision)
+        config = load_config(ref, trust_remote_code=trust, revision=revision)
     try:
         model = AutoModelForCausalLM.from_pretrained(ref, config=config, dtype=DTYPES[dtype], device_map=device_map,
-                                                     revision=revision, trust_remote_code=bool(trust_remote_code),
-                                                     **NO_HUB_KERNELS)
-        tokenizer = AutoTokenizer.from_pretrained(ref, revision=revision,
-                                                  trust_remote_code=bool(trust_remote_code))
+                                                     revision=revision, trust_remote_code=trust, **NO_HUB_KERNELS)
+        tokenizer = AutoTokenizer.from_pretrained(ref, revision=revision, trust_remote_code=trust)
     except (ValueError, ImportError, StrictDataclassError) as error:  # transformers' and the remote code's refusals
         raise GhostedError(f"{ref} cannot be loaded: {' '.join(str(error).split())[:500]}") from error
     return model.eval(), tokenizer

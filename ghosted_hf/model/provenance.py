@@ -1,7 +1,6 @@
 """The provenance record (config.json's `ghost_provenance`): how a model was made, written and read through one
-typed schema. Prune writes it, export-stock, the stock fold and heal extend it; `inspect`, the card, heal's teacher
-lookup and the GGUF export read it. A record of an earlier version reads unchanged (what it lacks is None); fields
-a later version adds are kept as they are."""
+typed schema. A record of an earlier version reads unchanged (what it lacks is None); fields a later version adds
+are kept as they are."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Layer removal: from a dense causal LM of any family in the architecture registry to a `GhostedForCausalLM`.
 
-The pruned model is rebuilt from a pruned config (so every attention gets `layer_idx` 0..L'-1 and every
-per-layer config field is re-indexed), checked layer by layer against the dense layers it stands for, then takes
-over the dense model's tensors without copying them.
+The pruned model is rebuilt from a pruned config (every attention gets `layer_idx` 0..L'-1, every per-layer config
+field is re-indexed), checked layer by layer against the dense layers it stands for, then takes over their tensors.
 """
 
 from __future__ import annotations
@@ -53,14 +52,14 @@ def validate_removal(remove: Iterable[int], depth: int) -> list[int]:
     return sorted(remove)
 
 
-def _validate_ghost_tensor(tensor: torch.Tensor, shape: tuple[int, ...], what: str, where: str, use: str,
-                           dtype: torch.dtype) -> torch.Tensor:
-    """`tensor` cast to its storage `dtype`, after checking type, shape, dtype, device and finiteness (of the
-    stored values: a float64 tensor that overflows float32 is refused)."""
+def _validate_ghost_tensor(tensor: torch.Tensor, width: int, what: str, where: str, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` cast to its storage `dtype`, after checking type, shape (width x width), dtype, device and finiteness
+    (of the stored values: a float64 tensor that overflows float32 is refused)."""
     if not isinstance(tensor, torch.Tensor):
         raise GhostedError(f"{what} for {where} must be a torch.Tensor, got {type(tensor).__name__}.")
-    if tuple(tensor.shape) != shape:
-        raise GhostedError(f"{what} for {where} has shape {tuple(tensor.shape)}; expected {shape} ({use}).")
+    if tuple(tensor.shape) != (width, width):
+        raise GhostedError(f"{what} for {where} has shape {tuple(tensor.shape)}; expected {(width, width)} (hidden "
+                           "size x hidden size).")
     if not tensor.is_floating_point():
         raise GhostedError(f"{what} for {where} must be a floating-point tensor, got {tensor.dtype}.")
     if tensor.device.type == "meta":
@@ -92,9 +91,7 @@ def adopt_tensors(target: nn.Module, source: nn.Module, source_name: Callable[[s
                   skip: tuple[str, ...] = ()) -> None:
     """Fill every parameter and buffer of meta-built `target` (except ghost operators, and names starting with one
     of `skip`) with the tensor of `source` named `source_name(name)`, then re-tie shared weights."""
-    names = [n for n, _ in target.named_parameters(remove_duplicate=False)]
-    names += [n for n, _ in target.named_buffers(remove_duplicate=False)]
-    for name in names:
+    for name, _ in [*target.named_parameters(remove_duplicate=False), *target.named_buffers(remove_duplicate=False)]:
         if f".{GHOST_MODULE}." in name or name.startswith(skip):
             continue
         try:
@@ -111,8 +108,7 @@ def adopt_tensors(target: nn.Module, source: nn.Module, source_name: Callable[[s
 
 
 def _check_dense_model(model: PreTrainedModel) -> None:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type == "ghosted":
+    if getattr(getattr(model, "config", None), "model_type", None) == "ghosted":
         raise GhostedError("This model is already ghosted. Prune the dense model once, listing every layer to remove.")
     architecture(model)
     decoder(model)
@@ -122,8 +118,7 @@ def _check_dense_model(model: PreTrainedModel) -> None:
 
 def _stored_operators(operators: Mapping[int, torch.Tensor] | None, boundaries: list[dict], hidden: int,
                       dtype: torch.dtype, what: str = "Operator") -> dict[int, torch.Tensor]:
-    """The given operators (or normed terms) keyed by their boundary's first removed layer, checked and cast to
-    `dtype`."""
+    """The given operators (or normed terms) by their boundary's first removed layer, checked and cast to `dtype`."""
     first = [b["removed"][0] for b in boundaries]
     if operators is not None and not isinstance(operators, Mapping):
         raise GhostedError(
@@ -140,9 +135,8 @@ def _stored_operators(operators: Mapping[int, torch.Tensor] | None, boundaries: 
     if str(dtype).removeprefix("torch.") not in OPERATOR_DTYPES:
         raise GhostedError(f"operator_dtype must be one of {OPERATOR_DTYPES}, got {dtype}.")
     removed_at = {b["removed"][0]: b["removed"] for b in boundaries}
-    return {start: _validate_ghost_tensor(op, (hidden, hidden), what, f"the boundary after removed layers "
-                                          f"{removed_at[start]}", "hidden size x hidden size", dtype)
-            for start, op in operators.items()}
+    return {start: _validate_ghost_tensor(op, hidden, what, f"the boundary after removed layers {removed_at[start]}",
+                                          dtype) for start, op in operators.items()}
 
 
 def prune_layers(
@@ -157,25 +151,23 @@ def prune_layers(
 ) -> GhostedForCausalLM:
     """Remove decoder layers `remove` (dense numbering) and install one operator per boundary.
 
-    Consecutive removed layers form one boundary; `operators` maps the first removed index of a boundary
-    to its (C, C) operator, applied as ``x @ W`` to the hidden state that reaches the next kept layer (or
-    the final norm). Boundaries without an operator get the identity (operator kind "none": plain pruning);
-    the others are recorded as `operator_kind`. `normed` (same keys) adds a normed term ``n(x) @ A`` to a
-    boundary (format 1.1; its operator defaults to the identity). `subblocks` maps (kept dense layer, "attention" or
-    "mlp") to (its C x C map, how many values the module returns): that sub-block becomes ``h -> h @ map`` (format
-    1.2); with sub-blocks, `remove` may be empty.
+    Consecutive removed layers form one boundary; `operators` maps a boundary's first removed index to its (C, C)
+    operator, applied as ``x @ W`` to the hidden state reaching the next kept layer (or the final norm); boundaries
+    without one get the identity (kind "none": plain pruning), the others are recorded as `operator_kind`. `normed`
+    (same keys) adds a term ``n(x) @ A`` (format 1.1; the operator defaults to the identity). `subblocks` maps (kept
+    dense layer, "attention" or "mlp") to (its C x C map, how many values the module returns): that sub-block becomes
+    ``h -> h @ map`` (format 1.2), and `remove` may be empty.
 
-    The returned model shares the dense model's tensors (no copy, so peak memory stays one model): treat
-    `model` as consumed.
+    The returned model shares the dense model's tensors (no copy: peak memory stays one model): treat `model` as
+    consumed.
     """
     _check_dense_model(model)
     base_config = model.config
-    depth = base_config.num_hidden_layers
+    depth, hidden = base_config.num_hidden_layers, base_config.hidden_size
     if isinstance(remove, Iterable) and not isinstance(remove, (str, bytes)):
         remove = list(remove)
     removed = [] if subblocks and remove == [] else validate_removal(remove, depth)
     kept = [i for i in range(depth) if i not in set(removed)]
-    hidden = base_config.hidden_size
     replaced = _subblock_records(model, subblocks or {}, kept, hidden, operator_dtype)
 
     boundaries = expected_boundaries(depth, removed)
@@ -210,20 +202,17 @@ def prune_layers(
 
     for boundary in records:
         key = ghost_tensor_key(boundary)
-        parent = pruned.get_submodule(key.rsplit(".", 2)[0])
-        device = _weight_device(parent)
+        device = _weight_device(pruned.get_submodule(key.rsplit(".", 2)[0]))
         value = stored.get(start_of(boundary), torch.eye(hidden, dtype=operator_dtype))
         _take_tensor(pruned, key, nn.Parameter(value.to(device=device).clone()))
         if boundary.get("normed"):
-            _take_tensor(pruned, ghost_tensor_key(boundary, GHOST_NORMED),
-                         nn.Parameter(terms[start_of(boundary)].to(device=device).clone()))
+            _take_tensor(pruned, ghost_tensor_key(boundary, GHOST_NORMED), terms[start_of(boundary)].to(device).clone())
 
     for record, value in replaced:
         device = _weight_device(dense_layers[record["original_layer"]])
         _take_tensor(pruned, ghost_tensor_key(record), nn.Parameter(value.to(device=device).clone()))
 
-    still_meta = [n for n, t in {**dict(pruned.named_parameters()), **dict(pruned.named_buffers())}.items()
-                  if t.device.type == "meta"]
+    still_meta = [n for n, t in [*pruned.named_parameters(), *pruned.named_buffers()] if t.device.type == "meta"]
     if still_meta:
         raise RuntimeError(f"Layer surgery left tensors unassigned: {still_meta}")
     pruned.generation_config = copy.deepcopy(model.generation_config)
@@ -236,15 +225,6 @@ def prune_layers(
 def _weight_device(module: nn.Module) -> torch.device:
     """Where a module's own weights sit (its ghost tensors aside): where a ghost tensor beside them goes."""
     return next(p.device for n, p in module.named_parameters() if GHOST_MODULE not in n.split("."))
-
-
-def refuse_subblocks(model: nn.Module, what: str) -> None:
-    """A GhostedError when `model` has replaced sub-blocks, which `what` cannot hold."""
-    replaced = [f"{r['original_layer']}.{r['block']}" for r in getattr(model.config, "ghost_subblocks", None) or []]
-    if replaced:
-        raise GhostedError(f"{what} cannot hold replaced sub-blocks ({', '.join(replaced)}: linear maps where the "
-                           "family has attention or an MLP). Save it as a ghosted model (save_pretrained; loads with "
-                           "trust_remote_code=True).")
 
 
 def _subblock_records(model: PreTrainedModel, subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]],
@@ -261,15 +241,13 @@ def _subblock_records(model: PreTrainedModel, subblocks: Mapping[tuple[int, str]
             raise GhostedError(f"A sub-block is {' or '.join(SUBBLOCK_KINDS)}, got {block!r}.")
         record = {"layer": kept.index(layer), "original_layer": layer, "block": block,
                   "module": getattr(family, block).attribute(layers[layer]), "outputs": int(outputs), "fit": {}}
-        out.append((record, _validate_ghost_tensor(value, (hidden, hidden), "Map", f"the {block} of layer {layer}",
-                                                   "hidden size x hidden size", dtype)))
+        out.append((record, _validate_ghost_tensor(value, hidden, "Map", f"the {block} of layer {layer}", dtype)))
     return sorted(out, key=lambda item: (item[0]["layer"], SUBBLOCK_KINDS.index(item[0]["block"])))  # network order
 
 
 def fold_into_mlp_writers(model: GhostedForCausalLM, dense_layer: int, transform: torch.Tensor) -> str:
-    """Replace the MLP output m of kept dense layer `dense_layer` by m @ T (ReplaceMe's fused export);
-    returns the names of the edited weights (the family's MLP writers in the architecture registry: the output
-    projection; experts' and shared experts' ones)."""
+    """Replace the MLP output m of kept dense layer `dense_layer` by m @ T (ReplaceMe's fused export); returns the
+    names of the edited weights (the family's MLP writers: output projections, experts' and shared experts' too)."""
     family = architecture(model)
     family.refuse_fold("replaceme-ls")
     layer = pruned_index(dense_layer, model.config.removed_layers)
@@ -329,22 +307,19 @@ def _fold_norm_weight(norm: nn.Module, readers: list[StreamWeight], gain: str) -
     1 + w for a family whose gain reads so; the norm is left with gain 1)."""
     offset = 1.0 if gain == "one-plus-weight" else 0.0
     g = norm.weight.double() + offset
-    if torch.equal(g, torch.ones_like(g)):
-        return
-    for reader in readers:
-        _map_stream(reader, torch.diag(g))
-    _set_weight(norm, "weight", torch.ones_like(g) - offset)
+    if not torch.equal(g, torch.ones_like(g)):
+        for reader in readers:
+            _map_stream(reader, torch.diag(g))
+        _set_weight(norm, "weight", torch.ones_like(g) - offset)
 
 
 def fold_scaled_rotation(model: PreTrainedModel, layer: int, c: float, q: torch.Tensor) -> None:
-    """Make a stock decoder compute what it would with ``x -> x @ (c Q)`` applied to the stream entering its
-    layer `layer` (``len(layers)``: the final norm). Exact but for the norms' eps: every norm weight upstream is
-    folded into the linear layers that read it, so that RMSNorm(x Q) = RMSNorm(x) Q; then the embeddings and
-    the writers upstream (the architecture registry's: attention and MLP outputs) map into the basis Q and their readers
-    (q/k/v, gate/up, fused ones as declared) back. The
-    scale goes into the embeddings when they are all that is upstream, else downstream, as 1/c on every writer
-    after the boundary: each norm there ignores the scale of the whole stream (up to its eps, which deep in
-    the stream, where its mean square is large, changes nothing measurable)."""
+    """Make a stock decoder compute what it would with ``x -> x @ (c Q)`` applied to the stream entering its layer
+    `layer` (``len(layers)``: the final norm). Exact but for the norms' eps: every norm weight upstream is folded into
+    the linear layers that read it, so that RMSNorm(x Q) = RMSNorm(x) Q; then the embeddings and the writers upstream
+    map into the basis Q and their readers back. The scale goes into the embeddings when they are all that is
+    upstream, else downstream, as 1/c on every writer after the boundary: each norm there ignores the scale of the
+    whole stream (up to its eps, which deep in the stream, where its mean square is large, changes nothing)."""
     q = q.detach().double()
     family = architecture(model)
     family.refuse_fold("folded")
@@ -364,8 +339,7 @@ def fold_scaled_rotation(model: PreTrainedModel, layer: int, c: float, q: torch.
     if upstream_scale == 1.0:
         for decoder_layer in layers[layer:]:
             for block in blocks:
-                _, writers = _block_weights(block, block.module(decoder_layer), q.shape[0])
-                for writer in writers:
+                for writer in _block_weights(block, block.module(decoder_layer), q.shape[0])[1]:
                     _map_stream(writer, torch.eye(q.shape[0], dtype=torch.float64) / c)
 
 
@@ -376,7 +350,11 @@ def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
     keeps the original matrix). Shares the tensors it does not change with `model`."""
     from transformers import AutoModelForCausalLM
 
-    refuse_subblocks(model, "A stock checkpoint")
+    replaced = [f"{r['original_layer']}.{r['block']}" for r in model.config.ghost_subblocks]
+    if replaced:
+        raise GhostedError(f"A stock checkpoint cannot hold replaced sub-blocks ({', '.join(replaced)}: linear maps "
+                           "where the family has attention or an MLP). Save it as a ghosted model (save_pretrained; "
+                           "loads with trust_remote_code=True).")
     folds = []
     for boundary in model.config.ghost_boundaries:
         name = ghost_tensor_key(boundary)

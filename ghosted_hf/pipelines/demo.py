@@ -73,7 +73,6 @@ def run_demo(output: str | Path, options: PruneOptions | None = None, model: str
              eval_windows: int = 16, eval_seq_len: int = 512) -> list[Row]:
     """Prune `model` (a packaged model's name, a folder or Hub id; default: SmolLM2-135M) with `options`, save it to `output`, and
     measure dense, plainly pruned and ghosted models on the held-out Wikipedia articles."""
-    options = options or PruneOptions()
     folder = assets.resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
@@ -105,7 +104,5 @@ def format_rows(rows: list[Row], removed: list[int], eval_tokens: str) -> str:
     for row in rows:
         lines.append(f"| {row.name} | {row.perplexity:.2f} | {row.parameters / 1e6:.1f} M | {row.prefill_seconds:.3f} | "
                      f"{dense.prefill_seconds / row.prefill_seconds:.2f}x |")
-    lines.append("")
-    lines.append(f'Greedy continuations of "{PROMPT}":')
-    lines.extend(f"  {row.name:>15}: {row.sample!r}" for row in rows)
+    lines += ["", f'Greedy continuations of "{PROMPT}":', *(f"  {row.name:>15}: {row.sample!r}" for row in rows)]
     return "\n".join(lines)

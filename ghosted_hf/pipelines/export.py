@@ -1,7 +1,7 @@
 """`export_stock`: an existing ghosted model -> the best stock checkpoint, without the dense model.
 
-Boundary by boundary, in order, the operator W is replaced by the foldable fit that best imitates
-X -> X W on the model's own hidden states, then everything is folded into the weights (`to_stock_model`).
+Boundary by boundary, each operator W is replaced by the foldable fit that best imitates X -> X W on the model's own
+hidden states, then everything is folded into the weights (`to_stock_model`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSou
                            "cannot imitate: prune the dense model with operator='folded' for a stock checkpoint.")
     data = calibration_tokens(tokenizer, calibration, options, model.get_input_embeddings().weight.shape[0],
                               model.config.hidden_size)  # the rules `ghost_prune` applies
-    depth = model.config.num_hidden_layers
     for record in model.config.ghost_boundaries:
         operator = model.get_parameter(ghost_tensor_key(record))
-        s = record["layer"] if record["target"] == LAYER_TARGET else depth  # pruned numbering
+        s = record["layer"] if record["target"] == LAYER_TARGET else model.config.num_hidden_layers  # pruned numbering
         fit = kind.fit(imitation_statistics(model, data, operator, s, options), s, s + 1, options.ridge)
         with torch.no_grad():
             operator.copy_(fit.operator.to(operator))
@@ -67,11 +66,10 @@ def imitation_statistics(model: GhostedForCausalLM, data: TokenBatches, operator
     saved = operator.detach().clone()
     with torch.no_grad():
         operator.copy_(torch.eye(operator.shape[0], dtype=operator.dtype))  # the stream as it reaches the operator
-    try:
-        stats = collect_statistics(model, data.batches, plan, device=options.stats_device,
-                                   description=f"Calibration pass: boundary before pruned layer {s}")
-    finally:
-        with torch.no_grad():
+        try:
+            stats = collect_statistics(model, data.batches, plan, device=options.stats_device,
+                                       description=f"Calibration pass: boundary before pruned layer {s}")
+        finally:
             operator.copy_(saved)
     gram = stats[GRAM(s)]
     w = saved.to(gram)

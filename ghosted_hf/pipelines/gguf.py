@@ -1,15 +1,13 @@
 """A ghosted model in llama.cpp: each normed boundary (``x + n(x) A``) as one DeciLM "linear attention" block.
 
-llama.cpp's `deci` architecture (DeciLM / Nemotron-NAS) has per-layer head counts and FFN widths, and a layer
-with attention heads but no KV heads that adds ``(RMSNorm(x) * g) Wo`` to the stream: a `normed` boundary
-is exactly that layer, with g = 1 and Wo = A^T. The pruned base is converted by llama.cpp's own converter
-(so the tokenizer metadata is what llama.cpp writes for the base model), and that GGUF is rewritten as `deci`
-with one such layer inserted where each boundary was.
+llama.cpp's `deci` architecture (DeciLM / Nemotron-NAS) has per-layer head counts and FFN widths, and a layer with
+attention heads but no KV heads that adds ``(RMSNorm(x) * g) Wo`` to the stream: a `normed` boundary is exactly that
+layer, with g = 1 and Wo = A^T. llama.cpp's own converter writes the pruned base (and the tokenizer metadata it writes
+for the base model); that GGUF is rewritten as `deci` with one such layer inserted where each boundary was.
 
-A replaced sub-block (format 1.2) is the same block: a layer whose attention is a map ``h A`` of its normed input
-``h = RMSNorm(x) * g`` keeps its FFN and becomes a linear-attention layer with its own norm gain g and Wo = A^T (no
-KV cache); a layer whose MLP is a map keeps its attention, and the map follows it as an inserted linear-attention
-layer with the MLP's norm gain.
+A replaced sub-block (format 1.2) is the same block: an attention that is a map ``h A`` of ``h = RMSNorm(x) * g``
+makes its layer a linear-attention layer (its own gain g, Wo = A^T, no KV cache, its FFN kept); an MLP that is a map
+follows its layer's attention as an inserted linear-attention layer with the MLP's norm gain.
 
 In deci's graph a layer of FFN width 0 drops its attention output, so each inserted layer (and a layer whose MLP is
 replaced) carries an all-zero FFN of width `FFN_WIDTH` (the smallest that every llama.cpp quantization type accepts by
@@ -54,11 +52,6 @@ def llama_cpp_families() -> str:
     return ", ".join(sorted(t for t, a in ARCHITECTURES.items() if a.gguf_architecture))
 
 
-def deci_layouts() -> set[str]:
-    """The GGUF architectures the DeciLM rewrite reads, as the registry names them."""
-    return {a.gguf_architecture for a in ARCHITECTURES.values() if a.gguf_architecture}
-
-
 def normed_blocks(model: GhostedForCausalLM) -> dict[int, torch.Tensor]:
     """{pruned position the block goes before (the depth: before the final norm): A} for every boundary; a
     boundary whose operator is not the identity (a `ghost` or `ghost-normed` fit) has no llama.cpp form."""
@@ -96,7 +89,7 @@ class SubBlockMaps:
 def subblock_maps(model: GhostedForCausalLM) -> SubBlockMaps:
     """Every replaced sub-block's map, read from the model."""
     maps = SubBlockMaps()
-    for record in getattr(model.config, "ghost_subblocks", None) or []:
+    for record in model.config.ghost_subblocks:
         value = model.get_parameter(ghost_tensor_key(record)).detach().float().cpu()
         getattr(maps, record["block"])[record["layer"]] = value
     return maps
@@ -107,8 +100,7 @@ def pruned_base(model: GhostedForCausalLM) -> PreTrainedModel:
     is a zero placeholder of the family's module (the converter writes it, the rewrite replaces it)."""
     with torch.device("meta"):
         stock = AutoModelForCausalLM.from_config(copy.deepcopy(model.config.text_config))
-    placeholders = tuple(f"{layer_prefix(r['layer'])}{r['module']}." for r in getattr(model.config, "ghost_subblocks",
-                                                                                   None) or [])
+    placeholders = tuple(f"{layer_prefix(r['layer'])}{r['module']}." for r in model.config.ghost_subblocks)
     for prefix in placeholders:
         module = stock.get_submodule(prefix[:-1]).to_empty(device="cpu")
         for tensor in module.parameters():
@@ -150,15 +142,9 @@ def field_value(field: Any) -> tuple[Any, Any, Any]:
 def layer_order(depth: int, blocks: dict[int, torch.Tensor], mlp_maps: Iterable[int] = ()) -> list[tuple[str, int]]:
     """The new layers in order: ("block", position) before each position of `blocks`, ("layer", i) for base layer i,
     ("mlp", i) after base layer i whose MLP is a map."""
-    order = []
-    for i in range(depth + 1):
-        if i in blocks:
-            order.append(("block", i))
-        if i < depth:
-            order.append(("layer", i))
-            if i in set(mlp_maps):
-                order.append(("mlp", i))
-    return order
+    order = ([("block", i) for i in blocks if i <= depth] + [("layer", i) for i in range(depth)]
+             + [("mlp", i) for i in set(mlp_maps) if i < depth])
+    return sorted(order, key=lambda item: (item[1], ("block", "layer", "mlp").index(item[0])))
 
 
 def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[str, int]],
@@ -171,11 +157,10 @@ def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[s
     per_layer = {"block_count", "attention.head_count", "attention.head_count_kv", "feed_forward_length",
                  "attention.key_length", "attention.value_length"}  # (written below)
     for name, field in fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" or (name.startswith(prefix)
-                                                                           and name[len(prefix):] in per_layer):
-            continue
-        content, kind, sub = field_value(field)
-        writer.add_key_value("deci." + name[len(prefix):] if name.startswith(prefix) else name, content, kind, sub_type=sub)
+        key = name.removeprefix(prefix)
+        if not (name.startswith("GGUF.") or name == "general.architecture" or (key != name and key in per_layer)):
+            content, kind, sub = field_value(field)
+            writer.add_key_value(name if key == name else "deci." + key, content, kind, sub_type=sub)
     writer.add_block_count(len(order))
     writer.add_head_count([heads for _ in order])
     writer.add_head_count_kv([kv_heads if what == "layer" and i not in maps.attention else 0 for what, i in order])
@@ -204,26 +189,19 @@ class _DeciLayers:
             if suffix not in dropped:
                 self.writer.add_tensor(f"blk.{new}.{suffix}", np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
 
-    def base_tensor(self, i: int, name: str) -> Any:
-        return next(t for t in self.base_layers[i] if t.name.split(".", 2)[2] == name)
-
     def output(self, new: int, a: torch.Tensor) -> None:
         self.writer.add_tensor(f"blk.{new}.attn_output.weight", np.ascontiguousarray(a.numpy().T.astype(self.dtype)))
 
     def linear_attention(self, new: int, gain: Any, a: torch.Tensor) -> None:
         """A layer adding (RMSNorm(x) * gain) A (gain: a base tensor, or None for 1) over a zero FFN."""
-        if gain is None:
-            self.writer.add_tensor(f"blk.{new}.attn_norm.weight", self.ones)
-        else:
-            self.writer.add_tensor(f"blk.{new}.attn_norm.weight", np.asarray(gain.data), raw_dtype=gain.tensor_type)
+        self.writer.add_tensor(f"blk.{new}.attn_norm.weight", self.ones if gain is None else np.asarray(gain.data),
+                               raw_dtype=None if gain is None else gain.tensor_type)
         self.output(new, a)
         self.zero_ffn(new)
 
     def zero_ffn(self, new: int) -> None:
-        self.writer.add_tensor(f"blk.{new}.ffn_norm.weight", self.ones)
-        self.writer.add_tensor(f"blk.{new}.ffn_gate.weight", self.zeros)
-        self.writer.add_tensor(f"blk.{new}.ffn_up.weight", self.zeros)
-        self.writer.add_tensor(f"blk.{new}.ffn_down.weight", np.ascontiguousarray(self.zeros.T))
+        for name, value in zip(self.FFN, (self.ones, self.zeros, self.zeros, np.ascontiguousarray(self.zeros.T))):
+            self.writer.add_tensor(f"blk.{new}.{name}", value)
 
 
 def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], outtype: str,
@@ -236,18 +214,18 @@ def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], o
 
     reader = gguf.GGUFReader(str(base))
     architecture = reader.fields["general.architecture"].contents()
-    if architecture not in deci_layouts():
+    layouts = {a.gguf_architecture for a in ARCHITECTURES.values() if a.gguf_architecture}  # what the rewrite reads
+    if architecture not in layouts:
         raise GhostedError(f"llama.cpp converts this base model as {architecture!r}; the deci block maps only onto "
-                           f"the {' / '.join(sorted(deci_layouts()))} layout ({llama_cpp_families()}). Use export-stock "
+                           f"the {' / '.join(sorted(layouts))} layout ({llama_cpp_families()}). Use export-stock "
                            "for a folded checkpoint.")
     order = layer_order(int(reader.fields[f"{architecture}.block_count"].contents()), blocks, maps.mlp)
     writer = gguf.GGUFWriter(str(output), arch="deci")
     write_deci_metadata(writer, reader.fields, order, maps)
     base_layers: dict[int, list[Any]] = {}
     for tensor in reader.tensors:
-        parts = tensor.name.split(".")
-        if parts[0] == "blk":
-            base_layers.setdefault(int(parts[1]), []).append(tensor)
+        if tensor.name.startswith("blk."):
+            base_layers.setdefault(int(tensor.name.split(".")[1]), []).append(tensor)
         else:
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
     layers = _DeciLayers(writer, base_layers, int(reader.fields[f"{architecture}.embedding_length"].contents()),
@@ -256,7 +234,8 @@ def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], o
         if what == "block":  # a normed boundary: x + n(x) A, gain 1 (the format's eps is 1e-6)
             layers.linear_attention(new, None, blocks[i])
         elif what == "mlp":  # layer i's MLP as a map of its normed input, after the layer's attention
-            layers.linear_attention(new, layers.base_tensor(i, "ffn_norm.weight"), maps.mlp[i])
+            gain = next(t for t in base_layers[i] if t.name == f"blk.{i}.ffn_norm.weight")
+            layers.linear_attention(new, gain, maps.mlp[i])
         else:
             layers.base(new, i, (layers.ATTENTION if i in maps.attention else ()) + (layers.FFN if i in maps.mlp else ()))
             if i in maps.attention:  # its own norm gain stays: linear attention
@@ -282,8 +261,7 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
     family = architecture(model)
     if family.gguf_architecture is None:
         raise GhostedError(f"export-gguf writes llama.cpp's DeciLM blocks into a Llama-layout GGUF, which a pruned "
-                           f"{family.name} model is not (llama.cpp families: "
-                           f"{llama_cpp_families()}). Serve it with "
+                           f"{family.name} model is not (llama.cpp families: {llama_cpp_families()}). Serve it with "
                            "transformers (trust_remote_code=True).")
     blocks, maps = normed_blocks(model), subblock_maps(model)
     eps = getattr(model.config.text_config, "rms_norm_eps", NORMED_EPS)
@@ -296,22 +274,16 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
     scratch = scratch_folder(output.parent, f".{output.name}.converting-")  # removes what a killed export left
     try:
         folder = scratch / "base"
-        base = pruned_base(model)
-        base.save_pretrained(folder)
+        pruned_base(model).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         from ..io.card import name_tokenizer_class_for_every_reader
 
         name_tokenizer_class_for_every_reader(folder)
         convert(folder, Path(llama_cpp), scratch / "base.gguf", outtype, timeout)
-        layers = 0
-
-        def write(staged: Path) -> None:
-            nonlocal layers
-            layers = rewrite_as_deci(scratch / "base.gguf", staged, blocks, outtype, maps)
-
-        atomic_write(output, write)
+        atomic_write(output, lambda staged: rewrite_as_deci(scratch / "base.gguf", staged, blocks, outtype, maps))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    logger.info("Wrote %s: %d layers, %d of them linear-attention blocks.", output, layers,
+    logger.info("Wrote %s: %d layers, %d of them linear-attention blocks.", output,
+                model.config.text_config.num_hidden_layers + len(blocks) + len(maps.mlp),
                 len(blocks) + len(maps.attention) + len(maps.mlp))
     return output

@@ -21,7 +21,7 @@ from ..assets import base_model_info
 from ..errors import GhostedError
 from ..fitting import subblocks
 from ..fitting.operators import BoundaryFit, operator_kind
-from ..fitting.selection import ContiguousCriterion, Selection, SelectionRequest, check_num_layers, criterion
+from ..fitting.selection import ContiguousCriterion, Selection, SelectionRequest, criterion
 from ..model.provenance import Provenance
 from ..model.surgery import count_parameters, fold_into_mlp_writers, prune_layers, to_stock_model, validate_removal
 from ..options import ExportOptions, PruneOptions, budget_share
@@ -70,7 +70,8 @@ def ghost_prune(
     data, statistics = prepare_calibration(calibration_pass, tokenizer, calibration, statistics, options)
     calibrator = Calibrator(calibration_pass, data, statistics, device=options.stats_device)
     calibrator.check_agreement(options)
-    selection = select(calibrator, options)
+    chosen, request = criterion(options.criterion), selection_request(calibrator.depth, options)
+    selection = chosen.select(calibrator.ensure(chosen.statistics(request), f"selection by {chosen.name!r}"), request)
     fits = fit_operators(calibrator, selection.removed, options)
     dense = calibration_pass.model_for_build(selection.removed)
     dense_parameters = count_parameters(dense)
@@ -98,7 +99,7 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
     dense_parameters = count_parameters(model)
     if options.criterion == "manual":
         chosen = subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
-        selection = Selection([], "manual", {}, "n/a", [ref.name for ref in chosen])
+        selection = Selection([], "manual", {}, "n/a")
     else:
         candidates = subblocks.all_subblocks(depth, whole_layers=options.unit == "mixed")
         sums = subblocks.collect(model, data.batches, candidates, "statistics of every candidate")
@@ -107,8 +108,7 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
         damage = subblocks.damages(model, scored, fits)
         saved = {ref: subblocks.subblock_parameters(model, ref) - width * width for ref in damage}
         chosen = subblocks.choose_to_budget(damage, saved, parameter_budget(model, options))
-        selection = Selection([], "ghost-aware", {ref.name: round(value, 6) for ref, value in damage.items()}, "lower",
-                              [ref.name for ref in chosen])
+        selection = Selection([], "ghost-aware", {ref.name: round(value, 6) for ref, value in damage.items()}, "lower")
         calibrator.passes += [{"purpose": "statistics of every sub-block", "batches": len(data.batches)},
                               {"purpose": "damage of each replacement", "batches": len(scored) * (len(fits) + 1)}]
     fitted = subblocks.fit_sequentially(model, data.batches, chosen, options.ridge)
@@ -179,25 +179,13 @@ def selection_request(depth: int, options: PruneOptions) -> SelectionRequest:
 
 def statistics_plan(depth: int, options: PruneOptions) -> StatisticsPlan:
     """Everything `ghost_prune` with these options can need from the dense model, known before selection: the
-    criterion's statistics and the fit statistics of every boundary it may choose (every candidate span of a
-    contiguous criterion, the given layers' boundaries for 'manual'). ShortGPT's scattered layers and
+    criterion's statistics and the fit statistics of every boundary it may choose. ShortGPT's scattered layers and
     sequential fits of later boundaries need passes on the chosen layers (pass calibration text then)."""
     chosen, kind = criterion(options.criterion), operator_kind(options.operator)
     request = selection_request(depth, options)
-    if isinstance(chosen, ContiguousCriterion):
-        spans = chosen.spans(request)
-    elif chosen.takes_layers:
-        spans = boundary_spans(depth, sorted(options.layers))
-    else:
-        spans = []
+    spans = (chosen.spans(request) if isinstance(chosen, ContiguousCriterion) else
+             boundary_spans(depth, sorted(options.layers)) if chosen.takes_layers else [])
     return StatisticsPlan.union([chosen.statistics(request), *(kind.statistics(s, e) for s, e in spans)])
-
-
-def select(calibrator: Calibrator, options: PruneOptions) -> Selection:
-    """The layers to remove, with the scores of every candidate."""
-    chosen = criterion(options.criterion)
-    request = selection_request(calibrator.depth, options)
-    return chosen.select(calibrator.ensure(chosen.statistics(request), f"selection by {chosen.name!r}"), request)
 
 
 def boundary_spans(depth: int, removed: list[int]) -> list[tuple[int, int]]:
@@ -217,18 +205,15 @@ def fit_operators(calibrator: Calibrator, removed: list[int], options: PruneOpti
     stats = calibrator.ensure(dense_plan, f"fitting the {kind.name} operators")
     fits: list[BoundaryFit] = []
     for k, (plan, (s, e)) in enumerate(zip(plans, spans)):
-        if sequential and k > 0:
+        patched = sequential and k > 0
+        if patched:
             patch = Patch(tuple(i for i in removed if i < s),
                           operators={f.source: f.operator.float() for f in fits if f.operator is not None},
                           transforms={f.source - 1: f.fused.float() for f in fits if f.fused is not None},
                           normed={f.source: f.normed.float() for f in fits if f.normed is not None})
             local = calibrator.collect(plan.split_at(s)[0], f"sequential fit {k + 1}/{len(spans)}", patch=patch)
-            fit = kind.fit(stats.with_tensors(local), s, e, options.ridge)
-            fit.figures["fitted_on"] = "pruned and patched model"
-        else:
-            fit = kind.fit(stats, s, e, options.ridge)
-            fit.figures["fitted_on"] = "dense model"
-        fits.append(fit)
+        fits.append(kind.fit(stats.with_tensors(local) if patched else stats, s, e, options.ridge))
+        fits[-1].figures["fitted_on"] = "pruned and patched model" if patched else "dense model"
     return fits
 
 
@@ -241,8 +226,7 @@ def build(model: PreTrainedModel, removed: list[int], fits: list[BoundaryFit], o
     for fit, record in zip(fits, ghosted.config.ghost_boundaries):
         if fit.fused is not None:
             record["fused_into"] = fold_into_mlp_writers(ghosted, fit.source - 1, fit.fused)
-        record["operator"] = fit.kind
-        record["fit"] = fit.figures
+        record.update(operator=fit.kind, fit=fit.figures)
     return ghosted
 
 
@@ -302,8 +286,10 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
     if kind.stock and kind.name != "none":
         family.refuse_fold(kind.name)
     if not criterion(options.criterion).takes_layers:
-        if options.remove is None and options.num_parameters is None:  # a budget sets num_layers once counted
-            check_num_layers(options.num_layers, depth - kind.first_removable)
+        room = depth - kind.first_removable  # (not checked with a budget, which sets num_layers once counted)
+        if options.remove is None and options.num_parameters is None and not 1 <= options.num_layers < room:
+            raise GhostedError(f"num_layers must be between 1 and {room - 1} for a model with {room} layers, got "
+                               f"{options.num_layers}.")
         return
     removed = validate_removal(options.layers, depth)
     if removed[0] < kind.first_removable:
@@ -370,17 +356,12 @@ def calibration_tokens(tokenizer: Any, calibration: TextSource, options: PruneOp
     and against the text a fit of `regressors` x C inputs needs."""
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size,
                           options.text_column, split=options.split, streaming=options.streaming)
-    check_token_ids(data, vocab_size)
-    check_token_budget(data.num_tokens, hidden_size, regressors)
-    return data
-
-
-def check_token_ids(data: TokenBatches, vocab_size: int) -> None:
-    """Refuse token ids the model has no embedding row for (a tokenizer of another model)."""
     top = max(int(b["input_ids"].max()) for b in data.batches)
-    if top >= vocab_size:
+    if top >= vocab_size:  # a tokenizer of another model
         raise GhostedError(f"The tokenizer produced token id {top}, but the model's embedding has {vocab_size} rows: "
                            "the tokenizer does not belong to this model. Load the tokenizer from the model's own folder.")
+    check_token_budget(data.num_tokens, hidden_size, regressors)
+    return data
 
 
 def check_token_budget(tokens: int, hidden_size: int, regressors: int = 1) -> None:

@@ -3,27 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from ..errors import GhostedError
 from ..utils.hadamard import rotation
 from .declarations import ROTATED_ABS, Read
+from .origin import config_sha256
 from .plan import StatisticsPlan
 from .store import CalibrationStatistics
 
 
 class _LazyFloat64(dict):
-    """float64 copies of `source`'s tensors, made on first read; keys sharing one tensor share one copy."""
+    """float64 copies of `source`'s tensors' `rows`, made on first read; reads sharing one tensor share one copy."""
 
-    def __init__(self, source: Mapping[Read, torch.Tensor], device: torch.device) -> None:
+    def __init__(self, source: Mapping[Read, torch.Tensor], rows: slice, device: torch.device) -> None:
         super().__init__()
-        self.source, self.device, self.copies = source, device, {}
+        self.source, self.rows, self.device, self.copies = source, rows, device, {}
 
     def __missing__(self, key: Read) -> torch.Tensor:
         tensor = self.source[key]
         if id(tensor) not in self.copies:
-            self.copies[id(tensor)] = tensor.to(device=self.device, dtype=torch.float64)
+            self.copies[id(tensor)] = tensor[self.rows].to(device=self.device, dtype=torch.float64)
         value = self[key] = self.copies[id(tensor)]
         return value
 
@@ -39,7 +41,7 @@ class StatisticsAccumulator:
     def __init__(self, plan: StatisticsPlan, hidden_size: int, device: str | torch.device = "cpu") -> None:
         if not plan:
             raise GhostedError("The statistics plan is empty: nothing to collect.")
-        self.plan, self.hidden_size, self.device = plan, hidden_size, torch.device(device)
+        self.hidden_size, self.device = hidden_size, torch.device(device)
         self.entries = list(plan)
         self.tokens = 0
         self.constants: dict[str, torch.Tensor] = {}
@@ -54,18 +56,16 @@ class StatisticsAccumulator:
         """Add one batch's rows to every sum (with `ready`: only to the sums whose deepest read is at index
         `ready`; a layer-by-layer pass adds each sum as soon as its reads exist). Tokens are counted apart."""
         entries = self.entries if ready is None else [e for e in self.entries if e.ready_at == ready]
-        if not entries:
-            return
-        count = next(iter(rows.values())).shape[0]
+        count = next(iter(rows.values())).shape[0] if entries else 0
         for start in range(0, count, self.CHUNK):
             # No closure over the rows here: a reference cycle would keep every batch's activations alive until
             # the cyclic GC happens to run.
-            chunks: dict[int, torch.Tensor] = {}  # one slice per tensor (reads may share one)
-            x = _LazyFloat64({k: chunks.setdefault(id(v), v[start:start + self.CHUNK]) for k, v in rows.items()},
-                             self.device)
+            x = _LazyFloat64(rows, slice(start, start + self.CHUNK), self.device)
             for entry in entries:
                 entry.statistic.update(self.sums[entry.key], x, entry.index, self.constants)
 
-    def result(self, depth: int) -> CalibrationStatistics:
+    def result(self, depth: int, config: Any = None) -> CalibrationStatistics:
+        """The sums as statistics (of the model of `config`, recorded in their origin, where given)."""
+        origin = {"model": {"config_sha256": config_sha256(config)}} if config is not None else {}
         return CalibrationStatistics(tensors=self.sums, depth=depth, hidden_size=self.hidden_size, tokens=self.tokens,
-                                     rotation_kind=self.rotation_kind)
+                                     rotation_kind=self.rotation_kind, origin=origin)

@@ -4,10 +4,12 @@ needed), and the patched stream: the same model run as if pruned and patched, wi
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import itertools
 import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -30,14 +32,9 @@ class Patch:
 
     def fed(self, depth: int) -> dict[int, int]:
         """First removed layer of each boundary -> the index it feeds (depth: the final norm)."""
-        removed, fed = set(self.removed), {}
-        for i in sorted(removed):
-            if i - 1 not in removed:
-                end = i
-                while end in removed:
-                    end += 1
-                fed[i] = end
-        return fed
+        removed = set(self.removed)
+        return {i: next(end for end in itertools.count(i) if end not in removed)
+                for i in sorted(removed) if i - 1 not in removed}
 
     def position(self, i: int) -> int:
         """Where dense index `i` (a kept layer's input, or the final norm's) sits in the pruned model."""
@@ -48,11 +45,6 @@ class Patch:
 
 class _StopForward(Exception):
     """Raised by the hook on the deepest needed hidden state: the rest of the model is not run."""
-
-
-def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
-    """The decoder layers and final norm of a causal LM (dense or ghosted)."""
-    return decoder_layers(model), final_norm(model)
 
 
 def mlp_of(model: nn.Module, layer: nn.Module) -> nn.Module:
@@ -80,40 +72,31 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
     """Within the context, `model` computes the model pruned and patched by `patch`: the removed layers are
     left out of its layer list (and of its per-layer config), each operator is a pre-hook on what its boundary
     feeds, each transform a hook on an MLP's output. Everything is restored on exit."""
-    inner = decoder(model)
-    layers, norm = decoder_parts(model)
-    depth = len(layers)
-    config = inner.config
+    inner, layers, norm = decoder(model), decoder_layers(model), final_norm(model)
+    depth, config = len(layers), inner.config
     kept = [i for i in range(depth) if i not in set(patch.removed)]
     # The per-layer config fields the decoder's forward reads by position (layer_types, ...), as pruning sets them.
     pruned = pruned_config(config, kept)
-    fields = [name for name in ("num_hidden_layers", *LAYER_FIELDS) if hasattr(config, name)]
-    saved = {name: getattr(config, name) for name in fields}
+    saved = {name: getattr(config, name) for name in ("num_hidden_layers", *LAYER_FIELDS) if hasattr(config, name)}
     handles = []
 
-    def operator_hook(matrix: torch.Tensor, normed: torch.Tensor | None):
-        apply = apply_matrix(matrix, normed)
-
+    def operator_hook(apply):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if args:
                 return (apply(args[0]), *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": apply(kwargs["hidden_states"])}
         return hook
 
-    def transform_hook(matrix: torch.Tensor):
-        apply = apply_matrix(matrix)
-        return lambda module, args, output: apply(output)
-
     try:
         for first, fed in patch.fed(depth).items():
             if first in patch.operators:
-                target = layers[fed] if fed < depth else norm
-                hook = operator_hook(patch.operators[first], patch.normed.get(first))
-                handles.append(target.register_forward_pre_hook(hook, with_kwargs=True))
-        for j, matrix in patch.transforms.items():
-            handles.append(mlp_of(model, layers[j]).register_forward_hook(transform_hook(matrix)))
+                hook = operator_hook(apply_matrix(patch.operators[first], patch.normed.get(first)))
+                handles.append((layers[fed] if fed < depth else norm).register_forward_pre_hook(hook, with_kwargs=True))
+        for j, matrix in patch.transforms.items():  # the default argument binds this matrix's map, not the last one
+            hook = lambda module, args, output, apply=apply_matrix(matrix): apply(output)
+            handles.append(mlp_of(model, layers[j]).register_forward_hook(hook))
         inner.layers = nn.ModuleList([layers[i] for i in kept])
-        for name in fields:
+        for name in saved:
             setattr(config, name, getattr(pruned, name))
         yield
     finally:
@@ -135,7 +118,7 @@ def capture_hidden_states(
     """Run `model` on `batch` up to the deepest requested point; return the kept tokens (N, C) of the input of
     each layer in `inputs` (key ("input", i); i == the layer count: the final norm's) and of the MLP output of
     each layer in `mlp_layers` (key ("mlp", j)). Every hidden state on the way is checked to be finite."""
-    layers, norm = decoder_parts(model)
+    layers, norm = decoder_layers(model), final_norm(model)
     depth = len(layers)
     deepest = max(inputs | {j + 1 for j in mlp_layers})
     captured: dict[tuple[str, int], torch.Tensor] = {}
@@ -171,8 +154,7 @@ def capture_hidden_states(
     try:
         # Registered after any patch's hooks: what is captured is what the next module receives.
         for i in range(deepest + 1):
-            target = layers[i] if i < depth else norm
-            handles.append(target.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+            handles.append((layers[i] if i < depth else norm).register_forward_pre_hook(pre_hook(i), with_kwargs=True))
         for j in mlp_layers:
             handles.append(mlp_of(model, layers[j]).register_forward_hook(mlp_hook(j)))
         first = input_device(model)
@@ -189,17 +171,10 @@ def capture_hidden_states(
     return captured
 
 
-def _malloc_trim() -> Any:
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_TRIM = _malloc_trim()
+try:
+    _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+except (OSError, AttributeError):  # not glibc
+    _TRIM = None
 
 
 def release_freed_memory() -> None:

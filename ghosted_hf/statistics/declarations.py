@@ -1,13 +1,11 @@
-"""Every calibration statistic, declared once: its name, its indices, the hidden states it reads, its shape
-and how one batch adds to it. Shards and processes combine by summation, so a declaration is all the engine
-needs; nothing outside this module spells a statistic's name.
+"""Every calibration statistic, declared once: its name, its indices, the hidden states it reads, its shape and how
+one batch adds to it. Shards and processes combine by summation, so a declaration is all the engine needs; nothing
+outside this module spells a statistic's name.
 
-Index convention (dense numbering): `i` in 0..depth-1 is the hidden state entering decoder layer `i`,
-`i == depth` the one entering the final norm. A boundary removing layers s..e-1 maps X_s to X_e.
-
-Each statistic reads hidden states by role: `source(i)` (the stream a fit maps from; under sequential
-fitting it comes from the model pruned and patched so far), `target(i)` (always the dense model), and
-`mlp(j)` (the MLP output of layer j, on the source side).
+Index convention (dense numbering): `i` in 0..depth-1 is the hidden state entering decoder layer `i`, `i == depth`
+the one entering the final norm; a boundary removing layers s..e-1 maps X_s to X_e. Hidden states are read by role:
+`source(i)` (the stream a fit maps from; under sequential fitting, from the model pruned and patched so far),
+`target(i)` (always the dense model) and `mlp(j)` (the MLP output of layer j, on the source side).
 """
 
 from __future__ import annotations
@@ -39,12 +37,6 @@ def target(i: int) -> Read:
 def mlp(j: int) -> Read:
     """Read the MLP output of layer j (source side)."""
     return ("mlp", j)
-
-
-def ready_at(read: Read) -> int:
-    """The hidden-state index by which `read` exists in a forward pass (an MLP output: the next layer's input)."""
-    role, i = read
-    return i + 1 if role == "mlp" else i
 
 
 Inputs = Mapping[Read, torch.Tensor]  # (N, C) float64 rows of the real tokens of one batch
@@ -93,7 +85,8 @@ class Entry:
 
     @property
     def ready_at(self) -> int:
-        return max(ready_at(r) for r in self.reads)
+        """The hidden-state index by which all its reads exist in a forward pass (an MLP output: the next input)."""
+        return max(i + 1 if role == "mlp" else i for role, i in self.reads)
 
     @property
     def first(self) -> int:
@@ -107,104 +100,67 @@ class Entry:
         return (self.statistic.name, self.index) < (other.statistic.name, other.index)
 
 
-# ---------------------------------------------------------------- the updates (addmm_ into the sums: no
-# (C, C) temporary per product)
+# ---------------------------------------------------------------- the updates
+
+# The rows a product reads, by name (n(X) = X / rms(X) row-wise: the normed term's input, `rms_normalized`).
+_ROWS: dict[str, Callable[[Inputs, tuple[int, ...]], torch.Tensor]] = {
+    "source": lambda x, index: x[source(index[0])],
+    "target": lambda x, index: x[target(index[-1])],
+    "mlp": lambda x, index: x[mlp(index[0] - 1)],
+    "normed": lambda x, index: rms_normalized(x[source(index[0])]),
+}
 
 
-def _gram(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
-    (i,) = index
-    total.addmm_(x[source(i)].T, x[source(i)])
+def _product(left: str, right: str | None = None) -> Update:
+    """Adds L^T R (default L^T L) of the named rows by addmm_ into the sum: no (C, C) temporary per product."""
+    def update(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
+        rows = _ROWS[left](x, index)
+        total.addmm_(rows.T, rows if right is None else _ROWS[right](x, index))
+    return update
 
 
-def _cross(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
-    s, e = index
-    total.addmm_(x[source(s)].T, x[target(e)])
+def _summed(per_token: Callable[[Inputs, tuple[int, ...], Mapping[str, torch.Tensor]], torch.Tensor]) -> Update:
+    """Adds the sum over tokens of `per_token` (one value, or one vector, a token)."""
+    def update(total: torch.Tensor, x: Inputs, index: tuple[int, ...], constants: Mapping[str, torch.Tensor]) -> None:
+        total += per_token(x, index, constants).sum(dim=0)
+    return update
 
 
-def _energy(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
-    total += x[target(index[1])].square().sum().reshape(1)
-
-
-def _cosines(x: Inputs, s: int, e: int) -> torch.Tensor:
-    a, b = x[source(s)], x[target(e)]
+def _cosines(x: Inputs, index: tuple[int, ...], _: Any = None) -> torch.Tensor:
+    a, b = x[source(index[0])], x[target(index[1])]
     norms = (a.norm(dim=1) * b.norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
     return ((a * b).sum(dim=1) / norms).clamp(-1.0, 1.0)
 
 
-def _cosine(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
-    total += _cosines(x, *index).sum().reshape(1)
-
-
-def _angular(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
-    total += (torch.arccos(_cosines(x, *index)) / math.pi).sum().reshape(1)
-
-
-def _abs(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
-    total += x[source(index[0])].abs().sum(dim=0)
-
-
-def _rotated_abs(total: torch.Tensor, x: Inputs, index: tuple[int, ...], constants: Mapping[str, torch.Tensor]) -> None:
-    total += (x[source(index[0])] @ constants["rotation"]).abs().sum(dim=0)
-
-
-def _mlp_gram(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
-    m = x[mlp(index[0] - 1)]
-    total.addmm_(m.T, m)
-
-
-def _mlp_source(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
-    total.addmm_(x[mlp(index[0] - 1)].T, x[source(index[0])])
-
-
-def _mlp_target(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
-    s, e = index
-    total.addmm_(x[mlp(s - 1)].T, x[target(e)])
-
-
-def _normed(x: Inputs, i: int) -> torch.Tensor:
-    return rms_normalized(x[source(i)])
-
-
-def _normed_gram(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
-    n = _normed(x, index[0])
-    total.addmm_(n.T, n)
-
-
-def _normed_source(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
-    total.addmm_(_normed(x, index[0]).T, x[source(index[0])])
-
-
-def _normed_cross(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
-    s, e = index
-    total.addmm_(_normed(x, s).T, x[target(e)])
-
-
 _after_a_layer = dict(valid=lambda s, *rest: s >= 1, what="MLP terms need a layer before the source: s >= 1")
 
-GRAM = Statistic("gram", 1, False, False, lambda i: (source(i),), _gram, what="X_i^T X_i")
-CROSS = Statistic("cross", 2, False, False, lambda s, e: (source(s), target(e)), _cross, what="X_s^T X_e")
-ENERGY = Statistic("energy", 2, False, True, lambda s, e: (target(e),), _energy, what="sum ||x_e||^2")
-COSINE = Statistic("cos", 2, False, True, lambda s, e: (source(s), target(e)), _cosine, what="sum cos(x_s, x_e)")
-ANGULAR = Statistic("ang", 2, False, True, lambda s, e: (source(s), target(e)), _angular,
-                    what="sum arccos(cos(x_s, x_e)) / pi")
-ABS = Statistic("abs", 1, True, False, lambda i: (source(i),), _abs, what="sum |x_i| per channel")
-ROTATED_ABS = Statistic("rabs", 1, True, False, lambda i: (source(i),), _rotated_abs,
+GRAM = Statistic("gram", 1, False, False, lambda i: (source(i),), _product("source"), what="X_i^T X_i")
+CROSS = Statistic("cross", 2, False, False, lambda s, e: (source(s), target(e)), _product("source", "target"),
+                  what="X_s^T X_e")
+ENERGY = Statistic("energy", 2, False, True, lambda s, e: (target(e),),
+                   _summed(lambda x, index, _: x[target(index[1])].square().sum(dim=1)), what="sum ||x_e||^2")
+COSINE = Statistic("cos", 2, False, True, lambda s, e: (source(s), target(e)), _summed(_cosines),
+                   what="sum cos(x_s, x_e)")
+ANGULAR = Statistic("ang", 2, False, True, lambda s, e: (source(s), target(e)),
+                    _summed(lambda *a: torch.arccos(_cosines(*a)) / math.pi), what="sum arccos(cos(x_s, x_e)) / pi")
+ABS = Statistic("abs", 1, True, False, lambda i: (source(i),), _summed(lambda x, index, _: x[source(index[0])].abs()),
+                what="sum |x_i| per channel")
+ROTATED_ABS = Statistic("rabs", 1, True, False, lambda i: (source(i),),
+                        _summed(lambda x, index, constants: (x[source(index[0])] @ constants["rotation"]).abs()),
                         what="sum |x_i H| per channel, H the Hadamard rotation")
-MLP_GRAM = Statistic("mlp_gram", 1, False, False, lambda s: (mlp(s - 1),), _mlp_gram, **_after_a_layer)
-MLP_SOURCE = Statistic("mlp_source", 1, False, False, lambda s: (mlp(s - 1), source(s)), _mlp_source,
+MLP_GRAM = Statistic("mlp_gram", 1, False, False, lambda s: (mlp(s - 1),), _product("mlp"), **_after_a_layer)
+MLP_SOURCE = Statistic("mlp_source", 1, False, False, lambda s: (mlp(s - 1), source(s)), _product("mlp", "source"),
                        **_after_a_layer)
-MLP_TARGET = Statistic("mlp_target", 2, False, False, lambda s, e: (mlp(s - 1), target(e)), _mlp_target,
+MLP_TARGET = Statistic("mlp_target", 2, False, False, lambda s, e: (mlp(s - 1), target(e)), _product("mlp", "target"),
                        **_after_a_layer)
 
-# n(X) = X / rms(X) row-wise (the normed term's input, `rms_normalized`).
-NORMED_GRAM = Statistic("ngram", 1, False, False, lambda i: (source(i),), _normed_gram, what="n(X_i)^T n(X_i)")
-NORMED_SOURCE = Statistic("nsource", 1, False, False, lambda i: (source(i),), _normed_source, what="n(X_i)^T X_i")
-NORMED_CROSS = Statistic("ncross", 2, False, False, lambda s, e: (source(s), target(e)), _normed_cross,
+NORMED_GRAM = Statistic("ngram", 1, False, False, lambda i: (source(i),), _product("normed"), what="n(X_i)^T n(X_i)")
+NORMED_SOURCE = Statistic("nsource", 1, False, False, lambda i: (source(i),), _product("normed", "source"),
+                          what="n(X_i)^T X_i")
+NORMED_CROSS = Statistic("ncross", 2, False, False, lambda s, e: (source(s), target(e)), _product("normed", "target"),
                          what="n(X_s)^T X_e")
 
-STATISTICS: dict[str, Statistic] = {s.name: s for s in (GRAM, CROSS, ENERGY, COSINE, ANGULAR, ABS, ROTATED_ABS,
-                                                        MLP_GRAM, MLP_SOURCE, MLP_TARGET, NORMED_GRAM, NORMED_SOURCE,
-                                                        NORMED_CROSS)}
+STATISTICS: dict[str, Statistic] = {s.name: s for s in list(globals().values()) if isinstance(s, Statistic)}
 
 
 def parse_key(key: str) -> Entry:

@@ -1,15 +1,14 @@
-"""Layer-by-layer calibration for models larger than memory (as GPTQ-style quantizers calibrate).
-
-The model is never loaded whole: its skeleton lives on the meta device, the embeddings turn every
-calibration batch into hidden states kept in host memory (or on disk) in the model's dtype, then one
-decoder layer at a time is read from the safetensors files, run over every batch, and freed. The float64
-sums are the ones the full-model pass accumulates; each is added as soon as the hidden states it reads
-exist, and rows are dropped once no later sum reads them. Sequential fitting runs a second stream, the
-model pruned and patched so far, through the same layer reads.
+"""Layer-by-layer calibration for models larger than memory (as GPTQ-style quantizers calibrate): the model is
+never loaded whole. Every batch's hidden states are kept in host memory (or on disk) in the model's dtype while one
+decoder layer at a time is read from the safetensors files, run over every batch, and freed; each float64 sum (the
+full-model pass's) is added as soon as its reads exist, and rows are dropped once no later sum reads them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import re
 import tempfile
 import traceback
 from collections.abc import Callable, Iterable
@@ -25,16 +24,12 @@ from ..architectures import decoder, decoder_layers, layer_of
 from ..errors import GhostedError, MissingFileError, NonFiniteError
 from ..model.checkpoint import check_folder, weight_map
 from .accumulate import StatisticsAccumulator
-from .capture import Patch, apply_matrix, mlp_of, release_freed_memory
+from .capture import Patch, _StopForward, apply_matrix, mlp_of, release_freed_memory
 from .declarations import Read, mlp, source, target
-from .origin import config_sha256, model_fingerprint
+from .origin import model_fingerprint
 from .passes import Batch, CalibrationPass
 from .plan import StatisticsPlan
 from .store import CalibrationStatistics
-
-
-class _Stop(Exception):
-    pass
 
 
 class _Catcher(nn.Module):
@@ -50,23 +45,20 @@ class _Catcher(nn.Module):
             self.record["hidden"] = hidden_states
         self.record[self.index] = kwargs
         if self.last:
-            raise _Stop
+            raise _StopForward
         return hidden_states
 
 
 class _Store:
     """Per-batch hidden states, in host memory or (with a folder) in files read back memory-mapped."""
 
-    def __init__(self, folder: Path | None, name: str) -> None:
+    def __init__(self, folder: str | None, name: str) -> None:
         self.folder, self.name, self.items = folder, name, {}
 
     def put(self, b: int, tensor: torch.Tensor) -> None:
-        if self.folder is None:
-            self.items[b] = tensor
-        else:
-            path = self.folder / f"{self.name}-{b}.pt"
-            torch.save(tensor.contiguous(), path)
-            self.items[b] = path
+        self.items[b] = tensor if self.folder is None else Path(self.folder) / f"{self.name}-{b}.pt"
+        if self.folder is not None:
+            torch.save(tensor.contiguous(), self.items[b])
 
     def get(self, b: int) -> torch.Tensor:
         item = self.items[b]
@@ -84,11 +76,8 @@ def computed_buffers(model: nn.Module, module: nn.Module, recurse: bool = True) 
 
 
 class LayerwisePass(CalibrationPass):
-    """Calibration of a causal LM one decoder layer at a time, from its safetensors folder.
-
-    `model_for_build(removed)` reads what the build keeps, after the statistics are collected. `observer(i)` is
-    called while layer `i` is the one in memory (tests count the resident parameters there).
-    """
+    """Calibration of a causal LM one decoder layer at a time, from its safetensors folder. `observer(i)` is called
+    while layer `i` is the one in memory (tests count the resident parameters there)."""
 
     def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float32, *,
                  offload_folder: str | Path | None = None) -> None:
@@ -104,12 +93,9 @@ class LayerwisePass(CalibrationPass):
         self.dtype, self.offload_folder = dtype, offload_folder
         self.weights = weight_map(self.folder)
         self.observer: Callable[[int], None] | None = None
-        self._check_layout()
-
-    def _check_layout(self) -> None:
-        """Refuse a checkpoint whose decoder tensors are not stored under the names the model holds them by (the
-        experts of mixture-of-experts families: transformers fuses them while it loads a whole model), which a
-        layer-by-layer load, tensor by tensor, cannot read."""
+        # Refuse a checkpoint whose decoder tensors are not stored under the names the model holds them by (the
+        # experts of mixture-of-experts families: transformers fuses them while it loads a whole model), which a
+        # layer-by-layer load, tensor by tensor, cannot read.
         expected = {k for k in self._skeleton().state_dict() if layer_of(k) is not None}
         stored = {k for k in self.weights if layer_of(k) is not None}
         if expected - stored and stored - expected:  # (only missing tensors: a damaged file, named when loaded)
@@ -196,13 +182,11 @@ class LayerwisePass(CalibrationPass):
                                "sequentially (MLP outputs are not streamed layer by layer): pass fitting='independent'.")
         accumulator = StatisticsAccumulator(plan, hidden, device if device is not None else "cpu")
         # Each sum is added when its deepest read exists; the rows of a read are kept until then.
-        last_use: dict[Read, int] = {}
-        for entry in plan:
-            for read in entry.reads:
-                last_use[read] = max(last_use.get(read, -1), entry.ready_at)
+        last_use = {read: max(e.ready_at for e in plan if read in e.reads) for read in reads}
         run = min(plan.deepest(), depth)  # decoder layers to run: 0..run-1
-        stream = _Streams(self, batches, patch, run, depth)
-        try:
+        offload = self.offload_folder
+        with tempfile.TemporaryDirectory(dir=offload) if offload is not None else contextlib.nullcontext() as folder:
+            stream = _Streams(self, batches, patch, run, depth, folder)
             accumulator.tokens = sum(int(batch["attention_mask"].bool().sum()) for batch in batches)
             kept_rows: list[dict[Read, torch.Tensor]] = [{} for _ in batches]
 
@@ -214,14 +198,9 @@ class LayerwisePass(CalibrationPass):
                 if read in last_use:
                     kept_rows[b][read] = kept
 
-            def settle(b: int, i: int) -> None:
-                """Add every sum whose deepest read is at `i`; drop the rows no later sum reads."""
-                if kept_rows[b]:
-                    accumulator.add(kept_rows[b], ready=i)
-                for read in [r for r in kept_rows[b] if last_use[r] <= i]:
-                    del kept_rows[b][read]
-
             def capture(b: int, i: int) -> None:
+                """Keep the rows of what enters `i`, add every sum whose deepest read is at `i`, drop the rows no
+                later sum reads."""
                 where = "the final norm's input" if i == depth else f"the input of layer {i}"
                 hidden_state = stream.dense.get(b)
                 rows(b, target(i), hidden_state, where)
@@ -229,35 +208,30 @@ class LayerwisePass(CalibrationPass):
                     rows(b, source(i), hidden_state, where)
                 elif source(i) in last_use:
                     rows(b, source(i), stream.patched.get(b), where + " (pruned and patched model)")
+                if kept_rows[b]:
+                    accumulator.add(kept_rows[b], ready=i)
+                kept_rows[b] = {read: kept for read, kept in kept_rows[b].items() if last_use[read] > i}
 
             for b in range(len(batches)):
                 capture(b, 0)
-                settle(b, 0)
             for i in tqdm(range(run), desc=description, disable=not progress, leave=False):
                 for b, mlp_output in stream.advance(i, wants_mlp=mlp(i) in last_use):
                     if mlp_output is not None:
                         rows(b, mlp(i), mlp_output, f"the MLP output of layer {i}")
                     capture(b, i + 1)
-                    settle(b, i + 1)
-        finally:
-            stream.close()
-        stats = accumulator.result(depth)
-        stats.origin["model"] = {"config_sha256": config_sha256(self.config)}
-        return stats
+        return accumulator.result(depth, self.config)
 
 
 class _Streams:
     """The dense stream of every batch (and, with a patch, the pruned and patched one), advanced one decoder
     layer at a time: the layer is read from disk, run over every batch, and freed."""
 
-    def __init__(self, owner: LayerwisePass, batches: list[Batch], patch: Patch | None, run: int, depth: int) -> None:
-        self.owner, self.patch = owner, patch
+    def __init__(self, owner: LayerwisePass, batches: list[Batch], patch: Patch | None, run: int, depth: int,
+                 folder: str | None) -> None:
+        self.owner = owner
         self.skeleton = owner._skeleton()
         inner = decoder(self.skeleton)
         self.layers = list(inner.layers)
-        self.temporary = (tempfile.TemporaryDirectory(dir=owner.offload_folder) if owner.offload_folder is not None
-                          else None)
-        folder = Path(self.temporary.name) if self.temporary is not None else None
         self.dense, self.patched = _Store(folder, "dense"), (_Store(folder, "patched") if patch is not None else None)
         self.removed = set(patch.removed) if patch is not None else set()
         # The map of each boundary (its operator, and its normed term), at the index it feeds.
@@ -275,7 +249,7 @@ class _Streams:
             with torch.no_grad():
                 try:
                     inner(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-                except _Stop as stop:
+                except _StopForward as stop:
                     traceback.clear_frames(stop.__traceback__)
             self.dense.put(b, record.pop("hidden"))
             if self.patched is not None:
@@ -314,25 +288,17 @@ class _Streams:
             layer.to("meta")  # freed before the next layer is read
             release_freed_memory()
 
-    def close(self) -> None:
-        if self.temporary is not None:
-            self.temporary.cleanup()
-
 
 def model_bytes(folder: str | Path, dtype: torch.dtype | None = None) -> int:
     """The weights' size in memory: the safetensors files' tensors, in `dtype` if given."""
     total = 0
     folder = Path(folder)
+    size = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
     for file in sorted(set(weight_map(folder).values())):
         with safe_open(str(folder / file), framework="pt") as handle:
             for name in handle.keys():
                 piece = handle.get_slice(name)
-                count = 1
-                for n in piece.get_shape():
-                    count *= n
-                size = (torch.empty((), dtype=dtype).element_size() if dtype is not None
-                        else _DTYPE_BYTES.get(piece.get_dtype(), 4))
-                total += count * size
+                total += math.prod(piece.get_shape()) * (size or _DTYPE_BYTES.get(piece.get_dtype(), 4))
     return total
 
 
@@ -342,18 +308,12 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8
 def parse_memory(text: str) -> int:
     """'8GiB', '500MB', '12GB', or a number of bytes -> bytes."""
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-             "TB": 10**12, "B": 1}
-    raw = str(text).strip().upper()
-    for unit, scale in units.items():
-        if raw.endswith(unit):
-            number = raw[: -len(unit)].strip()
-            break
-    else:
-        number, scale = raw, 1
+             "TB": 10**12}
+    number, unit = re.fullmatch(r"(.*?)\s*([KMGT]I?B|B)?", str(text).strip().upper(), re.DOTALL).groups()
     try:
-        value = float(number)
+        value = float(number) * units.get(unit, 1)
     except ValueError:
         raise GhostedError(f"max_memory {text!r} is not a size: write e.g. 8GiB, 500MB or 12GB.") from None
     if not 0 < value < float("inf"):  # NaN fails too
         raise GhostedError(f"max_memory must be a positive, finite size, got {text!r}.")
-    return int(value * scale)
+    return int(value)

@@ -20,8 +20,7 @@ def config_sha256(config: Any) -> str:
     raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     ignored = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache", "_attn_implementation",
                "_attn_implementation_autoset", "output_attentions", "output_hidden_states", "return_dict"}
-    kept = {k: v for k, v in raw.items() if k not in ignored}
-    return json_sha256(kept)
+    return json_sha256({k: v for k, v in raw.items() if k not in ignored})
 
 
 def folder_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -30,8 +29,7 @@ def folder_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
     from ..model.checkpoint import weight_map
 
-    names = weight_map(folder)
-    for file in sorted(set(names.values())):
+    for file in sorted(set(weight_map(folder).values())):
         with safe_open(str(folder / file), framework="pt") as handle:
             for key in handle.keys():
                 yield key, handle.get_tensor(key)
@@ -42,10 +40,8 @@ def model_fingerprint(model: nn.Module | None = None, folder: str | Path | None 
     """The config hash and the weights' hash: of the folder's tensors when the model was loaded from one (what the
     files hold, before any dtype the load chose), else of the model's state dict."""
     config = config if config is not None else model.config
-    if folder is None:
-        candidate = getattr(config, "_name_or_path", "") or ""
-        folder = candidate if candidate and Path(candidate).is_dir() and any(Path(candidate).glob("*.safetensors")) \
-            else None
+    if folder is None and (name := getattr(config, "_name_or_path", "")) and any(Path(name).glob("*.safetensors")):
+        folder = name
     if folder is not None:
         weights = {"tensors": tensors_sha256(folder_tensors(Path(folder)))}
     else:

@@ -1,8 +1,6 @@
-"""Calibration passes: one interface, two implementations (the whole model in memory, or one decoder layer
-at a time in `layerwise`), and the `Calibrator` that runs them over one calibration set.
-
-Only per-batch activations are held, so memory does not grow with the number of calibration tokens; a
-pass stops right after the deepest hidden state its plan reads.
+"""Calibration passes: one interface, two implementations (the whole model in memory, or one decoder layer at a
+time in `layerwise`), and the `Calibrator` that runs them over one calibration set. Only per-batch activations are
+held (memory does not grow with the calibration tokens); a pass stops after the deepest hidden state its plan reads.
 """
 
 from __future__ import annotations
@@ -11,7 +9,7 @@ import abc
 import dataclasses
 import json
 import time
-from collections.abc import Iterable, Mapping, Sized
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -19,14 +17,15 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedModel
 
+from ..architectures import decoder_layers
 from ..errors import GhostedError
 from ..text.tokens import TokenBatches
 from ..utils.distributed import all_reduce_sums, check_agreement, process_rank
 from ..utils.hashing import string_sha256
 from .accumulate import StatisticsAccumulator
-from .capture import Patch, capture_hidden_states, decoder_parts, input_device, patched_stream, release_freed_memory
+from .capture import Patch, capture_hidden_states, input_device, patched_stream, release_freed_memory
 from .declarations import Read
-from .origin import config_sha256, model_fingerprint
+from .origin import model_fingerprint
 from .plan import StatisticsPlan
 from .store import CalibrationStatistics, ShardSpec
 
@@ -88,7 +87,6 @@ class FullModelPass(CalibrationPass):
                 device: str | torch.device | None = None, description: str = "Calibration pass",
                 progress: bool = True) -> CalibrationStatistics:
         model = self.model
-        layers, _ = decoder_parts(model)
         device = torch.device(device) if device is not None else input_device(model)
         accumulator = StatisticsAccumulator(plan, model.get_input_embeddings().weight.shape[1], device)
         reads = plan.reads()
@@ -96,8 +94,7 @@ class FullModelPass(CalibrationPass):
         try:
             model.eval()  # dropout off; the model's own mode is given back
             # Iterated as given: a generator of batches streams (no list of every batch is made here).
-            total = len(batches) if isinstance(batches, Sized) else None
-            for batch in tqdm(batches, total=total, desc=description, disable=not progress, leave=False):
+            for batch in tqdm(batches, desc=description, disable=not progress, leave=False):
                 keep = batch["attention_mask"].bool()
                 if not keep.any():
                     continue
@@ -108,30 +105,23 @@ class FullModelPass(CalibrationPass):
                 release_freed_memory()
         finally:
             model.train(mode)
-        stats = accumulator.result(len(layers))
-        stats.origin["model"] = {"config_sha256": config_sha256(model.config)}
-        return stats
+        return accumulator.result(len(decoder_layers(model)), model.config)
 
 
 def _batch_rows(model: nn.Module, batch: Batch, reads: set[Read], patch: Patch | None, keep: torch.Tensor,
                 device: torch.device) -> dict[Read, torch.Tensor]:
     """The rows of every read of one batch: targets (and, without a patch, everything) from the dense model,
     sources and MLP outputs from the patched stream."""
-    def key(role: str, i: int) -> tuple[str, int]:
-        return ("mlp" if role == "mlp" else "input", i)
+    def capture(wanted: dict[Read, Read]) -> dict[Read, torch.Tensor]:  # {(role, index in the model run): read}
+        got = capture_hidden_states(model, batch, {i for role, i in wanted if role != "mlp"},
+                                    {i for role, i in wanted if role == "mlp"}, keep, device)
+        return {read: got[("mlp" if role == "mlp" else "input", i)] for (role, i), read in wanted.items()}
 
     dense = {r for r in reads if patch is None or r[0] == "target"}
-    rows: dict[Read, torch.Tensor] = {}
-    if dense:
-        got = capture_hidden_states(model, batch, {i for role, i in dense if role != "mlp"},
-                                    {i for role, i in dense if role == "mlp"}, keep, device)
-        rows.update({r: got[key(*r)] for r in dense})
+    rows = capture({r: r for r in dense}) if dense else {}
     if patch is not None and reads - dense:
-        streamed = {(role, patch.position(i)): (role, i) for role, i in reads - dense}
         with patched_stream(model, patch):
-            got = capture_hidden_states(model, batch, {p for role, p in streamed if role != "mlp"},
-                                        {p for role, p in streamed if role == "mlp"}, keep, device)
-        rows.update({read: got[key(*at)] for at, read in streamed.items()})
+            rows.update(capture({(role, patch.position(i)): (role, i) for role, i in reads - dense}))
     return rows
 
 
@@ -143,8 +133,7 @@ def as_calibration_pass(model: PreTrainedModel | CalibrationPass) -> Calibration
 def collect_statistics(model: PreTrainedModel | CalibrationPass, batches: Iterable[Batch], plan: StatisticsPlan, *,
                        patch: Patch | None = None, device: str | torch.device | None = None, progress: bool = True,
                        description: str = "Calibration pass") -> CalibrationStatistics:
-    """Accumulate `plan` over `batches` with one truncated pass of `model` per batch (see
-    `CalibrationPass.collect`)."""
+    """Accumulate `plan` over `batches` with one truncated pass of `model` per batch (see `CalibrationPass.collect`)."""
     stats = as_calibration_pass(model).collect(batches, plan, patch=patch, device=device, description=description,
                                                progress=progress)
     if stats.tokens == 0:
@@ -153,12 +142,10 @@ def collect_statistics(model: PreTrainedModel | CalibrationPass, batches: Iterab
 
 
 class Calibrator:
-    """Statistics passes over one calibration set: gathers what is missing, keeps what was gathered and
-    records what each pass cost (for the provenance).
-
-    Each pass reads only this calibrator's share of the batches: shard `shard` of the set, and of that, the
-    batches of this process under torch.distributed (rank r of world w takes every w-th batch); the float64
-    sums of the processes are all-reduced, so every process fits the same operators."""
+    """Statistics passes over one calibration set: gathers what is missing, keeps what was gathered and records what
+    each pass cost (for the provenance). Each pass reads only this calibrator's share of the batches: shard `shard`
+    of the set and, of that, this process's batches under torch.distributed (rank r of world w takes every w-th
+    batch); the float64 sums of the processes are all-reduced, so every process fits the same operators."""
 
     def __init__(self, calibration_pass: CalibrationPass, data: TokenBatches | None,
                  statistics: CalibrationStatistics | None = None, *, device: str | torch.device | None = None,

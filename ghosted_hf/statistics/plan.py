@@ -30,9 +30,6 @@ class StatisticsPlan:
     def __or__(self, other: StatisticsPlan) -> StatisticsPlan:
         return StatisticsPlan(self.entries | other.entries)
 
-    def __bool__(self) -> bool:
-        return bool(self.entries)
-
     def __iter__(self) -> Iterator[Entry]:
         return iter(sorted(self.entries))
 

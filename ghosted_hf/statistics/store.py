@@ -1,10 +1,9 @@
 """The statistics container, its file format, and the merge of shards.
 
-A file is a safetensors file of float64 tensors named by their entries (``gram.3``, ``cross.3.7``) with
-metadata: the format and its version, depth, hidden size, token count, the rotation of rotated sums, the
-sha256 of every tensor, and the origin (model fingerprint, calibration-data hash, plan, shard) that merge
-and `ghost_prune(statistics=...)` check. Version 2 adds ``integrity``, one sha256 over every other metadata
-field (the tensors' hashes among them): no field can be changed, added or removed unseen.
+A file is a safetensors file of float64 tensors named by their entries (``gram.3``, ``cross.3.7``) with metadata:
+format, version, depth, hidden size, tokens, rotation of rotated sums, every tensor's sha256, and the origin (model,
+data, plan, shard) that merge and `ghost_prune(statistics=...)` check. Version 2 adds ``integrity``, one sha256 over
+every other field: none can be changed, added or removed unseen.
 """
 
 from __future__ import annotations
@@ -182,25 +181,20 @@ class CalibrationStatistics:
         names = [str(s) if isinstance(s, (str, Path)) else f"shard #{k}" for k, s in enumerate(shards)]
         headers = [cls.load_header(s) if isinstance(s, (str, Path)) else s for s in shards]
         count = check_shards(headers, names)
-        merged: CalibrationStatistics | None = None
-        for shard in shards:
-            shard = cls.load(shard) if isinstance(shard, (str, Path)) else shard
-            if merged is None:
-                merged = dataclasses.replace(shard, tensors={k: v.double().clone() for k, v in shard.tensors.items()})
-                continue
+        loaded = (cls.load(shard) if isinstance(shard, (str, Path)) else shard for shard in shards)
+        first = next(loaded)
+        merged = dataclasses.replace(first, tensors={k: v.double().clone() for k, v in first.tensors.items()})
+        merged.origin = {k: v for k, v in first.origin.items() if k != "shard"} | {"merged_shards": count}
+        for shard in loaded:
             for key, value in shard.tensors.items():
                 merged.tensors[key] += value
             merged.tokens += shard.tokens
-            if merged.rotation_kind == "none":
-                merged.rotation_kind = shard.rotation_kind
-        merged.origin = {k: v for k, v in merged.origin.items() if k != "shard"} | {"merged_shards": count}
         return merged
 
 
 def metadata_sha256(metadata: Mapping[str, str]) -> str:
     """One hash over every metadata field but itself (the tensors' sha256 map is one of them)."""
-    fields = {k: v for k, v in metadata.items() if k != "integrity"}
-    return json_sha256(fields)
+    return json_sha256({k: v for k, v in metadata.items() if k != "integrity"})
 
 
 def _read_header(path: str | Path) -> tuple[CalibrationStatistics, dict[str, str]]:
@@ -248,9 +242,8 @@ def _read_header(path: str | Path) -> tuple[CalibrationStatistics, dict[str, str
     missing = sorted(set(keys) - set(hashes))
     if missing:
         raise GhostedError(f"{path}: no sha256 recorded for {missing}: the file was altered; collect it again.")
-    header = CalibrationStatistics(tensors=dict.fromkeys(keys), depth=depth, hidden_size=hidden_size, tokens=tokens,
-                                   rotation_kind=rotation_kind, origin=origin)
-    return header, hashes
+    return CalibrationStatistics(tensors=dict.fromkeys(keys), depth=depth, hidden_size=hidden_size, tokens=tokens,
+                                 rotation_kind=rotation_kind, origin=origin), hashes
 
 
 def check_sums(key: str, tensor: torch.Tensor, path: str | Path) -> None:
@@ -285,6 +278,7 @@ def check_shards(shards: list[CalibrationStatistics], names: list[str]) -> int:
         ("model", lambda x: x.origin.get("model")), ("calibration data", lambda x: x.origin.get("data")),
         ("statistics plan", lambda x: x.origin.get("plan")), ("depth and hidden size", lambda x: (x.depth, x.hidden_size)),
         ("number of shards", lambda x: ShardSpec.parse(x.origin["shard"]).count)]
+    seen: dict[int, str] = {}
     for name, shard, spec in zip(names, shards, specs):
         for what, get in agree:
             if get(shard) != get(first):
@@ -293,8 +287,6 @@ def check_shards(shards: list[CalibrationStatistics], names: list[str]) -> int:
                                    "file, options and N).")
         if set(shard.tensors) != set(first.tensors):
             raise GhostedError(f"{name} and {first_name} hold different statistics; recollect them with one plan.")
-    seen: dict[int, str] = {}
-    for name, spec in zip(names, specs):
         if spec.index in seen:
             raise GhostedError(f"Shard {spec} is given twice ({seen[spec.index]} and {name}): pass each shard once.")
         seen[spec.index] = name

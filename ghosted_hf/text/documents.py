@@ -51,7 +51,13 @@ def read_documents(source: TextSource, *, split: str | None = None, text_column:
             if split is not None or text_column != "text":
                 raise GhostedError(f"{what} {path} is a text file (one document per blank-line-separated block): "
                                    "split and text_column apply to datasets; leave them out.")
-            return Documents(NamedTexts(_read_text_file(path, what), path.name), path.name)
+            try:
+                content = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as error:
+                raise GhostedError(f"{what} file {path} is not UTF-8 text ({error.reason} at byte {error.start}); "
+                                   "convert it to UTF-8.") from None
+            texts = [b for b in (block.strip() for block in content.split("\n\n")) if b]
+            return Documents(NamedTexts(texts, path.name), path.name)
         if not path.exists() and path.suffix.lower() in TEXT_SUFFIXES:
             raise MissingFileError(f"{what} file {path} does not exist (give a text file, a data file, a datasets "
                                    "folder or a Hub dataset id).")
@@ -90,34 +96,14 @@ def _in_memory(text: Any, text_column: str, what: str) -> tuple[list[str], str]:
     return [t for t in texts if t.strip()], name
 
 
-def _read_text_file(path: Path, what: str) -> list[str]:
-    try:
-        content = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise GhostedError(f"{what} file {path} is not UTF-8 text ({error.reason} at byte {error.start}); "
-                           "convert it to UTF-8.") from None
-    return [b for b in (block.strip() for block in content.split("\n\n")) if b]
-
-
-
-
-def _datasets() -> Any:
-    try:
-        import datasets
-    except ImportError:
-        raise MissingDependencyError("Reading .jsonl/.parquet/.arrow files, datasets folders and Hub datasets needs "
-                                     "the `datasets` package: pip install datasets.") from None
-    return datasets
-
-
 def _one_split(loaded: Any, split: str | None, where: str) -> Any:
     """A `DatasetDict` narrowed to `split` (or to its only split); a single dataset as it is."""
     if not hasattr(loaded, "keys"):
         return loaded
     names = list(loaded.keys())
     if split is None and len(names) == 1:
-        return loaded[names[0]]
-    if split is None or split not in names:
+        split = names[0]
+    if split not in names:
         wanted = "no split was named" if split is None else f"it has no split {split!r}"
         raise GhostedError(f"{where} has the splits {names} and {wanted}: pass --split NAME (split=).")
     return loaded[split]
@@ -126,7 +112,11 @@ def _one_split(loaded: Any, split: str | None, where: str) -> Any:
 def open_dataset(source: str, split: str | None = None, streaming: bool = False, what: str = "Training data") -> Any:
     """A `datasets` dataset from a data file, a folder (saved with `save_to_disk`, or of data files) or a Hub id;
     `split` defaults to "train" for data files and Hub ids."""
-    datasets = _datasets()
+    try:
+        import datasets
+    except ImportError:
+        raise MissingDependencyError("Reading .jsonl/.parquet/.arrow files, datasets folders and Hub datasets needs "
+                                     "the `datasets` package: pip install datasets.") from None
     path = Path(source)
     if path.exists() and not (path.is_file() or path.is_dir()):
         raise GhostedError(f"{what} {source} is neither a regular file nor a folder (a FIFO or a device?): pass a "
@@ -207,8 +197,8 @@ def check_hub_dataset(source: str, timeout: float) -> None:
                            "`hf auth login`); give a local file or folder instead.") from None
     except Exception as error:  # the HTTP client's own error types (timeouts, refused connections, HTTP statuses)
         raise GhostedError(f"Cannot open the Hub dataset {source!r}: {constants.ENDPOINT} could not be reached or did "
-                           f"not answer within {timeout:g} s ({type(error).__name__}: {str(error)[:200]}); check the network, HF_ENDPOINT "
-                           "and HF_HUB_OFFLINE, or give a local file or folder instead.") from None
+                           f"not answer within {timeout:g} s ({type(error).__name__}: {str(error)[:200]}); check the "
+                           "network, HF_ENDPOINT and HF_HUB_OFFLINE, or give a local file or folder instead.") from None
 
 
 def _column(dataset: Any, text_column: str, source: str = "the dataset") -> Iterator[str]:
@@ -217,21 +207,14 @@ def _column(dataset: Any, text_column: str, source: str = "the dataset") -> Iter
         raise GhostedError(f"The dataset has no {text_column!r} column (columns: {names}); pass --text-column NAME.")
     with reading(source):  # a streamed file is parsed while it is iterated
         rows = iter(dataset)
-    for row in _rows(rows, source):
+    while True:
+        with reading(source):
+            row = next(rows, None)
+        if row is None:
+            return
         text = row[text_column]
         if not isinstance(text, str):
             raise GhostedError(f"Column {text_column!r} holds {type(text).__name__} values, not text; name a text "
                                "column with --text-column.")
         if text.strip():
             yield text
-
-
-def _rows(rows: Iterator[Any], source: str) -> Iterator[Any]:
-    while True:
-        with reading(source):
-            row = next(rows, None)
-        if row is None:
-            return
-        yield row
-
-

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import GhostedError
 from ..utils.hashing import DataIdentity, batches_sha256
@@ -51,10 +52,8 @@ class TokenBatches:
 
 def pad_token_id(tokenizer: Any) -> int:
     """A pad id for batching; tokenizers without one (Llama) pad with EOS, which the mask hides anyway."""
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0
+    candidates = (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id)
+    return next((int(c) for c in candidates if c is not None), 0)
 
 
 def leading_token(tokenizer: Any) -> int | None:
@@ -62,9 +61,7 @@ def leading_token(tokenizer: Any) -> int | None:
     made to start with it: the model was trained seeing it at position 0, and a window cut from the middle of a
     document would otherwise put an arbitrary token where the model keeps its attention sink."""
     bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return None
-    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"] if bos is not None else []
     return int(bos) if ids and ids[0] == bos else None
 
 
@@ -93,40 +90,33 @@ def pack_tokens(
     """Concatenate documents (separated by `separator`) and cut them into sequences of `seq_len`, each starting
     with `prefix` when given (`leading_token`); the last one may be shorter. Reads `token_lists` only as far as
     the sequences asked for need (it may be lazy)."""
-    needed = None if max_sequences is None else max_sequences * seq_len
     stream: list[int] = []
     for index, tokens in enumerate(token_lists):
         if index and separator is not None:
             stream.append(separator)
         stream.extend(tokens)
-        if needed is not None and len(stream) >= needed:
+        if max_sequences is not None and len(stream) >= max_sequences * seq_len:
             break
-    sequences, _ = cut_windows(stream, seq_len, prefix, partial=True)
-    return sequences[:max_sequences] if max_sequences is not None else sequences
+    return cut_windows(stream, seq_len, prefix, partial=True)[0][:max_sequences]
 
 
 def batch_sequences(sequences: list[list[int]], batch_size: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
     """Right-padded batches with attention masks."""
     batches = []
     for start in range(0, len(sequences), batch_size):
-        chunk = sequences[start : start + batch_size]
-        width = max(len(s) for s in chunk)
-        input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, seq in enumerate(chunk):
-            input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            attention_mask[row, : len(seq)] = 1
-        batches.append({"input_ids": input_ids, "attention_mask": attention_mask})
+        chunk = [torch.tensor(s, dtype=torch.long) for s in sequences[start : start + batch_size]]
+        batches.append({"input_ids": pad_sequence(chunk, batch_first=True, padding_value=pad_id),
+                        "attention_mask": pad_sequence([torch.ones_like(s) for s in chunk], batch_first=True)})
     return batches
 
 
 def tokenize_texts(tokenizer: Any, text: TextSource, seq_len: int, num_sequences: int | None = None, batch_size: int = 4,
                    text_column: str = "text", shuffle_seed: int | None = None, *, split: str | None = None,
                    streaming: bool = False, what: str = "Calibration text") -> TokenBatches:
-    """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens (documents joined by EOS, every
-    sequence starting with the tokenizer's BOS where it adds one) and batch them. Chat-formatted calibration is the caller's choice: render the texts with the tokenizer's chat
-    template first. `shuffle_seed`: shuffle the sequences before batching (for training: packed in order, a batch would hold one
-    document's consecutive windows, and a short run would see only the first documents)."""
+    """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens (documents joined by EOS, every sequence
+    starting with the tokenizer's BOS where it adds one) and batch them; for chat-formatted calibration, render the
+    texts with the tokenizer's chat template first. `shuffle_seed`: shuffle the sequences before batching (for
+    training: packed in order, a batch would hold one document's consecutive windows, a short run the first ones)."""
     if seq_len < 2 or batch_size < 1:
         raise GhostedError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}.")
     documents, identity = read_documents(text, split=split, text_column=text_column, streaming=streaming,
@@ -166,10 +156,9 @@ class TrainingSequences:
 
 def pack_rows(token_lists: Iterable[list[int]], seq_len: int, max_rows: int | None, separator: int,
               prefix: int | None = None) -> torch.Tensor:
-    """Documents joined by `separator` and cut into full rows of `seq_len` tokens, each starting with `prefix` when
-    given (`data.leading_token`; the rest is dropped: every batch then holds as many tokens, however its rows are
-    split over processes or micro-batches), at most `max_rows`. Reads `token_lists` only as far as those rows
-    need; finished rows are moved out of Python lists in blocks."""
+    """Documents joined by `separator` and cut into at most `max_rows` full rows of `seq_len` tokens, each starting
+    with `prefix` when given (the rest is dropped: every batch then holds as many tokens, however its rows are split
+    over processes or micro-batches). Reads `token_lists` only as far as those rows need, in blocks of rows."""
     blocks: list[torch.Tensor] = [torch.empty(0, seq_len, dtype=torch.int32)]
     stream: list[int] = []
 
@@ -190,8 +179,7 @@ def pack_rows(token_lists: Iterable[list[int]], seq_len: int, max_rows: int | No
         if max_rows is not None and rows + len(stream) // seq_len >= max_rows:
             break
     move_full_rows()
-    packed = torch.cat(blocks)
-    return packed if max_rows is None else packed[:max_rows]
+    return torch.cat(blocks)[:max_rows]
 
 
 def _batches(texts: Iterable[str], largest: int = 64) -> Iterator[list[str]]:
@@ -227,17 +215,13 @@ def training_sequences(
     documents = tokens(corpus.texts)  # one stream: the held-out documents are carved off its start
     if held_out_corpus is not None:
         held = pack_rows(tokens(held_out_corpus.texts), seq_len, held_out, eos, bos)
-    elif held_out:  # whole documents until `held_out` sequences are filled
+    else:  # whole documents until `held_out` sequences are filled
         carved: list[list[int]] = []
         length = 0
-        for ids in documents:
+        while length < held_out * seq_len and (ids := next(documents, None)) is not None:
             carved.append(ids)
             length += len(ids) + 1  # with the EOS that joins it to the next
-            if length >= held_out * seq_len:
-                break
         held = pack_rows(carved, seq_len, held_out, eos, bos)
-    else:
-        held = torch.empty(0, seq_len, dtype=torch.int32)
     train = pack_rows(documents, seq_len, max_sequences, eos, bos)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
     return TrainingSequences(train[order], held, corpus.name, identity.sha256, identity.documents)

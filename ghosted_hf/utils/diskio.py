@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from safetensors import SafetensorError
 
@@ -63,9 +63,8 @@ _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an inte
                bool: "true or false", type(None): "null"}
 
 
-class _Optional:
-    def __init__(self, schema: Any) -> None:
-        self.schema = schema
+class _Optional(NamedTuple):
+    schema: Any
 
 
 def optional(schema: Any) -> Any:

@@ -1,7 +1,6 @@
-"""The one distributed layer of calibration and healing: joining the process group the launcher describes (bounded
-by one timeout, failing with one line), the rank of this process, the check that every process runs the same thing,
-and the summation of float64 statistics across processes. Healing's Trainer (accelerate) adopts the group joined
-here; on CUDA it joins it itself, with the same timeout and the same one-line failure (`rendezvous`)."""
+"""The one distributed layer of calibration and healing: every wait for peers bounded by one timeout and failing
+with one line. Healing's Trainer (accelerate) adopts the group joined here; on CUDA it joins it itself, with the same
+timeout and failure (`rendezvous`)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,6 @@ logger = logging.getLogger(__name__)
 # How long a process waits for its peers (rendezvous and every collective) before it fails with a message;
 # GHOSTED_DISTRIBUTED_TIMEOUT (seconds) overrides it for very long passes.
 DEFAULT_TIMEOUT_S = 1800
-
-
 # (rank, world size, local rank) as torchrun (and accelerate's GPU launcher) or an MPI launcher (accelerate's
 # multi-CPU launcher runs mpirun: Open MPI, MPICH / Intel MPI, MVAPICH) describe them.
 LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -41,8 +38,7 @@ def launcher_process(environ: Mapping[str, str] | None = None) -> tuple[int, int
     for names in LAUNCHER_VARIABLES:
         if environ.get(names[1]):
             values = [environ.get(name, "0").strip() for name in names]
-            valid = all(v.isdigit() for v in values) and 0 <= int(values[0]) < int(values[1])
-            if not valid:
+            if not (all(v.isdigit() for v in values) and 0 <= int(values[0]) < int(values[1])):
                 given = ", ".join(f"{name}={value!r}" for name, value in zip(names, values))
                 raise GhostedError(f"The launcher's environment is inconsistent ({given}): rank, world size and local "
                                    "rank must be integers with 0 <= rank < world size; start the processes with "
@@ -53,8 +49,7 @@ def launcher_process(environ: Mapping[str, str] | None = None) -> tuple[int, int
 
 
 def init_distributed() -> bool:
-    """Join the process group that torchrun / accelerate launch (its torchrun or mpirun launchers) describe
-    in the environment (NCCL with CUDA, gloo otherwise); True when running with more than one process."""
+    """Join the process group the launcher describes (NCCL with CUDA, gloo otherwise); True with several processes."""
     import torch.distributed as dist
 
     if not dist.is_available():

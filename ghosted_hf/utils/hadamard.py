@@ -22,10 +22,8 @@ def _jacobsthal(q: int) -> torch.Tensor:
 
 def _paley(m: int) -> torch.Tensor | None:
     """A +-1 Hadamard matrix of order m from Paley I (m = q + 1) or II (m = 2(q + 1)), q prime."""
-    if m == 1:
+    if m == 1:  # (2^k: Sylvester's doubling in `hadamard`)
         return torch.ones(1, 1, dtype=torch.float64)
-    if m == 2:
-        return torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
     q = m - 1
     if _is_prime(q) and q % 4 == 3:
         s = torch.zeros(m, m, dtype=torch.float64)
@@ -46,10 +44,8 @@ def hadamard(n: int) -> torch.Tensor | None:
     """Orthonormal (H @ H.T = I) float64 Hadamard matrix of order n, or None if no construction here fits."""
     power = 1
     while n % power == 0:
-        m = n // power
-        base = _paley(m)
-        if base is not None:
-            h = base
+        h = _paley(n // power)
+        if h is not None:
             while h.shape[0] < n:
                 h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64), h)
             return h / n**0.5

@@ -74,8 +74,7 @@ def tensors_sha256(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def batches_sha256(batches: Iterable[Mapping[str, torch.Tensor]], keys: tuple[str, ...]) -> str:
-    """Hash of the `keys` tensors of every batch as int64, shapes included: the same tokens in the same batches give
-    the same hash."""
+    """Hash of the `keys` tensors of every batch as int64, shapes included."""
     digest = hashlib.sha256()
     for batch in batches:
         for key in keys:

@@ -16,8 +16,7 @@ HUB_TIMEOUT_S = 60.0  # how long one request to the Hub may go unanswered
 
 @contextlib.contextmanager
 def bounded_network(timeout: float) -> Iterator[None]:
-    """huggingface_hub's HTTP client, within the context, gives up on a connection that does not answer for
-    `timeout` seconds (its default waits for ever)."""
+    """Within the context, huggingface_hub gives up on a connection silent for `timeout` seconds (not for ever)."""
     def factory():
         client = huggingface_hub.utils._http.default_client_factory()
         client.timeout = timeout

@@ -1,8 +1,5 @@
-"""LoRA healing of any model ghosted_hf pruned, on transformers' `Trainer` with PEFT (accelerate underneath): one
-CPU, one GPU, or data-parallel under `torchrun` / `accelerate launch` (FSDP and DeepSpeed through accelerate's
-config files), with gradient accumulation and checkpointing, resumable checkpoints, held-out evaluation and
-tensorboard / wandb reports. A ghosted model heals into a ghosted model; a stock export (`folded`,
-`replaceme-ls`, `none`) into a stock checkpoint of its architecture.
+"""LoRA healing of any model ghosted_hf pruned, on transformers' `Trainer` with PEFT (accelerate underneath): a
+ghosted model heals into a ghosted model, a stock export into a stock checkpoint of its architecture.
 
 `Trainer` rather than TRL's trainers: the data is packed fixed-length token sequences and the loss next-token or
 KL to a teacher; SFTTrainer's additions (chat templates, prompt/completion packing) do not apply, and TRL's

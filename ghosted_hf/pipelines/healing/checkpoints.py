@@ -24,19 +24,14 @@ from ...utils.hashing import file_sha256, tensor_sha256
 from .options import HealOptions
 
 CHECKPOINT_RECORD = "ghosted_checkpoint.json"  # written last: a checkpoint without it is incomplete
-
-
 RUN_RECORD = "ghosted_run.json"  # which run (and process) a checkpoints folder belongs to
-
-
 # What may change when a run is resumed: how often it saves and evaluates, and where it reports.
 RESUMABLE_CHANGES = ("save_steps", "eval_steps", "report_to")
 
 
 def run_identity(options: HealOptions, sequences: TrainingSequences, processes: int,
                  model: nn.Module) -> dict[str, Any]:
-    """What a resumed run must share with the run that wrote the checkpoint for the two to be one run: options,
-    data, process count and the model healed (its config and weights)."""
+    """What a resumed run shares with the run that wrote its checkpoint: options, data, processes, model healed."""
     config = {k: v for k, v in model.config.to_dict().items() if k != "ghost_provenance"}  # (holds timings)
     return {"options": {k: v for k, v in options.to_dict().items() if k not in RESUMABLE_CHANGES},
             "data_sha256": sequences.text_sha256, "processes": processes, "model_config_sha256": config_sha256(config),

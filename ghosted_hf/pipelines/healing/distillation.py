@@ -67,9 +67,8 @@ def final_hidden_states(model: nn.Module) -> Iterator[list[torch.Tensor]]:
             inner = inner.module
         else:
             break
-    norm = final_norm(inner)
     captured: list[torch.Tensor] = []
-    handle = norm.register_forward_hook(lambda module, args, output: captured.append(output))
+    handle = final_norm(inner).register_forward_hook(lambda module, args, output: captured.append(output))
     try:
         yield captured
     finally:

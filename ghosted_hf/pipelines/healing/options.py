@@ -26,14 +26,8 @@ from ...options import Options, PruneOptions, option, option_fields, positive, s
 from ...utils.distributed import init_distributed, rendezvous, timeout_s
 
 SCHEDULES = ("constant", "linear")
-
-
 PRECISIONS = ("auto", "fp32", "bf16")
-
-
 REPORTERS = ("none", "tensorboard", "wandb")
-
-
 DEFAULT_STEPS = 150  # without max_steps, tokens or minutes
 
 
@@ -253,16 +247,12 @@ def base_model_reference(model: PreTrainedModel) -> str:
                        "language-modelling loss (teacher 'none').")
 
 
-def native_bf16(device: torch.device) -> bool:
-    """Whether `device` multiplies bf16 matrices natively (on CPUs without it, bf16 is emulated and slower)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        return any(getattr(torch.cpu, probe, lambda: False)()
-                   for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return False
-
-
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """"auto" resolved for `device`: bf16 where it is native, else fp32."""
-    return ("bf16" if native_bf16(device) else "fp32") if precision == "auto" else precision
+    """"auto" resolved for `device`: bf16 where it multiplies bf16 matrices natively, else fp32 (on CPUs without
+    AVX512-BF16 or AMX, bf16 is emulated and slower)."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported") if device.type == "cpu" else ()
+    return "bf16" if any(getattr(torch.cpu, probe, lambda: False)() for probe in probes) else "fp32"

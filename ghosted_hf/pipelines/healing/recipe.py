@@ -30,14 +30,13 @@ from .checkpoints import (agreement_claims, check_same_run, checkpoint_folder, c
 from .distillation import head_is_plain
 from .options import (DEFAULT_STEPS, HealOptions, base_model_reference, check_meaningful, check_same_vocabulary,
                       healed_kind, resolve_precision)
-from .trainer import HealingTrainer, SequenceDataset, collate, sharded, training_attention, unsharded
+from .trainer import HealingTrainer, collate, sharded, training_attention, unsharded
 
 logger = logging.getLogger(__name__)
 
 
 class HealResult(NamedTuple):
-    """What `heal` returns: the PEFT model, the loss of every step, the held-out evaluations (step, loss,
-    perplexity) and the record `merge` saves in the provenance (what was trained, on what, for how long)."""
+    """What `heal` returns; `record` is what `merge` saves in the provenance (what was trained, on what, how long)."""
 
     model: PeftModel | None  # None on the processes other than the main one after FSDP / ZeRO-3 (`unsharded`)
     losses: list[float]
@@ -99,10 +98,9 @@ def heal(
     if isinstance(teacher, str):
         teacher = load_teacher(model, teacher)
     check_meaningful(options, model, teacher, data, eval_data)
-    plain_heads = True
     if teacher is not None:
         check_same_vocabulary(model, teacher)
-        plain_heads = head_is_plain(model) and head_is_plain(teacher)
+    plain_heads = teacher is None or (head_is_plain(model) and head_is_plain(teacher))
     if checkpoints is not None and options.output_dir is not None and str(checkpoints) != options.output_dir:
         raise GhostedError(f"Two folders for the run's checkpoints: checkpoints={str(checkpoints)!r} and the options' "
                            f"output_dir={options.output_dir!r}; give one.")
@@ -131,8 +129,8 @@ def heal(
             budget.spent = record["seconds_spent"]
         peft_model = _lora(model, options)
         trainer = HealingTrainer(
-            model=peft_model, args=args, train_dataset=SequenceDataset(sequences.train), data_collator=collate,
-            eval_dataset=SequenceDataset(sequences.held_out) if len(sequences.held_out) else None,
+            model=peft_model, args=args, train_dataset=sequences.train, data_collator=collate,
+            eval_dataset=sequences.held_out if len(sequences.held_out) else None,
             callbacks=[Schedule(budget), Record(budget, run), Progress(budget, per_step * options.seq_len, progress),
                        *callbacks],
             teacher=teacher, kd_weight=kd_weight, kl_chunk=options.kl_chunk, budget=budget,

@@ -40,22 +40,9 @@ def training_attention(model: nn.Module, device: torch.device, seq_len: int) -> 
             model.set_attn_implementation(original)
 
 
-class SequenceDataset(torch.utils.data.Dataset):
-    """Packed int32 rows as the Trainer's dataset (each item one row of input ids)."""
-
-    def __init__(self, sequences: torch.Tensor) -> None:
-        self.sequences = sequences
-
-    def __len__(self) -> int:
-        return len(self.sequences)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.sequences[index]}
-
-
-def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Rows stacked as int64 ids, the labels a copy (the model shifts them)."""
-    ids = torch.stack([item["input_ids"] for item in items]).long()
+def collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The packed int32 rows stacked as int64 ids, the labels a copy (the model shifts them)."""
+    ids = torch.stack(rows).long()
     return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -76,12 +63,9 @@ class HealingTrainer(Trainer):
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         if self.lr_scheduler is None:
-            budget, schedule = self.budget, self.schedule
-
-            def factor(step: int) -> float:
-                return lr_factor(schedule, step / budget.steps if budget.seconds is None else budget.fraction)
-
-            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, factor)
+            budget = self.budget
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, lambda step: lr_factor(
+                self.schedule, step / budget.steps if budget.seconds is None else budget.fraction))
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
@@ -103,22 +87,20 @@ class HealingTrainer(Trainer):
         return result
 
     def _distillation_loss(self, model, inputs, return_outputs):
-        ids = inputs["input_ids"]
-        teacher_device = next(self.teacher.parameters()).device
-        labels = shifted_labels(inputs["labels"])
-        if not self.plain_heads:  # logits post-processed by the family's forward: KL of the forwards' own logits
+        ids, labels = inputs["input_ids"], shifted_labels(inputs["labels"])
+        teacher_ids = ids.to(next(self.teacher.parameters()).device)
+        if self.plain_heads:
             with torch.no_grad():
-                target = self.teacher(input_ids=ids.to(teacher_device)).logits
+                target = self.teacher.get_decoder()(input_ids=teacher_ids).last_hidden_state
+            with final_hidden_states(model) as captured:
+                outputs = model(input_ids=ids, logits_to_keep=1)  # the logits come chunk by chunk below
+            student, heads = captured[-1], (self._student_head(model), self.teacher.get_output_embeddings())
+        else:  # logits post-processed by the family's forward: KL of the forwards' own logits
+            with torch.no_grad():
+                target = self.teacher(input_ids=teacher_ids).logits
             outputs = model(input_ids=ids)
-            loss = chunked_kd_loss(outputs.logits, target, labels, nn.Identity(), nn.Identity(),
-                                   kd_weight=self.kd_weight, chunk=self.kl_chunk)
-            return (loss, outputs) if return_outputs else loss
-        with torch.no_grad():
-            teacher_hidden = self.teacher.get_decoder()(input_ids=ids.to(teacher_device)).last_hidden_state
-        with final_hidden_states(model) as captured:
-            outputs = model(input_ids=ids, logits_to_keep=1)  # the logits come chunk by chunk below
-        loss = chunked_kd_loss(captured[-1], teacher_hidden, labels, self._student_head(model),
-                               self.teacher.get_output_embeddings(), kd_weight=self.kd_weight, chunk=self.kl_chunk)
+            student, heads = outputs.logits, (nn.Identity(), nn.Identity())
+        loss = chunked_kd_loss(student, target, labels, *heads, kd_weight=self.kd_weight, chunk=self.kl_chunk)
         return (loss, outputs) if return_outputs else loss
 
     def _student_head(self, model: nn.Module) -> Head:
