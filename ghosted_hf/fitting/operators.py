@@ -293,6 +293,7 @@ def fit_folded(stats: CalibrationStatistics, s: int, e: int, ridge: float, *, ro
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     delta = torch.zeros_like(gram)  # T - I: Z = X_s + M delta (no M without the transform: all its terms 0)
     mm, m_source, m_target = stats.mlp_terms(s, e) if transform else (delta, delta, delta)  # M^T M, M^T X_s, M^T X_e
+    system = mm + ridge_epsilon(mm, ridge) * eye  # the same ridge system at every iteration
     residual = float("inf")
     # Each iteration solves a C x C system: minutes for a wide model, so a bar shows once it takes 2 s.
     for _ in tqdm(range(iterations), desc=f"Folding the boundary before layer {e}: alternating fits", leave=False,
@@ -310,7 +311,7 @@ def fit_folded(stats: CalibrationStatistics, s: int, e: int, ridge: float, *, ro
         if not transform or previous - residual <= 1e-12 * energy:
             break
         # c M (T - I) ~ X_e Q^T - c X_s
-        delta = torch.linalg.solve(mm + ridge_epsilon(mm, ridge) * eye, m_target @ q.T / c - m_source)
+        delta = torch.linalg.solve(system, m_target @ q.T / c - m_source)
     return c, q, (eye + delta if transform else None), max(residual, 0.0)
 
 

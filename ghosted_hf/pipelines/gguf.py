@@ -142,9 +142,15 @@ def field_value(field: Any) -> tuple[Any, Any, Any]:
 def layer_order(depth: int, blocks: dict[int, torch.Tensor], mlp_maps: Iterable[int] = ()) -> list[tuple[str, int]]:
     """The new layers in order: ("block", position) before each position of `blocks`, ("layer", i) for base layer i,
     ("mlp", i) after base layer i whose MLP is a map."""
-    order = ([("block", i) for i in blocks if i <= depth] + [("layer", i) for i in range(depth)]
-             + [("mlp", i) for i in set(mlp_maps) if i < depth])
-    return sorted(order, key=lambda item: (item[1], ("block", "layer", "mlp").index(item[0])))
+    mlp, order = set(mlp_maps), []
+    for i in range(depth + 1):
+        if i in blocks:
+            order.append(("block", i))
+        if i < depth:
+            order.append(("layer", i))
+            if i in mlp:
+                order.append(("mlp", i))
+    return order
 
 
 def write_deci_metadata(writer: Any, fields: dict[str, Any], order: list[tuple[str, int]],
@@ -284,6 +290,6 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     logger.info("Wrote %s: %d layers, %d of them linear-attention blocks.", output,
-                model.config.text_config.num_hidden_layers + len(blocks) + len(maps.mlp),
+                len(layer_order(model.config.text_config.num_hidden_layers, blocks, maps.mlp)),
                 len(blocks) + len(maps.attention) + len(maps.mlp))
     return output

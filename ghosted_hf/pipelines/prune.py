@@ -183,8 +183,12 @@ def statistics_plan(depth: int, options: PruneOptions) -> StatisticsPlan:
     sequential fits of later boundaries need passes on the chosen layers (pass calibration text then)."""
     chosen, kind = criterion(options.criterion), operator_kind(options.operator)
     request = selection_request(depth, options)
-    spans = (chosen.spans(request) if isinstance(chosen, ContiguousCriterion) else
-             boundary_spans(depth, sorted(options.layers)) if chosen.takes_layers else [])
+    if isinstance(chosen, ContiguousCriterion):
+        spans = chosen.spans(request)
+    elif chosen.takes_layers:
+        spans = boundary_spans(depth, sorted(options.layers))
+    else:
+        spans = []
     return StatisticsPlan.union([chosen.statistics(request), *(kind.statistics(s, e) for s, e in spans)])
 
 
