@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -272,3 +273,37 @@ def test_a_process_whose_peers_never_start_stops_with_one_line(command: str, den
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert "Process 0 of 2 found no peers at 127.0.0.1" in last and "within 3 s" in last, last
+
+def run_leaving_rank(rank: int, world: int, port: int, out: str, case: str) -> None:
+    """Rank 0 writes for 2 s before the command ends on both (completed, or failed on `case`'s ranks); rank 1
+    reports whether the write was there when it left the group, and what it logged."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), GHOSTED_DISTRIBUTED_TIMEOUT="60")
+    import logging
+    import time
+
+    from ghosted_hf.utils.distributed import init_distributed, leave_process_group
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("ghosted_hf").addHandler(handler)
+    assert init_distributed()
+    written = Path(out, "written")
+    if rank == 0:
+        time.sleep(2)
+        written.write_text("model")
+    failed = {"completed": (), "both failed": (0, 1), "main failed": (0,)}[case]
+    leave_process_group(completed=rank not in failed)
+    Path(out, f"rank{rank}.txt").write_text(f"saw the write: {written.exists()}; logged: {records}")
+
+
+@pytest.mark.parametrize("case", ["completed", "both failed", "main failed"])
+def test_after_a_command_processes_leave_once_the_main_one_has_written(case: str, tmp_path: Path) -> None:
+    """A peer leaving early (and crashing in its teardown) would have its launcher end the main process mid-write.
+    After a failure nobody waits (peers may never come), and a process whose peer failed says so in one line."""
+    started = time.monotonic()
+    saw = rank_messages(run_leaving_rank, tmp_path, case, timeout=120)[1]
+    assert time.monotonic() - started < 100
+    assert saw.startswith(f"saw the write: {case != 'both failed'}; logged: "), saw
+    assert ("Process 1 of 2 finished, but its peers did not" in saw) == (case == "main failed"), saw

@@ -92,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose)
     command = args.command + (f" {args.action}" if getattr(args, "action", None) else "")
+    completed = False
     try:
-        return args.handler(args)
+        status = args.handler(args)
+        completed = True
+        return status
     except (GhostedError, OSError) as error:
         # Bad input (ours, or files and Hub ids that do not exist or cannot be read): one line.
         message = " ".join(str(error).split()) or type(error).__name__
@@ -106,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
               "it to the ghosted_hf issue tracker with the traceback above and the command you ran.", file=sys.stderr)
         return 1
     finally:
-        import torch.distributed as dist
+        from ..utils.distributed import leave_process_group
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group(completed)

@@ -105,6 +105,24 @@ def is_main_process() -> bool:
     return process_rank()[0] == 0
 
 
+def leave_process_group(completed: bool) -> None:
+    """End of a command. After success every process waits for the others (the main one may still be writing)
+    before any leaves: a launcher ends all processes once one exits abnormally, so a peer that crashed in its own
+    teardown would take the main process's write down with it. After a failure no wait: peers may never arrive."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if completed and dist.get_world_size() > 1:
+            dist.barrier()
+    except RuntimeError as error:  # a peer failed (it says why itself) or never came within the timeout
+        logger.error("Process %d of %d finished, but its peers did not: %s", dist.get_rank(), dist.get_world_size(),
+                     str(error).splitlines()[0][:200])
+    finally:
+        dist.destroy_process_group()
+
+
 def check_agreement(claims: Mapping[str, str]) -> None:
     """Before any work: every process must run the same model, data and options (their hashes in `claims`).
     A process that differs fails every process with one line naming it and what differs."""
