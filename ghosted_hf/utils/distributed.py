@@ -108,7 +108,9 @@ def is_main_process() -> bool:
 def leave_process_group(completed: bool) -> None:
     """End of a command. After success every process waits for the others (the main one may still be writing)
     before any leaves: a launcher ends all processes once one exits abnormally, so a peer that crashed in its own
-    teardown would take the main process's write down with it. After a failure no wait: peers may never arrive."""
+    teardown would take the main process's write down with it. gloo's barrier also waits for every collective issued
+    before it: one still running in gloo's threads while the interpreter shuts down can abort the process. After a
+    failure no wait: peers may never arrive."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
