@@ -274,13 +274,13 @@ def test_a_process_whose_peers_never_start_stops_with_one_line(command: str, den
     last = done.stderr.strip().splitlines()[-1]
     assert "Process 0 of 2 found no peers at 127.0.0.1" in last and "within 3 s" in last, last
 
+
 def run_leaving_rank(rank: int, world: int, port: int, out: str, case: str) -> None:
     """Rank 0 writes for 2 s before the command ends on both (completed, or failed on `case`'s ranks); rank 1
     reports whether the write was there when it left the group, and what it logged."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), GHOSTED_DISTRIBUTED_TIMEOUT="60")
     import logging
-    import time
 
     from ghosted_hf.utils.distributed import init_distributed, leave_process_group
 
