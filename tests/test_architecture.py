@@ -10,6 +10,7 @@ PACKAGE = Path(__file__).parents[1] / "ghosted_hf"
 # text -> statistics -> operators/selection -> model -> files -> pipelines -> CLI; the packages are the stages
 LAYERS = {
     0: {"errors", "architectures", "utils.__init__", "utils.registry", "utils.hadamard", "utils.network", "utils.diskio",
+        "utils.inputs", "utils.memory",
         "utils.hashing", "remote.configuration_ghosted", "remote.modeling_ghosted"},
     1: {"text.__init__", "text.documents", "text.tokens", "assets", "utils.distributed", "model.checkpoint",
         "model.provenance"},

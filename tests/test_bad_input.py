@@ -251,7 +251,7 @@ def test_a_folder_whose_config_does_not_describe_its_weights_is_refused_by_every
     cal = tmp_path / "cal.txt"
     cases = {"10^6 layers": ({"num_hidden_layers": 10**6}, "claims 1000000 decoder layers, but the weight files hold 6"),
              "another MLP width": ({"intermediate_size": 65}, "claims (hidden_size, intermediate_size) = (32, 65)"),
-             "a string depth": ({"num_hidden_layers": "6"}, "num_hidden_layers should be a positive integer")}
+             "a string depth": ({"num_hidden_layers": "6"}, "num_hidden_layers must be a positive integer, and is '6'")}
     for name, (change, message) in cases.items():
         folder = tmp_path / name.replace(" ", "_").replace("^", "")
         shutil.copytree(dense_folder, folder)
@@ -417,3 +417,157 @@ def test_a_second_demo_run_replaces_its_own_default_output(dense_folder: Path, t
     (tmp_path / "mine" / "keep.txt").write_text("mine")
     err = one_line_error(capsys, "demo", "--model", dense_folder, "--output", tmp_path / "mine")
     assert "already exists; pass --overwrite" in err
+
+
+def _tree_digest(path: Path) -> dict[str, bytes]:
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {str(p): p.read_bytes() for p in files}
+
+
+@pytest.mark.parametrize("command", ["prune", "demo", "stats collect", "stats merge", "heal teacher base",
+                                     "heal resume", "export-stock", "export-gguf"])
+def test_overwrite_never_removes_a_path_the_command_read(command: str, dense_folder: Path, tmp_path: Path, capsys,
+                                                         monkeypatch) -> None:
+    """Every path a command reads is an input, however it was reached (the packaged model's cache folder, the teacher
+    'base' resolved from the model's provenance, a checkpoint resumed from, llama.cpp's converter, a statistics file):
+    `--overwrite` onto it is refused in one line and the input is left as it was. (eval, inspect and push write
+    nothing.)"""
+    import json
+    import shutil
+
+    from ghosted_hf import assets
+
+    monkeypatch.setenv("GHOSTED_HF_CACHE", str(tmp_path / "cache"))  # the packaged default: a copy of the tiny model
+    packaged = assets.cache_root() / assets.PACKAGED_MODELS[assets.DEFAULT_MODEL].hub_id.split("/")[1]
+    shutil.copytree(dense_folder, packaged)
+    (packaged / assets.SOURCE_FILE).write_text(json.dumps({"hub_id": "test/tiny"}))
+    cal = tmp_path / "cal.txt"
+    fit = ["--calibration", cal, "--num-layers", "2", "--seq-len", "48", "--num-sequences", "16"]
+    ghosted, stats = tmp_path / "ghosted", tmp_path / "s.safetensors"
+    if command in ("heal teacher base", "heal resume", "export-stock", "export-gguf"):
+        assert main([str(a) for a in ["prune", dense_folder, *fit, "--output", ghosted]]) == 0
+    if command == "stats merge":
+        assert main([str(a) for a in ["stats", "collect", dense_folder, *fit, "--output", stats]]) == 0
+    checkpoint = tmp_path / "run" / "ck" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(cal, data / "cal.txt")
+    converter = tmp_path / "cpp" / "convert_hf_to_gguf.py"
+    converter.parent.mkdir()
+    converter.write_text("print('the converter')\n")
+    argv, read = {  # the command's arguments, and the input its output would replace
+        "prune": (["prune", *fit, "--output", packaged], packaged),
+        "demo": (["demo", "--output", packaged], packaged),
+        "stats collect": (["stats", "collect", *fit, "--output", packaged / "model.safetensors"], packaged),
+        "stats merge": (["stats", "merge", stats, "--output", stats], stats),
+        "heal teacher base": (["heal", ghosted, "--teacher", "base", "--max-steps", "1", "--output", dense_folder],
+                              dense_folder),
+        "heal resume": (["heal", ghosted, "--resume", checkpoint, "--max-steps", "1", "--output", tmp_path / "run"],
+                        checkpoint),
+        "export-stock": (["export-stock", ghosted, "--calibration", data / "cal.txt", "--output", data], data / "cal.txt"),
+        "export-gguf": (["export-gguf", ghosted, converter, "--llama-cpp", converter.parent], converter),
+    }[command]
+    before = _tree_digest(read)
+    err = one_line_error(capsys, *argv, "--overwrite")
+    assert "write it somewhere else" in err and str(read) in err, err
+    assert _tree_digest(read) == before
+
+
+def test_claimed_sizes_are_checked_against_the_weight_headers_before_anything_is_allocated(
+        dense_folder: Path, tmp_path: Path) -> None:
+    """Under `ulimit -v` 4 GB, inspect, eval and prune refuse in one line (exit status 2, within 10 s each) a config
+    claiming 10^9 layers, a GPT-2 folder whose config says mistral (a default Mistral-7B would be built), an index
+    naming 10^6 layers its files do not hold, a config with num_attention_heads 0, and a calibration batch larger
+    than memory; the remote code alone (no ghosted_hf) refuses a ghosted folder claiming 10^9 layers, one whose
+    model.safetensors is empty, and one with num_attention_heads 0, with a ValueError naming the problem."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from isolated import run_without_ghosted
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def variant(name: str, source: Path, change) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(source, folder)
+        config = json.loads((folder / "config.json").read_text())
+        change(config, folder)
+        (folder / "config.json").write_text(json.dumps(config))
+        return folder
+
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128)).save_pretrained(tmp_path / "gpt2")
+    char_tokenizer().save_pretrained(tmp_path / "gpt2")
+
+    def index_of_many_layers(config: dict, folder: Path) -> None:
+        names = {f"model.layers.{i}.mlp.down_proj.weight": "model.safetensors" for i in range(10**6)}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+        config["num_hidden_layers"] = 10**6
+
+    cases = {
+        variant("layers", dense_folder, lambda c, f: c.update(num_hidden_layers=10**9)):
+            "claims 1000000000 decoder layers, but the weight files hold 6",
+        variant("mistral", tmp_path / "gpt2", lambda c, f: c.update(model_type="mistral")):
+            "describes a mistral model of 6,980,112,384 parameters, but the weight files hold 62,336 values",
+        variant("index", dense_folder, index_of_many_layers): "names 999994 tensors that its files do not hold",
+        variant("heads", dense_folder, lambda c, f: c.update(num_attention_heads=0)):
+            "num_attention_heads must be a positive integer, and is 0",
+    }
+    cal = tmp_path / "cal.txt"
+    argvs = []
+    for folder, message in cases.items():
+        for argv in (["inspect", folder], ["eval", folder, "--windows", "1"],
+                     ["prune", folder, "--calibration", cal, "--num-layers", "1", "--dry-run"]):
+            argvs.append(([str(a) for a in argv], message))
+    argvs.append((["prune", str(dense_folder), "--calibration", str(cal), "--batch-size", "100000", "--num-sequences",
+                   "100000", "--seq-len", "8", "--num-layers", "2", "--dry-run"],  # a tiny text, 1 MiB of memory below
+                  "batch_size: one forward of "))
+    script = """
+import contextlib, io, json, resource, sys, time
+from ghosted_hf.utils import memory
+memory.available_bytes = lambda: 2**20  # the calibration batch of the last case: 1 MiB available
+resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
+from ghosted_hf.cli import main
+for argv, message in json.loads(sys.argv[1]):
+    err, start = io.StringIO(), time.monotonic()
+    with contextlib.redirect_stderr(err):
+        status = main(argv)
+    lines = [line for line in err.getvalue().splitlines() if "error:" in line]
+    assert status == 2 and len(lines) == 1 and message in lines[0], (argv, status, err.getvalue())
+    assert time.monotonic() - start < 10, (argv, time.monotonic() - start)
+print("REFUSED", len(sys.argv[1]))
+"""
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(argvs)], capture_output=True, text=True,
+                          cwd=Path(__file__).parent, timeout=600)
+    assert done.returncode == 0 and "REFUSED" in done.stdout, done.stderr[-3000:]
+
+    ghosted = tmp_path / "ghosted"
+    assert main([str(a) for a in ["prune", dense_folder, "--calibration", cal, "--num-layers", "2", "--seq-len", "48",
+                                  "--num-sequences", "16", "--output", ghosted]]) == 0
+    remote = {
+        variant("g-layers", ghosted, lambda c, f: (c["text_config"].update(num_hidden_layers=10**9),
+                                                   c.update(original_num_hidden_layers=10**9 + 2))):
+            "claims 1000000000 decoder layers (text_config.num_hidden_layers), but the weight files hold 4",
+        variant("g-empty", ghosted, lambda c, f: (f / "model.safetensors").write_bytes(b"")):
+            "model.safetensors is empty or truncated (0 bytes)",
+        variant("g-heads", ghosted, lambda c, f: c["text_config"].update(num_attention_heads=0)):
+            "text_config.num_attention_heads must be a positive integer, and is 0",
+    }
+    out = run_without_ghosted(f"""
+        import resource, time
+        resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
+        from transformers import AutoModelForCausalLM
+        for folder, message in {[(str(k), v) for k, v in remote.items()]!r}:
+            start = time.monotonic()
+            try:
+                AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+            except ValueError as error:
+                assert message in str(error), (folder, str(error))
+            else:
+                raise AssertionError(folder + " loaded")
+            assert time.monotonic() - start < 10, folder
+        print("REFUSED")
+        """, tmp_path)
+    assert "REFUSED" in out

@@ -415,7 +415,7 @@ def test_config_disagreeing_with_tensors_fails_loudly(saved: Path) -> None:
     # is removed, so the config itself is inconsistent.
     config["removed_layers"] = [1, 2, 4]
     (saved / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="Config mismatch: 6 original layers minus 3 removed leaves 3"):
+    with pytest.raises(ValueError, match="original_num_hidden_layers is 6, not the 4 kept layers plus the 3 removed"):
         AutoModelForCausalLM.from_pretrained(saved)
 
 

@@ -10,6 +10,7 @@ import traceback
 
 from ..errors import GhostedError
 from ..options import PruneOptions, add_arguments
+from ..utils.inputs import command_paths
 from .demo import DemoArgs, cmd_demo
 from .evaluate import EvalArgs, cmd_eval
 from .export import ExportArgs, GgufArgs, cmd_export_gguf, cmd_export_stock
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command + (f" {args.action}" if getattr(args, "action", None) else "")
     completed = False
     try:
-        status = args.handler(args)
+        with command_paths():  # every path the command reads is kept from its outputs
+            status = args.handler(args)
         completed = True
         return status
     except (GhostedError, OSError) as error:

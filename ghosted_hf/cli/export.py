@@ -57,10 +57,10 @@ def cmd_export_stock(args: argparse.Namespace) -> int:
 
 def cmd_export_gguf(args: argparse.Namespace) -> int:
     """`ghosted export-gguf`: a normed ghosted model as one llama.cpp GGUF (DeciLM linear-attention blocks)."""
-    from ..pipelines.gguf import export_gguf
+    from ..pipelines.gguf import converter_files, export_gguf
 
     run = from_namespace(GgufArgs, args)
-    output = check_output(run.output, (run.folder,), overwrite=run.overwrite, file=True)
+    output = check_output(run.output, (run.folder, *converter_files(run.llama_cpp)), overwrite=run.overwrite, file=True)
     check_timeout(run.timeout)  # before the model loads
     model, tokenizer = run.load(run.folder)
     export_gguf(model, tokenizer, output, run.llama_cpp, run.outtype, run.timeout)

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from .. import assets
 from ..errors import GhostedError
-from ..io.files import check_output, relation, staged_folder
+from ..io.files import check_output, staged_folder
 from ..model.loading import DTYPES
 from ..options import from_namespace, option
+from ..utils.inputs import relation
 from .common import TEXT_HELP, LoadArgs, OutputArgs
 
 
@@ -40,7 +41,7 @@ def cmd_heal(args: argparse.Namespace) -> int:
     from ..utils.distributed import is_main_process
 
     run, options = from_namespace(HealArgs, args), from_namespace(HealOptions, args)
-    check_output(run.output, (run.folder, run.data, run.eval_data, run.teacher, run.checkpoints),
+    check_output(run.output, (run.folder, run.data, run.eval_data, run.teacher, run.checkpoints, run.resume),
                  overwrite=run.overwrite)
     needs_folder = options.writes_files() or run.resume
     checkpoints = run.checkpoints or (f"{run.output.rstrip('/')}.checkpoints" if needs_folder else None)

@@ -14,6 +14,7 @@ from ..errors import GhostedError, MissingFileError
 from ..model.checkpoint import check_folder, index_weight_map, made_as, weight_map
 from ..remote.modeling_ghosted import check_sizes_against_weights, ghost_records, ghost_tensor_keys, operator_sha256
 from ..remote.modeling_ghosted import staged_folder as remote_staged_folder
+from ..utils.inputs import check_apart, check_write, note_output
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +29,9 @@ def check_output(output: str | os.PathLike | None, inputs: tuple[str | os.PathLi
         raise GhostedError("--output is required.")
     path = Path(output)
     for source in inputs:
-        if source is None or not Path(source).exists():
-            continue  # a Hub id, a packaged model's name
-        if relation(path, source):
-            raise GhostedError(f"--output {path} {relation(path, source)} the input {source}; write it somewhere else.")
+        if source is not None and Path(source).exists():  # not a Hub id, a packaged model's name
+            check_apart(path, source)
+    note_output(path)  # and every path the command reads later, however reached (utils.inputs)
     what = "file" if file else "folder"
     if path.exists() and (path.is_dir() if file else not path.is_dir()):
         raise GhostedError(f"--output {path} exists and is not a {what}; name a {what}.")
@@ -45,20 +45,13 @@ def check_output(output: str | os.PathLike | None, inputs: tuple[str | os.PathLi
     return path
 
 
-def relation(path: str | os.PathLike, other: str | os.PathLike) -> str | None:
-    """How `path` stands to `other` on the disk ("is", "lies inside", "contains"), None when apart (links resolved;
-    neither needs to exist)."""
-    where, found = Path(path).resolve(), Path(other).resolve()
-    return ("is" if where == found else "lies inside" if found in where.parents
-            else "contains" if where in found.parents else None)
-
-
 @contextlib.contextmanager
 def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
     """The remote save's `staged_folder` (a whole folder written beside `target`, or nothing), refusing a file."""
     target = Path(target)
     if target.exists() and not target.is_dir():
         raise GhostedError(f"{target} is an existing file; save to a folder.")
+    check_write(target)
     with remote_staged_folder(target) as staging:
         yield staging
 

@@ -6,11 +6,13 @@ Every file an index lists must be a plain safetensors file of the folder: an ind
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from ..architectures import checked_shapes, layer_of
 from ..errors import GhostedError, MissingFileError
+from ..remote.configuration_ghosted import size_field_problems
 from ..utils.diskio import read_json_object
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -69,32 +71,76 @@ def _plain_file_name(name: object) -> bool:
 
 
 def check_folder(folder: str | Path) -> dict[str, Any]:
-    """Refuse a model folder whose config.json does not describe its weight files (missing files, another number of
-    decoder layers, vocabulary, hidden or MLP size), from the index and the headers alone: seconds, before any model
-    of the claimed size is built. Returns the config."""
+    """Refuse a model folder whose config.json does not describe its weight files (missing files, an index naming
+    tensors its files lack, a size that is no positive integer, another number of decoder layers, vocabulary, hidden
+    or MLP size, a model far larger than the weights), from the index and the headers alone: seconds, and nothing
+    proportional to a claimed size allocated. Returns the config."""
     folder = Path(folder)
-    config = read_json_object(folder / "config.json", "model config")
+    where = folder / "config.json"
+    config = read_json_object(where, "model config")
     names = weight_map(folder)
+    headers = {}
     for file in sorted(set(names.values())):
         if not (folder / file).is_file():
             raise MissingFileError(f"{file} is listed in the safetensors index of {folder} but missing (or not a "
                                    "file); re-download or re-save the model.")
+        headers[file] = _header(folder / file)
+    absent = [key for key, file in names.items() if key not in headers[file]]
+    if absent:
+        raise GhostedError(f"The safetensors index of {folder} names {len(absent)} tensors that its files do not hold "
+                           f"(e.g. {absent[:3]}): the index does not belong to these files; re-save the model.")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    problems = size_field_problems(text, "text_config" if text is not config else "config")
+    if problems:
+        raise GhostedError(f"{where}: {'; '.join(problems)}; the config is damaged.")
     claimed = text.get("num_hidden_layers")
     if claimed is not None:
-        if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed < 1:
-            raise GhostedError(f"{folder / 'config.json'}: num_hidden_layers should be a positive integer, and is "
-                               f"{claimed!r}; the config is damaged.")
         held = {layer_of(name) for name in names} - {None}
-        if not held >= set(range(claimed)) or (made_as(config) is not None and len(held) != claimed):
-            raise GhostedError(f"{folder / 'config.json'} claims {claimed} decoder layers, but the weight files hold "
-                               f"{len(held)}: the config does not belong to these weights; re-save the model.")
+        # counted, not compared with set(range(claimed)): a claim of 10**9 layers must cost nothing
+        if sum(1 for i in held if i < claimed) != claimed or (made_as(config) is not None and len(held) != claimed):
+            raise GhostedError(f"{where} claims {claimed} decoder layers, but the weight files hold {len(held)}: the "
+                               "config does not belong to these weights; re-save the model.")
+        original, removed = config.get("original_num_hidden_layers"), config.get("removed_layers")
+        if made_as(config) == "ghosted" and original is not None and \
+                original != claimed + len(removed if isinstance(removed, list) else ()):
+            raise GhostedError(f"{where}: original_num_hidden_layers is {original!r}, not the {claimed} kept layers "
+                               "plus the removed ones; the config is damaged.")
     expected = checked_shapes(text)
     for key in [key for key in expected if key in names]:
-        shape = _header(folder / names[key], [key])[key]
+        shape = headers[names[key]][key]
         sizes, fields = [text.get(field) for field in expected[key]], ", ".join(expected[key])
         if all(isinstance(v, int) for v in sizes) and shape != sizes:
-            raise GhostedError(f"{folder / 'config.json'} claims ({fields}) = {tuple(sizes)}, but {key} in the weight "
+            raise GhostedError(f"{where} claims ({fields}) = {tuple(sizes)}, but {key} in the weight "
                                f"files is {tuple(shape)}: the config does not belong to these weights; re-save the "
                                "model.")
+    held_values = sum(math.prod(shape) for header in headers.values() for shape in header.values())
+    built = claimed_parameters(config, where)
+    if built is not None and built > 2 * held_values + 1_000_000:  # an untied head at most doubles a small model
+        raise GhostedError(f"{where} describes a {config.get('model_type')} model of {built:,} parameters, but the "
+                           f"weight files hold {held_values:,} values: the config does not belong to these weights "
+                           "(nothing was built); re-save the model.")
     return config
+
+
+def claimed_parameters(config: dict[str, Any], where: Path) -> int | None:
+    """How many parameters the model a config dict describes would have, counted on the meta device (nothing
+    allocated); None where transformers has no class for it here (remote code, a quantized checkpoint)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if config.get("quantization_config") is not None or not isinstance(model_type, str) \
+            or model_type not in CONFIG_MAPPING:
+        return None
+    try:
+        built = CONFIG_MAPPING[model_type].from_dict(config)
+        if type(built) not in AutoModelForCausalLM._model_mapping:
+            return None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(built)
+    except Exception as error:  # the family's own config and model classes: whatever they raise, the file is at fault
+        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        raise GhostedError(f"{where} does not describe a model transformers can build ({type(error).__name__}: "
+                           f"{reason}); the config is damaged.") from None
+    return sum(p.numel() for p in model.parameters())

@@ -11,6 +11,7 @@ import torch
 
 from .. import assets
 from ..errors import GhostedError, MissingFileError
+from ..utils.inputs import note_read
 from ..utils.network import HUB_TIMEOUT_S
 from .checkpoint import check_folder
 
@@ -19,8 +20,9 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve(ref: str | None) -> str:
-    """The packaged default model's folder for None, else a local folder or Hub id that exists."""
+def resolve(ref: str | None, what: str = "model") -> str:
+    """The packaged default model's folder for None, else a local folder or Hub id that exists; noted as read by the
+    running command (a Hub id: its local cache), `what` it is in messages."""
     resolved = assets.resolve_model(ref)
     path = Path(resolved)
     if path.exists() or ref is None:
@@ -28,8 +30,13 @@ def resolve(ref: str | None) -> str:
             raise GhostedError(f"{path} is a file; pass the model's folder (holding config.json) or a Hub id.")
         if not (path / "config.json").is_file():
             raise MissingFileError(f"{path} holds no config.json: it is not a saved model folder.")
+        note_read(path, what)
     elif resolved.startswith((".", "/", "~")) or resolved.count("/") > 1 or not assets.HUB_ID.match(resolved):
         raise MissingFileError(f"Model folder {resolved} does not exist (and it is not a Hub id such as org/name).")
+    else:
+        from huggingface_hub import constants
+
+        note_read(Path(constants.HF_HUB_CACHE) / f"models--{resolved.replace('/', '--')}", f"cache of {what}")
     return resolved
 
 

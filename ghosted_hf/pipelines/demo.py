@@ -73,7 +73,7 @@ def run_demo(output: str | Path, options: PruneOptions | None = None, model: str
              eval_windows: int = 16, eval_seq_len: int = 512) -> list[Row]:
     """Prune `model` (a packaged model's name, a folder or Hub id; default: SmolLM2-135M) with `options`, save it to `output`, and
     measure dense, plainly pruned and ghosted models on the held-out Wikipedia articles."""
-    folder = assets.resolve_model(model)
+    folder = loading.resolve(model)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
     def load():

@@ -36,8 +36,8 @@ def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSou
     if normed:
         raise GhostedError(f"The boundaries after removed layers {normed} have a normed term, which export_stock "
                            "cannot imitate: prune the dense model with operator='folded' for a stock checkpoint.")
-    data = calibration_tokens(tokenizer, calibration, options, model.get_input_embeddings().weight.shape[0],
-                              model.config.hidden_size)  # the rules `ghost_prune` applies
+    data = calibration_tokens(tokenizer, calibration, options, model.config,
+                              model.get_input_embeddings().weight.shape[0])  # the rules `ghost_prune` applies
     for record in model.config.ghost_boundaries:
         operator = model.get_parameter(ghost_tensor_key(record))
         s = record["layer"] if record["target"] == LAYER_TARGET else model.config.num_hidden_layers  # pruned numbering

@@ -30,6 +30,7 @@ from ..remote.modeling_ghosted import GhostedForCausalLM
 from ..statistics import (CalibrationPass, CalibrationStatistics, Calibrator, Patch, ShardSpec, StatisticsPlan,
                           as_calibration_pass, check_same_model)
 from ..text.tokens import TextSource, TokenBatches, tokenize_texts
+from ..utils.memory import check_batch_memory
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
     depth, width = calibration_pass.config.num_hidden_layers, calibration_pass.config.hidden_size
     if calibration is None or tokenizer is None:
         raise GhostedError(f"{unit} fits each map on calibration text: pass a tokenizer and calibration text.")
-    data = calibration_tokens(tokenizer, calibration, options, calibration_pass.vocab_size, width)
+    data = calibration_tokens(tokenizer, calibration, options, calibration_pass.config, calibration_pass.vocab_size)
     calibrator = Calibrator(calibration_pass, data)
     if calibrator.world > 1:
         raise GhostedError(f"{unit} runs in one process: launch it without torch.distributed.")
@@ -328,8 +329,8 @@ def prepare_calibration(calibration_pass: CalibrationPass, tokenizer: Any, calib
         return None, statistics
     if tokenizer is None:
         raise GhostedError("A tokenizer is needed to tokenize the calibration text.")
-    data = calibration_tokens(tokenizer, calibration, options, calibration_pass.vocab_size,
-                              calibration_pass.config.hidden_size, operator_kind(options.operator).regressors)
+    data = calibration_tokens(tokenizer, calibration, options, calibration_pass.config, calibration_pass.vocab_size,
+                              operator_kind(options.operator).regressors)
     return data, statistics
 
 
@@ -355,16 +356,18 @@ def calibrate(model: PreTrainedModel | CalibrationPass, tokenizer: Any, calibrat
 
 
 def calibration_tokens(tokenizer: Any, calibration: TextSource, options: PruneOptions | ExportOptions,
-                       vocab_size: int, hidden_size: int, regressors: int = 1) -> TokenBatches:
+                       config: PretrainedConfig, vocab_size: int, regressors: int = 1) -> TokenBatches:
     """The calibration windows `options` ask for (read by the one text reader), checked against the model's vocabulary
-    and against the text a fit of `regressors` x C inputs needs."""
+    (`vocab_size` rows of its embedding), the memory a batch needs and the text a fit of `regressors` x C inputs
+    needs."""
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size,
                           options.text_column, split=options.split, streaming=options.streaming)
+    check_batch_memory(*data.batches[0]["input_ids"].shape, config, "batch_size")  # before any forward
     top = max(int(b["input_ids"].max()) for b in data.batches)
     if top >= vocab_size:  # a tokenizer of another model
         raise GhostedError(f"The tokenizer produced token id {top}, but the model's embedding has {vocab_size} rows: "
                            "the tokenizer does not belong to this model. Load the tokenizer from the model's own folder.")
-    check_token_budget(data.num_tokens, hidden_size, regressors)
+    check_token_budget(data.num_tokens, config.hidden_size, regressors)
     return data
 
 

@@ -12,6 +12,10 @@ docs/reference/format.md; `ghost_format_version` says which version a checkpoint
 
 from __future__ import annotations
 
+import json
+import os
+import struct
+from pathlib import Path
 from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
@@ -33,6 +37,10 @@ NORMED_EPS = 1e-6
 # 1.2 adds replaced sub-blocks (`ghost_subblocks`): the attention or MLP module of a kept layer is a linear map.
 SUBBLOCK_KINDS = ("attention", "mlp")
 _READY = "_ghosted_init_done"
+# Sizes a config states that something proportional to is built: each must be a positive integer where present.
+SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
+               "num_key_value_heads", "head_dim")
+_EMBEDDING = "model.embed_tokens.weight"
 
 
 class GhostedConfig(PretrainedConfig):
@@ -69,6 +77,13 @@ class GhostedConfig(PretrainedConfig):
     """
 
     model_type = "ghosted"
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        # Before the base decoder's config is built: some build per-layer lists as long as the claimed depth.
+        if args and isinstance(args[0], (str, os.PathLike)):
+            check_sizes_against_weights(str(args[0]), kwargs)
+        return super().from_pretrained(*args, **kwargs)
     if SubConfigSpec is not None:
         sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
     else:
@@ -137,10 +152,10 @@ class GhostedConfig(PretrainedConfig):
         if self.operator_dtype not in OPERATOR_DTYPES:
             raise ValueError(f"operator_dtype must be one of {OPERATOR_DTYPES}, got {self.operator_dtype!r}.")
         total, removed = self.original_num_hidden_layers, self.removed_layers
-        if sorted(set(removed)) != removed or any(not 0 <= i < total for i in removed):
+        if not isinstance(total, int) or sorted(set(removed)) != removed or any(not 0 <= i < total for i in removed):
             raise ValueError(f"removed_layers must be sorted, unique and in [0, {total}); got {removed}.")
         kept = total - len(removed)
-        if text.num_hidden_layers != kept:
+        if text.num_hidden_layers != kept:  # before anything as long as `total` is built
             raise ValueError(
                 f"Config mismatch: {total} original layers minus {len(removed)} removed leaves {kept}, "
                 f"but text_config.num_hidden_layers is {text.num_hidden_layers}."
@@ -250,3 +265,104 @@ def pruned_index(layer: int, removed: list[int]) -> int:
 
 
 __all__ = ["GhostedConfig"]
+
+
+def size_field_problems(text: dict[str, Any], where: str = "text_config") -> list[str]:
+    """What is wrong with a config dict's size fields (`SIZE_FIELDS`): each must be a positive integer."""
+    return [f"{where}.{name} must be a positive integer, and is {text[name]!r}" for name in SIZE_FIELDS
+            if text.get(name) is not None and (type(text[name]) is not int or text[name] < 1)]
+
+
+def safetensors_header(file: str) -> dict[str, Any]:
+    """A safetensors file's header (tensor name -> dtype, shape, offsets), read without the tensors."""
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{file} is empty or truncated ({len(head)} bytes): it is not a safetensors file; "
+                             "download or save the model again.")
+        (length,) = struct.unpack("<Q", head)
+        if length > 100_000_000:  # a header of more than 100 MB is no safetensors header
+            raise ValueError(f"{file} is not a safetensors file (header length {length}).")
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError:
+            header = None
+        if not isinstance(header, dict):
+            raise ValueError(f"{file} is damaged: its safetensors header is not readable; download or save the model "
+                             "again.")
+        return header
+
+
+def _locator(path: str, kwargs: dict[str, Any]):
+    """A function from a file name of the checkpoint to its local path (None where it has no such file),
+    with the location arguments `from_pretrained` was given."""
+    from transformers.utils import cached_file
+
+    options = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "subfolder") if k in kwargs}
+    return lambda name: cached_file(path, name, _raise_exceptions_for_missing_entries=False, **options)
+
+
+def _checkpoint_layout(locate) -> tuple[list[str], list[int] | None] | None:
+    """(the tensor names of a checkpoint's safetensors files, the embedding's shape), reading only the index and
+    headers; None where they cannot be located here. Every name an index lists must be in its file's header."""
+    try:
+        index = locate("model.safetensors.index.json")
+        single = None if index is not None else locate("model.safetensors")
+    except OSError:
+        return None
+    if index is None and single is None:
+        return None
+    if index is None:
+        header = safetensors_header(single)
+        return [k for k in header if k != "__metadata__"], (header.get(_EMBEDDING) or {}).get("shape")
+    try:
+        weight_map = json.loads(Path(index).read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{index} is not a readable safetensors index; download or save the model again.") from None
+    headers = {}
+    for name in files:
+        local = locate(name) if isinstance(name, str) and Path(name).name == name else None
+        if local is None:
+            return None  # not here (a Hub checkpoint not downloaded yet): from_pretrained fetches and checks it
+        headers[name] = safetensors_header(local)
+    absent = [key for key, name in weight_map.items() if key not in headers[name]]
+    if absent:
+        raise ValueError(f"{index} names {len(absent)} tensors that its files do not hold (e.g. {absent[:3]}): the "
+                         "index does not belong to these files; download or save the model again.")
+    holder = weight_map.get(_EMBEDDING)
+    return list(weight_map), (headers[holder].get(_EMBEDDING) or {}).get("shape") if holder else None
+
+
+def check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
+    """Refuse a config.json whose sizes (decoder layers, vocabulary, hidden size) are not those of its weight
+    files, before anything of the claimed size is allocated."""
+    locate = _locator(path, kwargs)
+    try:
+        config = json.loads(Path(locate("config.json")).read_text())
+        text = config.get("text_config", {})
+    except (OSError, ValueError, TypeError, AttributeError):
+        return  # no readable config here: from_pretrained itself reports that
+    if not isinstance(text, dict):
+        return
+    problems = size_field_problems(text)
+    removed, original = config.get("removed_layers") or [], config.get("original_num_hidden_layers")
+    if not problems and isinstance(removed, list) and text.get("num_hidden_layers") is not None \
+            and original is not None and original != text["num_hidden_layers"] + len(removed):
+        problems.append(f"original_num_hidden_layers is {original!r}, not the {text['num_hidden_layers']} kept layers "
+                        f"plus the {len(removed)} removed")
+    if problems:
+        raise ValueError(f"config.json is damaged: {'; '.join(problems)}. Save the model again.")
+    layout = _checkpoint_layout(locate)
+    if layout is None:
+        return
+    names, embedding = layout
+    claimed = text.get("num_hidden_layers")
+    held = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    if isinstance(claimed, int) and (len(held) != claimed or (held and max(held) != claimed - 1)):
+        raise ValueError(f"config.json claims {claimed} decoder layers (text_config.num_hidden_layers), but the "
+                         f"weight files hold {len(held)}: the config does not belong to these weights.")
+    sizes = [text.get("vocab_size"), text.get("hidden_size")]
+    if embedding is not None and sizes != list(embedding):
+        raise ValueError(f"config.json claims a vocabulary of {sizes[0]} and a hidden size of {sizes[1]}, but the "
+                         f"weight files' embedding is {list(embedding)}: the config does not belong to these weights.")

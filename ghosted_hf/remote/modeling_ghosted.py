@@ -21,12 +21,10 @@ import contextlib
 import fnmatch
 import glob
 import hashlib
-import json
 import logging
 import os
 import shutil
 import socket
-import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +34,8 @@ import torch
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, LlamaForCausalLM, PreTrainedModel
 
-from .configuration_ghosted import LAYER_TARGET, NORMED_EPS, OPERATOR_DTYPES, GhostedConfig, required_format_version
+from .configuration_ghosted import (LAYER_TARGET, NORMED_EPS, OPERATOR_DTYPES, GhostedConfig, check_sizes_against_weights,
+                                    required_format_version)
 
 try:  # transformers >= 4.56: a cache is a list of layers
     from transformers.cache_utils import DynamicLayer
@@ -323,69 +322,6 @@ class SubBlockBypass(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.block} replaced by a linear map"
-
-
-_EMBEDDING = "model.embed_tokens.weight"
-
-
-def _safetensors_header(file: str) -> dict[str, Any]:
-    with open(file, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        if length > 100_000_000:  # a header of more than 100 MB is no safetensors header
-            raise ValueError(f"{file} is not a safetensors file (header length {length}).")
-        return json.loads(handle.read(length))
-
-
-def _locator(path: str, kwargs: dict[str, Any]):
-    """A function from a file name of the checkpoint to its local path (None where it has no such file),
-    with the location arguments `from_pretrained` was given."""
-    from transformers.utils import cached_file
-
-    options = {k: kwargs[k] for k in ("revision", "cache_dir", "token", "local_files_only", "subfolder") if k in kwargs}
-    return lambda name: cached_file(path, name, _raise_exceptions_for_missing_entries=False, **options)
-
-
-def _checkpoint_layout(locate) -> tuple[list[str], list[int] | None] | None:
-    """(the tensor names of a checkpoint's safetensors files, the embedding's shape), reading only the index and
-    headers; None where they cannot be located here."""
-    try:
-        index = locate("model.safetensors.index.json")
-        if index is not None:
-            weight_map = json.loads(Path(index).read_text())["weight_map"]
-            names, holder = list(weight_map), weight_map.get(_EMBEDDING)
-            header = _safetensors_header(locate(holder)) if holder and Path(holder).name == holder else {}
-        else:
-            single = locate("model.safetensors")
-            if single is None:
-                return None
-            header = _safetensors_header(single)
-            names = [k for k in header if k != "__metadata__"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return names, (header.get(_EMBEDDING) or {}).get("shape")
-
-
-def check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
-    """Refuse a config.json whose sizes (decoder layers, vocabulary, hidden size) are not those of its weight
-    files, before anything of the claimed size is allocated."""
-    locate = _locator(path, kwargs)
-    try:
-        text = json.loads(Path(locate("config.json")).read_text()).get("text_config", {})
-    except (OSError, ValueError, TypeError, AttributeError):
-        return  # no readable config here: from_pretrained itself reports that
-    layout = _checkpoint_layout(locate)
-    if layout is None or not isinstance(text, dict):
-        return
-    names, embedding = layout
-    claimed = text.get("num_hidden_layers")
-    held = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
-    if isinstance(claimed, int) and (len(held) != claimed or (held and max(held) != claimed - 1)):
-        raise ValueError(f"config.json claims {claimed} decoder layers (text_config.num_hidden_layers), but the "
-                         f"weight files hold {len(held)}: the config does not belong to these weights.")
-    sizes = [text.get("vocab_size"), text.get("hidden_size")]
-    if embedding is not None and sizes != list(embedding):
-        raise ValueError(f"config.json claims a vocabulary of {sizes[0]} and a hidden size of {sizes[1]}, but the "
-                         f"weight files' embedding is {list(embedding)}: the config does not belong to these weights.")
 
 
 def _offloaded_value(model: nn.Module, name: str) -> torch.Tensor | None:

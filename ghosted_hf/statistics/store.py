@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import GhostedError, MissingFileError
 from ..utils.diskio import atomic_write
+from ..utils.inputs import note_read
 from ..utils.hashing import json_sha256, tensor_sha256
 from .declarations import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, NORMED_CROSS,
                            NORMED_GRAM, NORMED_SOURCE, ROTATED_ABS, Entry, parse_key)
@@ -198,6 +199,7 @@ def metadata_sha256(metadata: Mapping[str, str]) -> str:
 
 
 def _read_header(path: str | Path) -> tuple[CalibrationStatistics, dict[str, str]]:
+    note_read(path, "statistics file")
     if not Path(path).is_file():
         raise MissingFileError(f"Statistics file {path} does not exist (or is not a file).")
     try:

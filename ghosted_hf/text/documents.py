@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GhostedError, MissingDependencyError, MissingFileError
+from ..utils.inputs import note_read
 from ..utils.network import HUB_TIMEOUT_S, bounded_network
 
 # file suffix -> the `datasets` builder that reads it; any other file is plain text
@@ -47,6 +48,7 @@ def read_documents(source: TextSource, *, split: str | None = None, text_column:
                            "strings (e.g. [text]), or the path of a file.")
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
+        note_read(path, what.lower())
         if path.is_file() and path.suffix.lower() not in BUILDERS:
             if split is not None or text_column != "text":
                 raise GhostedError(f"{what} {path} is a text file (one document per blank-line-separated block): "

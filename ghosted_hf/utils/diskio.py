@@ -13,12 +13,14 @@ from safetensors import SafetensorError
 
 from ..errors import GhostedError
 from ..remote.modeling_ghosted import process_tag, remove_leftovers
+from .inputs import check_write
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Have `write` write a sibling file of `path`, then move it into place: a kill or a full disk leaves the
     previous file whole (and the sibling is removed, or by the next write if the process was killed)."""
     path = Path(path)
+    check_write(path)
     remove_leftovers(path.parent, f".{path.name}.writing-")
     staged = path.with_name(f".{path.name}.writing-{process_tag()}-{os.urandom(4).hex()}")
     try:

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from ...errors import GhostedError, MissingFileError
-from ...io.files import relation
+from ...utils.inputs import note_read, relation
 from ...remote.modeling_ghosted import process_gone, process_tag, scratch_folder
 from ...statistics.origin import config_sha256, model_fingerprint
 from ...text.tokens import TrainingSequences
@@ -109,11 +109,13 @@ def verified_checkpoint(folder: Path) -> dict[str, Any]:
 def resume_point(checkpoints: Path, resume: str | os.PathLike) -> Path:
     """`resume` as a checkpoint folder: "last" is the newest complete one under `checkpoints`."""
     if str(resume) != "last":
+        note_read(resume, "checkpoint resumed from")
         return Path(resume)
     found = sorted((p for p in checkpoints.glob("checkpoint-*") if (p / CHECKPOINT_RECORD).is_file()),
                    key=lambda p: int(p.name.split("-")[-1]))
     if not found:
         raise MissingFileError(f"No complete checkpoint under {checkpoints} to resume from; start without resume.")
+    note_read(found[-1], "checkpoint resumed from")
     return found[-1]
 
 

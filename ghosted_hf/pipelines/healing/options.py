@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, TrainingArguments
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 
 from ...errors import GhostedError, MissingDependencyError
-from ...io.files import relation
+from ...utils.inputs import relation
 from ...model.checkpoint import made_as
 from ...model.provenance import Provenance
 from ...options import Options, PruneOptions, option, option_fields, positive, same_as

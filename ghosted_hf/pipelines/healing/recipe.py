@@ -18,12 +18,13 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ...architectures import lora_target_parameters, lora_targets
 from ...errors import GhostedError
-from ...model.loading import DTYPES, load_model
+from ...model.loading import DTYPES, load_model, resolve
 from ...model.provenance import Provenance
 from ...remote.modeling_ghosted import GHOST_MODULE
 from ...text.documents import read_documents
 from ...text.tokens import TrainingSequences, training_sequences
 from ...utils.distributed import check_agreement, is_main_process
+from ...utils.memory import check_batch_memory
 from .callbacks import Budget, Progress, Record, Schedule
 from .checkpoints import (agreement_claims, check_same_run, checkpoint_folder, claim_checkpoint_folder, resume_point,
                           run_identity, verified_checkpoint)
@@ -57,6 +58,7 @@ def load_teacher(model: PreTrainedModel, teacher: str, *, dtype: str | None = No
     """The dense model to distill `model` from: "base" (the model it was pruned from, as its provenance records it)
     or a folder / Hub id; in `dtype` (None: the student's), on the GPU the student trains on when there is one."""
     reference = base_model_reference(model) if teacher == "base" else teacher
+    resolve(reference, "teacher")  # noted as read: 'base' may be the very folder the command writes
     names = {value: name for name, value in DTYPES.items()}
     loaded, _ = load_model(reference, dtype=dtype or names.get(model.dtype, "float32"),
                            trust_remote_code=trust_remote_code)
@@ -98,6 +100,7 @@ def heal(
     if isinstance(teacher, str):
         teacher = load_teacher(model, teacher)
     check_meaningful(options, model, teacher, data, eval_data)
+    check_batch_memory(options.per_device_train_batch_size, options.seq_len, model.config, "per_device_train_batch_size")
     if teacher is not None:
         check_same_vocabulary(model, teacher)
     plain_heads = teacher is None or (head_is_plain(model) and head_is_plain(teacher))
