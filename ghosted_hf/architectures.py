@@ -386,6 +386,27 @@ def pruned_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig
     return pruned
 
 
+SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # `layer_types` of softmax attention
+
+
+def layers_to_keep_one_of(config: PretrainedConfig) -> list[int]:
+    """Dense layers of which a pruned model must keep at least one: a hybrid's full-attention layers (transformers
+    builds its attention masks from a full-attention layer's cache, so a hybrid left with linear-attention or
+    state-space layers only fails its first forward). Derived from `layer_types`; empty where nothing is needed."""
+    types = list(getattr(config, "layer_types", None) or [])
+    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    return full if full and any(kind not in SOFTMAX_LAYER_TYPES for kind in types) else []
+
+
+def check_keeps_one_of(config: PretrainedConfig, removed: Iterable[int]) -> None:
+    """Refuse, before any fitting, a removal that takes every layer of `layers_to_keep_one_of`."""
+    needed = layers_to_keep_one_of(config)
+    if needed and set(needed) <= set(removed):
+        raise GhostedError(f"Removing layers {sorted(removed)} leaves this {config.model_type} hybrid without a "
+                           f"full-attention layer, and it builds its attention masks from one: keep at least one of "
+                           f"layers {needed}.")
+
+
 _INDEX_ATTRIBUTE = re.compile(r"(^|_)(idx|index|layer_id|layer_number|layer_num)$")
 
 

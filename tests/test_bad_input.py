@@ -571,3 +571,39 @@ print("REFUSED", len(sys.argv[1]))
         print("REFUSED")
         """, tmp_path)
     assert "REFUSED" in out
+
+
+def test_nothing_that_cannot_run_is_returned_or_saved(monkeypatch) -> None:
+    """A hybrid's removal that takes every full-attention layer is refused before any fitting (by hand, or avoided by
+    the criteria that choose); replacing every layer's attention (a network without token mixing) is refused; and
+    whatever else cannot run is caught by one forward and one cached step of the result before it is returned."""
+    from tiny import tiny_family
+
+    from ghosted_hf.model import surgery
+
+    hybrid = tiny_family("qwen3_5_text")
+    assert hybrid.config.layer_types[1::2] == ["full_attention"] * 3
+    message = (r"Removing layers \[1, 3, 5\] leaves this qwen3_5_text hybrid without a full-attention layer, and it "
+               r"builds its attention masks from one: keep at least one of layers \[1, 3, 5\]")
+    with pytest.raises(GhostedError, match=message):
+        prune_layers(tiny_family("qwen3_5_text"), [1, 3, 5])
+    calls = []
+    monkeypatch.setattr("ghosted_hf.statistics.Calibrator.collect", lambda *a, **k: calls.append(a))
+    with pytest.raises(GhostedError, match=message):
+        ghost_prune(tiny_family("qwen3_5_text"), char_tokenizer(), texts(), criterion="manual", layers=[1, 3, 5], **{
+            k: v for k, v in FAST.items() if k != "num_layers"})
+    assert not calls  # refused before any calibration pass
+    monkeypatch.undo()
+    for chosen in ("ghost-aware", "shortgpt"):
+        removed = ghost_prune(
+            tiny_family("qwen3_5_text"), char_tokenizer(), texts(), **{**FAST, "num_layers": 5, "criterion": chosen}
+        ).config.removed_layers
+        assert {1, 3, 5} - set(removed), (chosen, removed)
+    with pytest.raises(GhostedError, match="Replacing the attention of every layer leaves no token mixing"):
+        ghost_prune(build("llama"), char_tokenizer(), texts(), unit="subblock", criterion="manual",
+                    subblocks=[f"{i}.attention" for i in range(6)], seq_len=48, num_sequences=24)
+    # the last guard: with the rule switched off, the forward check still refuses the hybrid
+    monkeypatch.setattr(surgery, "check_keeps_one_of", lambda config, removed: None)
+    with pytest.raises(GhostedError, match="The pruned model cannot run: one forward and one cached step of a few "
+                                           "tokens failed .*get_mask_sizes"):
+        prune_layers(tiny_family("qwen3_5_text"), [1, 3, 5])

@@ -49,7 +49,9 @@ def check_cache_and_reload(model, tmp_path, names) -> None:
     assert [f"{r['original_layer']}.{r['block']}" for r in config["ghost_subblocks"]] == names
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", trust_remote_code=True)
     with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+        # equal up to float32 rounding: MoE experts may be stored fused and reloaded with other strides (seen unequal
+        # in the last bits under load)
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -7,6 +7,7 @@ registered with `@register`; nothing outside its class compares its name.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -28,6 +29,11 @@ class SelectionRequest:
     ridge: float = 1e-6
     layers: tuple[int, ...] = ()  # explicit indices, for criteria that take them
     operator: str = "ghost"  # the operator kind that will recover the boundary
+    keep_one_of: tuple[int, ...] = ()  # layers of which one must stay (a hybrid's full-attention layers)
+
+    def allows(self, removed: Iterable[int]) -> bool:
+        """Whether a removal keeps one of `keep_one_of`."""
+        return not self.keep_one_of or not set(self.keep_one_of) <= set(removed)
 
 
 @dataclass
@@ -92,7 +98,8 @@ class ContiguousCriterion(Criterion):
 
     def spans(self, request: SelectionRequest) -> list[tuple[int, int]]:
         """Every span this criterion scores (and whose boundary it may choose)."""
-        return candidate_spans(request.depth, request.num_layers, request.first)
+        return [(s, e) for s, e in candidate_spans(request.depth, request.num_layers, request.first)
+                if request.allows(range(s, e))]
 
     def select(self, stats: CalibrationStatistics | None, request: SelectionRequest) -> Selection:
         spans = self.spans(request)
@@ -166,6 +173,8 @@ class ShortGPT(Criterion):
         layers = range(request.first, request.depth)
         scores = {candidate_name(i, i + 1): 1.0 - stats.mean_cosine(i, i + 1) for i in layers}
         ranked = sorted(layers, key=lambda i: (scores[candidate_name(i, i + 1)], i))
+        if not request.allows(ranked[: request.num_layers]):  # keep the needed layer it would remove last
+            ranked.remove(next(i for i in reversed(ranked[: request.num_layers]) if i in request.keep_one_of))
         return Selection(sorted(ranked[: request.num_layers]), self.name, scores, "lower")
 
 

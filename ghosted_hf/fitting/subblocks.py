@@ -74,6 +74,9 @@ def validate_subblocks(names: Iterable[str], depth: int, layers: Iterable[int] =
                            "sub-blocks, not both.")
     if not refs:
         raise GhostedError("No sub-block to replace: pass at least one (e.g. 12.attention).")
+    if len({r.layer for r in refs if r.block in ("attention", LAYER)}) == depth and len(whole) < depth:
+        raise GhostedError("Replacing the attention of every layer leaves no token mixing (each position would be "
+                           "computed from itself alone): keep at least one attention sub-block.")
     return sorted(refs)
 
 

@@ -7,6 +7,7 @@ field is re-indexed), checked layer by layer against the dense layers it stands 
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
@@ -14,8 +15,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..architectures import (StreamWeight, SubBlock, architecture, check_declared, check_layers_match, decoder,
-                             decoder_layers, layer_of, layer_prefix, pruned_config, stream_weights)
+from ..architectures import (StreamWeight, SubBlock, architecture, check_declared, check_keeps_one_of,
+                             check_layers_match, decoder, decoder_layers, layer_of, layer_prefix, pruned_config,
+                             stream_weights)
 from ..errors import GhostedError, NonFiniteError
 from ..remote.configuration_ghosted import (LAYER_TARGET, OPERATOR_DTYPES, SUBBLOCK_KINDS, GhostedConfig,
                                             expected_boundaries, pruned_index, required_format_version)
@@ -167,7 +169,11 @@ def prune_layers(
     if isinstance(remove, Iterable) and not isinstance(remove, (str, bytes)):
         remove = list(remove)
     removed = [] if subblocks and remove == [] else validate_removal(remove, depth)
+    check_keeps_one_of(base_config, removed)
     kept = [i for i in range(depth) if i not in set(removed)]
+    if kept and {i for i, block in (subblocks or {}) if block == "attention"} >= set(kept):
+        raise GhostedError("Replacing the attention of every kept layer leaves no token mixing (each position would "
+                           "be computed from itself alone): keep at least one attention sub-block.")
     replaced = _subblock_records(model, subblocks or {}, kept, hidden, operator_dtype)
 
     boundaries = expected_boundaries(depth, removed)
@@ -217,6 +223,7 @@ def prune_layers(
         raise RuntimeError(f"Layer surgery left tensors unassigned: {still_meta}")
     pruned.generation_config = copy.deepcopy(model.generation_config)
     pruned.train(model.training)
+    check_runs(pruned)
     logger.info("Removed layers %s of %d; %d boundaries; %d sub-blocks replaced.", removed, depth, len(boundaries),
                 len(replaced))
     return pruned
@@ -261,6 +268,27 @@ def fold_into_mlp_writers(model: GhostedForCausalLM, dense_layer: int, transform
     edited = dict.fromkeys(".".join(filter(None, (prefix, paths[id(owner)], None if isinstance(owner, nn.Linear)
                                                   else name))) for owner, name, _ in writers)
     return ", ".join(edited)
+
+
+def check_runs(model: PreTrainedModel) -> None:
+    """One forward of a few tokens filling a cache, and one step on that cache: a pruned model that cannot run (a
+    hybrid without the layers its masks are built from, say) is refused here, before it is returned or saved."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = (torch.arange(1, 5) % vocab).unsqueeze(0).to(model.get_input_embeddings().weight.device)
+    name = "cache" if "cache" in inspect.signature(decoder(model).forward).parameters else "past_key_values"
+    try:
+        with torch.no_grad():
+            first = model(input_ids=ids, use_cache=True)
+            cache = getattr(first, "cache", None) or first.past_key_values
+            step = model(input_ids=ids[:, -1:], use_cache=True, **{name: cache})
+    except Exception as error:  # whatever the family's forward raises: the pruned structure is at fault
+        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        raise GhostedError(f"The pruned model cannot run: one forward and one cached step of a few tokens failed "
+                           f"({type(error).__name__}: {reason}); nothing was saved. Keep more of the layers or "
+                           "sub-blocks its family needs.") from error
+    if not (torch.isfinite(first.logits).all() and torch.isfinite(step.logits).all()):
+        raise GhostedError("The pruned model gives NaN or Inf logits on a few tokens; nothing was saved. Check the "
+                           "operators (their fit figures in config.ghost_boundaries).")
 
 
 def count_parameters(model: nn.Module) -> int:

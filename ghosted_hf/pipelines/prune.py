@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..architectures import architecture, decoder_layers
+from ..architectures import architecture, check_keeps_one_of, decoder_layers, layers_to_keep_one_of
 from ..assets import base_model_info
 from ..errors import GhostedError
 from ..fitting import subblocks
@@ -71,8 +71,9 @@ def ghost_prune(
     data, statistics = prepare_calibration(calibration_pass, tokenizer, calibration, statistics, options)
     calibrator = Calibrator(calibration_pass, data, statistics, device=options.stats_device)
     calibrator.check_agreement(options)
-    chosen, request = criterion(options.criterion), selection_request(calibrator.depth, options)
+    chosen, request = criterion(options.criterion), selection_request(calibration_pass.config, options)
     selection = chosen.select(calibrator.ensure(chosen.statistics(request), f"selection by {chosen.name!r}"), request)
+    check_keeps_one_of(calibration_pass.config, selection.removed)  # a criterion that chooses anywhere (locality)
     fits = fit_operators(calibrator, selection.removed, options)
     dense = calibration_pass.model_for_build(selection.removed)
     dense_parameters = count_parameters(dense)
@@ -171,19 +172,20 @@ def resolve_budget(calibration_pass: CalibrationPass, options: PruneOptions) -> 
     return PruneOptions.build(options, num_layers=num_layers)
 
 
-def selection_request(depth: int, options: PruneOptions) -> SelectionRequest:
-    """What the criterion is asked to choose, for a model of `depth` layers."""
-    return SelectionRequest(depth=depth, num_layers=options.num_layers,
+def selection_request(config: PretrainedConfig, options: PruneOptions) -> SelectionRequest:
+    """What the criterion is asked to choose, for a model of this config."""
+    return SelectionRequest(depth=config.num_hidden_layers, num_layers=options.num_layers,
                             first=operator_kind(options.operator).first_removable, ridge=options.ridge,
-                            layers=tuple(options.layers or ()), operator=options.operator)
+                            layers=tuple(options.layers or ()), operator=options.operator,
+                            keep_one_of=tuple(layers_to_keep_one_of(config)))
 
 
-def statistics_plan(depth: int, options: PruneOptions) -> StatisticsPlan:
+def statistics_plan(config: PretrainedConfig, options: PruneOptions) -> StatisticsPlan:
     """Everything `ghost_prune` with these options can need from the dense model, known before selection: the
     criterion's statistics and the fit statistics of every boundary it may choose. ShortGPT's scattered layers and
     sequential fits of later boundaries need passes on the chosen layers (pass calibration text then)."""
     chosen, kind = criterion(options.criterion), operator_kind(options.operator)
-    request = selection_request(depth, options)
+    request, depth = selection_request(config, options), config.num_hidden_layers
     if isinstance(chosen, ContiguousCriterion):
         spans = chosen.spans(request)
     elif chosen.takes_layers:
@@ -297,6 +299,7 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
                                f"{options.num_layers}.")
         return
     removed = validate_removal(options.layers, depth)
+    check_keeps_one_of(config, removed)
     if removed[0] < kind.first_removable:
         raise GhostedError(f"Operator kind {kind.name!r} cannot remove layers below {kind.first_removable} "
                            f"(it folds into the kept layer before the boundary); got layers {removed}.")
@@ -318,7 +321,7 @@ def prepare_calibration(calibration_pass: CalibrationPass, tokenizer: Any, calib
     if statistics is not None and "shard" in statistics.origin and statistics.origin["shard"] != "0/1":
         raise GhostedError(f"The given statistics are shard {statistics.origin['shard']} only: merge all shards first "
                            "(ghosted stats merge stats-*.safetensors --output stats.safetensors).")
-    needed = statistics_plan(calibration_pass.config.num_hidden_layers, options)
+    needed = statistics_plan(calibration_pass.config, options)
     if calibration is None:
         if statistics is None and needed:
             raise GhostedError("Pass calibration text (list of strings, text file or Dataset) or precomputed statistics.")
@@ -350,7 +353,7 @@ def calibrate(model: PreTrainedModel | CalibrationPass, tokenizer: Any, calibrat
     data, _ = prepare_calibration(calibration_pass, tokenizer, calibration, None, options)
     calibrator = Calibrator(calibration_pass, data, device=options.stats_device, shard=shard)
     calibrator.check_agreement(options)
-    stats = calibrator.collect(statistics_plan(calibrator.depth, options), f"statistics shard {calibrator.shard}")
+    stats = calibrator.collect(statistics_plan(calibration_pass.config, options), f"statistics shard {calibrator.shard}")
     stats.origin["model"] = calibration_pass.fingerprint()
     return stats
 
