@@ -83,6 +83,9 @@ class Architecture:
     # layout while it loads a whole model (experts stored one by one, fused in memory).
     layerwise: bool = True
     real_model: PackagedModel | None = None  # a real model of the family that installs without the Hub
+    # Derived from the model rather than declared (`derived_architecture`): used once a small instance of its config
+    # passed the skip-reference check (`model.surgery.check_derived_layout`).
+    derived: bool = False
 
     def __post_init__(self) -> None:
         assert self.norm_placement in NORM_PLACEMENTS and self.gain in GAINS
@@ -99,6 +102,8 @@ class Architecture:
             "sandwich": "a norm gain after each branch does not commute with a rotation of the stream",
             "post": "its norms sit after each branch, where a rotation of the stream does not pass through",
         }.get(self.norm_placement)
+        if reason is None and self.derived:
+            reason = "its layout is derived, not declared: which weights read the stream is not known"
         if reason is None and self.centered_norm:
             reason = "its LayerNorms subtract the mean, which a rotation of the stream does not keep"
         if reason is None:
@@ -180,30 +185,50 @@ ENTRIES: tuple[Architecture, ...] = (
                  hybrid=True, stock_folds=True),
 )
 ARCHITECTURES: dict[str, Architecture] = {t: entry for entry in ENTRIES for t in entry.model_types}
+# Where a family without an entry keeps its sub-blocks (the first name its layers have); its norms are not declared, so
+# nothing folds into it (stock kinds are refused) and only what passes the skip-reference check is used.
+_DERIVED_ATTENTION = ("self_attn", "attention", "self_attention", "attn", "linear_attn", "mixer")
+_DERIVED_MLP = ("mlp", "feed_forward", "block_sparse_moe", "ffn", "moe")
 
 
 def architecture(config_or_model: Any) -> Architecture:
-    """The registry entry of a model or config (a ghosted one: of its base), or a GhostedError naming why not."""
+    """The registry entry of a model or config (a ghosted one: of its base), else the layout derived for a decoder-only
+    type of transformers (checked on a small instance before use), or a GhostedError naming why not."""
     config = getattr(config_or_model, "config", config_or_model)
     if getattr(config, "model_type", None) == "ghosted":
         config = config.text_config
     model_type = getattr(config, "model_type", None)
     if model_type in ARCHITECTURES:
         return ARCHITECTURES[model_type]
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
 
     if getattr(config, "is_encoder_decoder", False) or model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
         raise GhostedError(f"{model_type!r} is an encoder-decoder model: ghosted_hf prunes decoder-only causal LMs.")
-    raise GhostedError(f"Unsupported architecture {model_type!r}: it is not in ghosted_hf's architecture registry "
-                       f"(supported: {', '.join(sorted(ARCHITECTURES))}; docs/architectures.md says how to add one).")
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        raise GhostedError(f"{model_type!r} is an encoder (a masked LM), not a decoder-only causal LM: ghosted_hf prunes "
+                           "decoder-only causal LMs.")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise GhostedError(f"Unsupported architecture {model_type!r}: this transformers has no causal LM of that type "
+                           "(a model with remote code, or a newer family: update transformers).")
+    return derived_architecture(model_type)
+
+
+def derived_architecture(model_type: str) -> Architecture:
+    """The layout of a decoder-only type with no registry entry: its decoder's `layers` and final `norm` and its
+    sub-blocks by their usual names; whole layers with the ghost and normed kinds, never a fold."""
+    return Architecture((model_type,), attention=SubBlock(_DERIVED_ATTENTION, None),
+                        mlp=SubBlock(_DERIVED_MLP, None), derived=True)
 
 
 def decoder(model: nn.Module) -> nn.Module:
     """The decoder of a causal LM (dense or ghosted): `model.model`, with its `layers` and final `norm`."""
     inner = getattr(model, "model", None)
     if not isinstance(getattr(inner, "layers", None), nn.ModuleList) or not hasattr(inner, "norm"):
-        raise GhostedError(f"Expected a causal LM whose decoder is `model.model` with `layers` and a final `norm`, got "
-                           f"{type(model).__name__}.")
+        raise GhostedError(f"{type(model).__name__} keeps its decoder layers elsewhere than `model.model.layers` with a "
+                           "final `model.model.norm` (Llama's layout, which ghosted models keep): ghosted_hf cannot "
+                           "prune this layout.")
     return inner
 
 
@@ -333,6 +358,14 @@ def _mlp_only_layers(value: Any, kept: list[int], values: dict[str, Any]) -> Any
     return [new for new, i in enumerate(kept) if i in dense or (i + 1) % step != 0]
 
 
+def _reindexed_keys(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+    """Sparse per-layer overrides keyed by layer index (Gemma 4's `per_layer_config`): those of kept layers, keyed by
+    their pruned index (as the dense file writes keys: numbers or numeric strings)."""
+    if not isinstance(value, dict):
+        return value
+    return {type(key)(kept.index(int(key))): entry for key, entry in value.items() if int(key) in kept}
+
+
 def _last_index(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
     """`layers up to index N (inclusive) are special`: N becomes the last kept one of them."""
     return value if not isinstance(value, int) or value < 0 else sum(1 for i in kept if i <= value) - 1
@@ -355,7 +388,7 @@ def _unchanged(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
 LAYER_FIELDS: dict[str, Rule] = {
     "layer_types": _sliced, "mlp_layer_types": _sliced, "no_rope_layers": _sliced, "layer_rope_theta": _sliced,
     "num_attention_heads_per_layer": _sliced, "indexer_types": _sliced, "layers_block_type": _sliced,
-    "moe_layers": _reindexed, "full_attn_idxs": _reindexed,
+    "moe_layers": _reindexed, "full_attn_idxs": _reindexed, "per_layer_config": _reindexed_keys,
     "mlp_only_layers": _mlp_only_layers, "decoder_sparse_step": _sparse_step,
     "max_window_layers": _prefix_count, "first_k_dense_replace": _prefix_count,
     "moe_layer_start_index": _prefix_count, "moe_layer_end_index": _last_index,
@@ -370,7 +403,7 @@ def pruned_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig
     """The base config with `num_hidden_layers` and every per-layer field restricted to the `kept` layers; a list
     as long as the layer count that `LAYER_FIELDS` does not know is refused by name."""
     values = config.to_dict()
-    depth = values["num_hidden_layers"]
+    depth = config.num_hidden_layers
     unknown = [k for k, v in values.items() if isinstance(v, (list, tuple)) and len(v) == depth
                and k not in LAYER_FIELDS]
     if unknown and depth > 1:

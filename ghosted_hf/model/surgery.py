@@ -10,14 +10,15 @@ import copy
 import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from ..architectures import (StreamWeight, SubBlock, architecture, check_declared, check_keeps_one_of,
-                             check_layers_match, decoder, decoder_layers, layer_of, layer_prefix, pruned_config,
-                             stream_weights)
+                             check_layers_match, decoder, decoder_layers, final_norm, layer_of, layer_prefix,
+                             layers_to_keep_one_of, pruned_config, stream_weights)
 from ..errors import GhostedError, NonFiniteError
 from ..remote.configuration_ghosted import (LAYER_TARGET, OPERATOR_DTYPES, SUBBLOCK_KINDS, GhostedConfig,
                                             expected_boundaries, pruned_index, required_format_version)
@@ -164,6 +165,7 @@ def prune_layers(
     consumed.
     """
     _check_dense_model(model)
+    check_derived_layout(model.config)
     base_config = model.config
     depth, hidden = base_config.num_hidden_layers, base_config.hidden_size
     if isinstance(remove, Iterable) and not isinstance(remove, (str, bytes)):
@@ -230,8 +232,10 @@ def prune_layers(
 
 
 def _weight_device(module: nn.Module) -> torch.device:
-    """Where a module's own weights sit (its ghost tensors aside): where a ghost tensor beside them goes."""
-    return next(p.device for n, p in module.named_parameters() if GHOST_MODULE not in n.split("."))
+    """Where a module's own weights sit (its ghost tensors aside): where a ghost tensor beside them goes; the CPU for a
+    module without weights (OLMo's final LayerNorm)."""
+    return next((p.device for n, p in module.named_parameters() if GHOST_MODULE not in n.split(".")),
+                torch.device("cpu"))
 
 
 def _subblock_records(model: PreTrainedModel, subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]],
@@ -289,6 +293,130 @@ def check_runs(model: PreTrainedModel) -> None:
     if not (torch.isfinite(first.logits).all() and torch.isfinite(step.logits).all()):
         raise GhostedError("The pruned model gives NaN or Inf logits on a few tokens; nothing was saved. Check the "
                            "operators (their fit figures in config.ghost_boundaries).")
+
+
+# Sizes of the small instance a derived layout is checked on (set where the family's config has the field), and the
+# first attempt's fields the next attempts leave to the family (head and latent sizes some families derive).
+_TWIN_SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+                   num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=16,
+                   kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, linear_num_value_heads=2,
+                   linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, n_group=1, topk_group=1,
+                   vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, max_position_embeddings=256)
+_FAMILY_SIZED = ("head_dim", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                 "qk_nope_head_dim", "v_head_dim")
+_TWIN_DEPTH, _TWIN_PARAMETERS = 6, 50_000_000
+_VERDICTS: dict[str, str | None] = {}  # model type -> None (the derived layout passed) or why it failed
+
+
+def check_derived_layout(config: Any) -> None:
+    """Use a derived layout only once a small random instance of the same config class, pruned by it (a removal in
+    the middle and one of the last layer, random operators), equals the dense instance with those layers skipped and
+    the operators applied by hooks, and generates the same tokens with the cache as without. Checked once per model
+    type and process; a failure is refused in one line naming what failed."""
+    model_type = config.model_type
+    if not architecture(config).derived or _VERDICTS.get(model_type, "") is None:
+        return
+    if model_type not in _VERDICTS:
+        _VERDICTS[model_type] = "being checked"  # the check's own prune_layers passes through here
+        try:
+            _compare_with_skip_reference(_small_twin(config))
+            _VERDICTS[model_type] = None
+        except Exception as error:  # whatever the family's code raises on its small instance
+            _VERDICTS[model_type] = " ".join(str(error).split())[:300] or type(error).__name__
+    if _VERDICTS[model_type] not in (None, "being checked"):
+        raise GhostedError(f"{model_type!r} has no entry in ghosted_hf's architecture registry, and the layout derived "
+                           f"for it failed its check on a small instance: {_VERDICTS[model_type]}. Report it with the "
+                           "model's config.json (docs/architectures.md says how to add an entry).")
+
+
+def _small_twin(config: Any) -> PreTrainedModel:
+    """A random float32 instance of `config`'s class, a few layers deep (per-layer fields sliced as pruning slices
+    them) and a few dozen wide where the family accepts that, whose dense forward runs."""
+    from transformers import AutoModelForCausalLM
+
+    values = pruned_config(config, list(range(min(config.num_hidden_layers, _TWIN_DEPTH)))).to_dict()
+    sizes = {k: v for k, v in _TWIN_SIZES.items() if k in values}
+    values.update({k: i for i, k in enumerate(("pad_token_id", "bos_token_id", "eos_token_id"))  # within 128 tokens
+                   if isinstance(values.get(k), int)})
+    problems = []
+    for attempt in (sizes, {k: v for k, v in sizes.items() if k not in _FAMILY_SIZED}, {"vocab_size": 128}):
+        try:
+            small = type(config).from_dict({**values, **attempt})
+            small._attn_implementation = "eager"
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(small)
+        except Exception as error:  # the family's config validation on these sizes: try the next
+            problems.append(f"{type(error).__name__}: {' '.join(str(error).split())[:120]}")
+            continue
+        decoder(skeleton)  # a decoder of another shape is refused as such, before anything is built for real
+        try:
+            count = count_parameters(skeleton)
+            if count > _TWIN_PARAMETERS:
+                problems.append(f"{count:,} parameters at its own widths")
+                continue
+            torch.manual_seed(0)
+            twin = AutoModelForCausalLM.from_config(small, dtype=torch.float32).eval()
+            with torch.no_grad():
+                twin(**_twin_inputs(twin))
+            return twin
+        except Exception as error:  # the family's config validation or forward on these sizes: try the next
+            problems.append(f"{type(error).__name__}: {' '.join(str(error).split())[:120]}")
+    raise GhostedError(f"no small instance of its config could be built and run ({'; '.join(problems)})")
+
+
+def _twin_inputs(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(3, max(4, min(vocab, 100)), (2, 9), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _compare_with_skip_reference(twin: PreTrainedModel) -> None:
+    """Prune `twin` and compare it with its dense self with the removed layers skipped by hooks (the definition)."""
+    depth, width = twin.config.num_hidden_layers, twin.config.hidden_size
+    options = [[1, depth - 1], [depth - 1], [1], [0]]
+    removed = next(r for r in options if len(set(r)) < depth and (not layers_to_keep_one_of(twin.config)
+                                                                   or not set(layers_to_keep_one_of(twin.config)) <= set(r)))
+    generator = torch.Generator().manual_seed(1)
+    operators = {b["removed"][0]: torch.eye(width) + 0.05 * torch.randn(width, width, generator=generator)
+                 for b in expected_boundaries(depth, sorted(set(removed)))}
+    inputs = _twin_inputs(twin)
+    layers, norm = decoder_layers(twin), final_norm(twin)
+    hooks = [layers[i].register_forward_hook(_passed_through, with_kwargs=True) for i in set(removed)]
+    for b in expected_boundaries(depth, sorted(set(removed))):
+        fed = layers[b["removed"][-1] + 1] if b["removed"][-1] + 1 < depth else norm
+        hooks.append(fed.register_forward_pre_hook(_mapped(operators[b["removed"][0]]), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            expected = twin(**inputs, use_cache=False).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    pruned = prune_layers(twin, sorted(set(removed)), operators, operator_kind="ghost")
+    with torch.no_grad():
+        got = pruned(**inputs, use_cache=False).logits
+    gap = float((got - expected).abs().max())
+    if not gap <= 1e-4 * max(1.0, float(expected.abs().max())):
+        raise GhostedError(f"removing layers {sorted(set(removed))} gives logits {gap:.3g} away from the dense instance "
+                           "with those layers skipped")
+    prompt = inputs["input_ids"][:1]
+    cached = pruned.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    if not torch.equal(cached, pruned.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                               use_cache=False)):
+        raise GhostedError("its generation with the KV cache differs from generation without it")
+
+
+def _passed_through(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    hidden = args[0] if args else kwargs["hidden_states"]
+    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
+def _mapped(operator: torch.Tensor) -> Callable:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        mapped = (hidden.float() @ operator).to(hidden.dtype)
+        return ((mapped, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": mapped})
+    return hook
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -23,7 +23,8 @@ from ..fitting import subblocks
 from ..fitting.operators import BoundaryFit, operator_kind
 from ..fitting.selection import ContiguousCriterion, Selection, SelectionRequest, criterion
 from ..model.provenance import Provenance
-from ..model.surgery import count_parameters, fold_into_mlp_writers, prune_layers, to_stock_model, validate_removal
+from ..model.surgery import (check_derived_layout, count_parameters, fold_into_mlp_writers, prune_layers, to_stock_model,
+                             validate_removal)
 from ..options import ExportOptions, PruneOptions, budget_share
 from ..remote.configuration_ghosted import expected_boundaries
 from ..remote.modeling_ghosted import GhostedForCausalLM
@@ -286,6 +287,10 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
                            f"got a {type(config).__name__}.")
     kind = operator_kind(options.operator)
     family = architecture(config)
+    check_derived_layout(config)  # before any calibration work
+    if options.unit != "layer" and family.derived:
+        raise GhostedError(f"unit={options.unit!r}: the layout of {config.model_type!r} is derived (no registry entry), "
+                           "and only whole-layer removal is checked on it; use unit='layer'.")
     if options.unit != "layer":
         if options.subblocks or options.layers:
             subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])

@@ -116,7 +116,7 @@ class GhostedConfig(PretrainedConfig):
         if self.original_num_hidden_layers is None:
             self.original_num_hidden_layers = self.text_config.num_hidden_layers + len(self.removed_layers)
         # Generation and weight tying read these from the top-level config: keep one source of truth.
-        self.tie_word_embeddings = self.text_config.tie_word_embeddings if tie is None else tie
+        self.tie_word_embeddings = getattr(self.text_config, "tie_word_embeddings", False) if tie is None else tie
         # Our own end-of-init marker: the parent's `_post_init_done` only exists from transformers 5.22 on.
         self.__dict__[_READY] = True
 
