@@ -200,19 +200,27 @@ def architecture(config_or_model: Any) -> Architecture:
     model_type = getattr(config, "model_type", None)
     if model_type in ARCHITECTURES:
         return ARCHITECTURES[model_type]
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if getattr(config, "is_encoder_decoder", False) or model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
-        raise GhostedError(f"{model_type!r} is an encoder-decoder model: ghosted_hf prunes decoder-only causal LMs.")
-    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-        raise GhostedError(f"{model_type!r} is an encoder (a masked LM), not a decoder-only causal LM: ghosted_hf prunes "
-                           "decoder-only causal LMs.")
+    refuse_non_decoder(model_type, bool(getattr(config, "is_encoder_decoder", False)))
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise GhostedError(f"Unsupported architecture {model_type!r}: this transformers has no causal LM of that type "
                            "(a model with remote code, or a newer family: update transformers).")
     return derived_architecture(model_type)
+
+
+def refuse_non_decoder(model_type: Any, is_encoder_decoder: bool = False) -> None:
+    """Refuse an encoder-decoder or an encoder (a masked LM) as what it is."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+
+    if not isinstance(model_type, str):
+        return  # a damaged config: its reader names the field
+    if is_encoder_decoder or model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        raise GhostedError(f"{model_type!r} is an encoder-decoder model: ghosted_hf prunes decoder-only causal LMs.")
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and model_type not in ARCHITECTURES:
+        raise GhostedError(f"{model_type!r} is an encoder (a masked LM), not a decoder-only causal LM: ghosted_hf prunes "
+                           "decoder-only causal LMs.")
 
 
 def derived_architecture(model_type: str) -> Architecture:

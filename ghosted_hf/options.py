@@ -203,6 +203,9 @@ class PruneOptions(Options):
                                "unit='mixed' for both).")
         if self.criterion not in SUBBLOCK_CRITERIA:
             raise GhostedError(f"{unit} chooses by criterion {' or '.join(SUBBLOCK_CRITERIA)}, not {self.criterion!r}.")
+        if self.subblocks and not takes_layers:
+            raise GhostedError(f"subblocks=[...] names what to replace, which criterion {self.criterion!r} chooses "
+                               "itself: pass criterion='manual' with them, or leave them out.")
         if takes_layers and not (self.subblocks or self.layers):
             raise GhostedError(f"{unit} with criterion 'manual' needs what to replace (subblocks=['12.attention', "
                                "...]" + (", layers=[...]" if self.unit == "mixed" else "") + ").")

@@ -224,6 +224,19 @@ def run_disagreeing_rank(rank: int, world: int, port: int, out: str, differs: st
     from ghosted_hf.errors import GhostedError
     from ghosted_hf.pipelines.prune import ghost_prune
 
+    if differs == "--output":  # only rank 0 writes: rank 1's other --output must not be ignored without a word
+        import contextlib
+        import io
+
+        from ghosted_hf.cli import main
+
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            status = main(["prune", str(Path(out, "dense")), "--calibration", str(Path(out, "cal.txt")), "--num-layers",
+                           "2", "--seq-len", "32", "--num-sequences", "8", "--output", str(Path(out, f"out{rank}"))])
+        lines = [line for line in err.getvalue().splitlines() if "error:" in line]
+        Path(out, f"rank{rank}.txt").write_text(lines[-1].split("error: ", 1)[1] if status == 2 else "no error")
+        return
     text_seed, model_seed = (rank, 0) if differs == "calibration data" else (0, rank)
     try:
         ghost_prune(build("llama", seed=model_seed), char_tokenizer(), texts(seed=text_seed), **OPTIONS)
@@ -242,8 +255,12 @@ def rank_messages(run, tmp_path: Path, differs: str, timeout: float = 300) -> li
     return [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
 
 
-@pytest.mark.parametrize("differs", ["calibration data", "model"])
+@pytest.mark.parametrize("differs", ["calibration data", "model", "--output"])
 def test_a_rank_that_differs_fails_every_rank_before_any_pass(differs: str, tmp_path: Path) -> None:
+    if differs == "--output":
+        build("llama").save_pretrained(tmp_path / "dense")
+        char_tokenizer().save_pretrained(tmp_path / "dense")
+        (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
     for rank, message in enumerate(rank_messages(run_disagreeing_rank, tmp_path, differs)):
         assert message.startswith(f"Process 1 of 2 has another {differs} than process 0"), (rank, message)
 
@@ -273,6 +290,8 @@ def test_a_process_whose_peers_never_start_stops_with_one_line(command: str, den
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert "Process 0 of 2 found no peers at 127.0.0.1" in last and "within 3 s" in last, last
+    # while it waits, it says for what and for how long (after half the timeout, here 1.5 s)
+    assert "Process 0 of 2: waiting for the other processes at 127.0.0.1" in done.stderr and "up to 3 s" in done.stderr
 
 
 def run_leaving_rank(rank: int, world: int, port: int, out: str, case: str) -> None:

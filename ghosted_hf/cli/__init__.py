@@ -69,6 +69,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def attached_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--remove -5%` as `--remove=-5%`: a value that starts with a dash and is no flag of any command is the option's
+    value, so that the option's own check names what is wrong with it (argparse would say "expected one argument")."""
+    flags: dict[str, bool] = {}  # every flag of every command -> whether it takes a value
+    pending = [parser]
+    while pending:
+        for action in pending.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(action.choices.values())
+            for flag in action.option_strings:
+                flags[flag] = action.nargs != 0
+    out: list[str] = []
+    for token in argv:
+        if out and flags.get(out[-1]) and token.startswith("-") and token.split("=")[0] not in flags:
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def configure_logging(verbose: bool) -> None:
     """ghosted_hf's own messages on stderr. Not a root handler: huggingface_hub and transformers print theirs
     themselves, and a root handler repeated each of their lines."""
@@ -90,7 +110,8 @@ class _StderrHandler(logging.StreamHandler):
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; bad input ends in one line (exit 2), a bug in a traceback with a hint to report it (exit 1)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(attached_values(parser, sys.argv[1:] if argv is None else list(argv)))
     configure_logging(args.verbose)
     command = args.command + (f" {args.action}" if getattr(args, "action", None) else "")
     completed = False

@@ -53,6 +53,15 @@ class OutputArgs:
     overwrite: bool = option(False, "Replace an existing --output (never one of the command's inputs).")
 
 
+def check_same_outputs(**values: Any) -> None:
+    """Under torchrun or accelerate launch, every process must be given the same outputs: only the main process
+    writes, so another process's `--output` would be ignored without a word (one process: nothing to compare)."""
+    from ..utils.distributed import check_agreement
+    from ..utils.hashing import json_sha256
+
+    check_agreement({f"--{name.replace('_', '-')}": json_sha256(value) for name, value in values.items()})
+
+
 def calibration_text(path: str | None, options: Any, statistics: str | None = None):
     """The calibration data, its first document read here so that a missing, unreadable or empty one fails before
     the model loads; else the packaged corpus (none when precomputed statistics are given)."""

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 from .. import assets
 from ..errors import GhostedError
-from ..io.files import check_output, staged_folder
+from ..io.files import check_creatable, check_output, staged_folder
 from ..model.loading import DTYPES
 from ..options import from_namespace, option
 from ..utils.inputs import relation
-from .common import TEXT_HELP, LoadArgs, OutputArgs
+from .common import TEXT_HELP, LoadArgs, OutputArgs, check_same_outputs
 
 
 @dataclass(kw_only=True)
@@ -43,8 +44,11 @@ def cmd_heal(args: argparse.Namespace) -> int:
     run, options = from_namespace(HealArgs, args), from_namespace(HealOptions, args)
     check_output(run.output, (run.folder, run.data, run.eval_data, run.teacher, run.checkpoints, run.resume),
                  overwrite=run.overwrite)
+    check_same_outputs(output=run.output, overwrite=run.overwrite, adapter_only=run.adapter_only)
     needs_folder = options.writes_files() or run.resume
     checkpoints = run.checkpoints or (f"{run.output.rstrip('/')}.checkpoints" if needs_folder else None)
+    if checkpoints is not None:
+        check_creatable(Path(checkpoints), "--checkpoints")
     for folder, what in ((run.output, "the output folder"), (run.folder, "the model folder")):
         if checkpoints is not None and relation(checkpoints, folder) in ("is", "lies inside"):
             raise GhostedError(f"--checkpoints {checkpoints} {relation(checkpoints, folder)} {what} {folder}: "

@@ -9,7 +9,8 @@ from ..errors import GhostedError
 from ..io.files import check_output
 from ..model.loading import load_for_calibration
 from ..options import PruneOptions, from_namespace, option
-from .common import CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text
+from .common import (CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text,
+                     check_same_outputs)
 
 
 @dataclass(kw_only=True)
@@ -38,6 +39,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         if run.output is None:
             raise GhostedError("--output DIR is required (or --dry-run to write nothing).")
         check_output(run.output, (run.model, run.calibration, run.statistics), overwrite=run.overwrite)
+    check_same_outputs(output=run.output, overwrite=run.overwrite, dry_run=run.dry_run)
     calibration = calibration_text(run.calibration, options, statistics=run.statistics)
     config = load_config(run.model, trust_remote_code=run.trust_remote_code, revision=run.revision)
     check_request(config, options)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from ..io.files import check_output
 from ..model.loading import load_for_calibration
 from ..options import PruneOptions, from_namespace, option
-from .common import CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text
+from .common import (CALIBRATION_HELP, MODEL_HELP, LoadArgs, MemoryArgs, OutputArgs, calibration_text,
+                     check_same_outputs)
 
 
 @dataclass(kw_only=True)
@@ -39,6 +40,7 @@ def cmd_stats_collect(args: argparse.Namespace) -> int:
     run, options = from_namespace(StatsCollectArgs, args), from_namespace(PruneOptions, args)
     shard = ShardSpec.parse(run.shard)
     path = check_output(run.output, (run.model, run.calibration), overwrite=run.overwrite, file=True)
+    check_same_outputs(output=run.output, overwrite=run.overwrite, shard=run.shard)
     calibration = calibration_text(run.calibration, options)
     model, tokenizer = load_for_calibration(
         run.model, dtype=run.dtype, device=run.device, max_memory=run.max_memory, layerwise=run.layerwise,

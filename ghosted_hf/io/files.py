@@ -37,12 +37,19 @@ def check_output(output: str | os.PathLike | None, inputs: tuple[str | os.PathLi
         raise GhostedError(f"--output {path} exists and is not a {what}; name a {what}.")
     if path.exists() and not overwrite and (file or any(path.iterdir())):
         raise GhostedError(f"--output {path} already exists; pass --overwrite to replace it, or name a new {what}.")
-    if file and not path.parent.is_dir():
+    if file and not path.parent.exists():
         raise GhostedError(f"--output {path}: folder {path.parent} does not exist; create it first.")
-    writable = next((p for p in (path.parent, *path.parents) if p.exists()), None)
-    if writable is not None and not os.access(writable, os.W_OK):  # said now, not after the calibration pass
-        raise GhostedError(f"--output {path}: {writable} is not writable; name a folder you can write to.")
+    check_creatable(path, "--output")
     return path
+
+
+def check_creatable(path: Path, flag: str) -> None:
+    """Refuse, now rather than after the work, a path whose nearest existing ancestor is a file or not writable."""
+    nearest = next((p for p in (path.parent, *path.parents) if p.exists()), None)
+    if nearest is not None and not nearest.is_dir():
+        raise GhostedError(f"{flag} {path}: {nearest} is a file, not a folder; name a path in a folder.")
+    if nearest is not None and not os.access(nearest, os.W_OK):  # said now, not after the calibration pass
+        raise GhostedError(f"{flag} {path}: {nearest} is not writable; name a folder you can write to.")
 
 
 @contextlib.contextmanager
@@ -116,7 +123,7 @@ def check_ghosted_layout(folder: Path, config: dict[str, Any], operators: dict[s
 
 def check_operator_hashes(config: dict[str, Any], tensors: dict[str, Any]) -> None:
     """Compare each ghost tensor with the sha256 its config recorded."""
-    for boundary in [*config.get("ghost_boundaries", []), *config.get("ghost_subblocks", [])]:
+    for boundary in [*(config.get("ghost_boundaries") or []), *(config.get("ghost_subblocks") or [])]:
         for field, key in ghost_tensor_keys(boundary).items():
             if key not in tensors:
                 raise GhostedError(f"Operator tensor {key} is missing from the weight files; save the model again.")

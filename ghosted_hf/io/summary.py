@@ -191,14 +191,18 @@ def inspect_folder(folder: str | Path, top_scores: int = 8) -> str:
     from safetensors import safe_open
     from transformers import AutoConfig
 
+    from ..assets import HUB_ID
     from .files import verify_folder
 
     if top_scores < 0:
         raise GhostedError(f"--top must be 0 or more (selection scores to show), got {top_scores}.")
     folder = Path(folder)
+    if folder.is_file():
+        raise GhostedError(f"{folder} is a file; inspect reads a saved model folder (the one holding config.json).")
     if not folder.is_dir():
-        raise GhostedError(f"inspect reads a local model folder, and {folder} is none (for a Hub id, download it first: "
-                           f"hf download {folder} --local-dir DIR).")
+        hub = HUB_ID.match(str(folder)) and not str(folder).startswith((".", "/", "~"))
+        raise GhostedError(f"{folder} does not exist" + (f"; inspect reads a local folder: download the Hub model first "
+                                                         f"(hf download {folder} --local-dir DIR)" if hub else "") + ".")
     raw = verify_folder(folder)  # a truncated or altered weight file (or no config.json) is named here, not in a load
     kind = made_as(raw)
     if kind == "ghosted":

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..architectures import checked_shapes, layer_of
+from ..architectures import checked_shapes, layer_of, refuse_non_decoder
 from ..errors import GhostedError, MissingFileError
 from ..remote.configuration_ghosted import size_field_problems
 from ..utils.diskio import read_json_object
@@ -90,6 +90,15 @@ def check_folder(folder: str | Path) -> dict[str, Any]:
         raise GhostedError(f"The safetensors index of {folder} names {len(absent)} tensors that its files do not hold "
                            f"(e.g. {absent[:3]}): the index does not belong to these files; re-save the model.")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    refuse_non_decoder(config.get("model_type"), config.get("is_encoder_decoder") is True)
+    auto_map = config.get("auto_map", {})
+    bad = [key for key, value in auto_map.items() if not isinstance(value, str) and not (
+        isinstance(value, list) and all(isinstance(v, (str, type(None))) for v in value))] \
+        if isinstance(auto_map, dict) else ["(the whole field)"]
+    if bad:
+        raise GhostedError(f"{where}: auto_map.{bad[0]} should name a class (\"module.Class\", or a list of them), and "
+                           f"holds {auto_map if bad[0].startswith('(') else auto_map[bad[0]]!r}; the config is "
+                           "damaged.")
     problems = size_field_problems(text, "text_config" if text is not config else "config")
     if problems:
         raise GhostedError(f"{where}: {'; '.join(problems)}; the config is damaged.")

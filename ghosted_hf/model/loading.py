@@ -3,6 +3,7 @@ running remote code only when the user chose to trust it."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,11 @@ def resolve(ref: str | None, what: str = "model") -> str:
         if not (path / "config.json").is_file():
             raise MissingFileError(f"{path} holds no config.json: it is not a saved model folder.")
         note_read(path, what)
+    elif "/" not in resolved:  # not a path, not an org/name Hub id: a packaged model's name, mistyped?
+        close = difflib.get_close_matches(resolved.lower(), assets.PACKAGED_MODELS, n=1, cutoff=0.5)
+        raise MissingFileError(f"There is no packaged model named {resolved!r}" + (f" (did you mean {close[0]!r}?)"
+                               if close else "") + f"; the packaged models are {', '.join(assets.PACKAGED_MODELS)}. "
+                               "Or pass a model folder, or a Hub id such as org/name.")
     elif resolved.startswith((".", "/", "~")) or resolved.count("/") > 1 or not assets.HUB_ID.match(resolved):
         raise MissingFileError(f"Model folder {resolved} does not exist (and it is not a Hub id such as org/name).")
     else:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ..architectures import ARCHITECTURES, architecture, layer_prefix
@@ -133,9 +134,20 @@ def convert(folder: Path, llama_cpp: Path, outfile: Path, outtype: str, timeout:
         raise GhostedError(f"llama.cpp's converter was killed by signal {-done.returncode} while converting the pruned "
                            "base (out of memory?); free memory or convert a smaller outtype, then export again.")
     if done.returncode != 0:
-        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        raise GhostedError(f"llama.cpp's converter failed on the pruned base ({tail}). It needs its own requirements "
-                           "(pip install gguf sentencepiece).")
+        raise GhostedError(f"llama.cpp's converter failed on the pruned base: {converter_failure(done.stderr or done.stdout)}")
+
+
+def converter_failure(output: str) -> str:
+    """What the converter's last lines say, and the fix for the failures it has (not always its requirements)."""
+    tail = " | ".join(output.strip().splitlines()[-3:])[:500]
+    if "No space left on device" in output:
+        return f"the disk is full ({tail}); free space beside the output, then export again."
+    if "BPE pre-tokenizer was not recognized" in output:
+        return (f"this llama.cpp does not know the model's tokenizer ({tail}); use a llama.cpp whose converter lists "
+                "it, or add it to its convert_hf_to_gguf_update.py.")
+    if "ModuleNotFoundError" in output or "No module named" in output:
+        return f"{tail}. It needs its own requirements (pip install gguf sentencepiece)."
+    return f"{tail}."
 
 
 def field_value(field: Any) -> tuple[Any, Any, Any]:
@@ -226,8 +238,13 @@ def rewrite_as_deci(base: Path, output: Path, blocks: dict[int, torch.Tensor], o
     maps = maps or SubBlockMaps()
     import gguf
 
-    reader = gguf.GGUFReader(str(base))
-    architecture = reader.fields["general.architecture"].contents()
+    try:
+        reader = gguf.GGUFReader(str(base))
+        architecture = reader.fields["general.architecture"].contents()
+    except Exception as error:  # gguf's reader on a damaged file: its own errors (ValueError, KeyError, struct, ...)
+        raise GhostedError(f"llama.cpp's converter exited without an error but wrote no readable GGUF ({type(error).__name__}"
+                           f": {' '.join(str(error).split())[:200]}): check the converter's version and the disk, then "
+                           "export again.") from None
     layouts = {a.gguf_architecture for a in ARCHITECTURES.values() if a.gguf_architecture}  # what the rewrite reads
     if architecture not in layouts:
         raise GhostedError(f"llama.cpp converts this base model as {architecture!r}; the deci block maps only onto "
@@ -275,7 +292,8 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
     family = architecture(model)
     if family.gguf_architecture is None:
         raise GhostedError(f"export-gguf writes llama.cpp's DeciLM blocks into a Llama-layout GGUF, which a pruned "
-                           f"{family.name} model is not (llama.cpp families: {llama_cpp_families()}). Serve it with "
+                           f"{model.config.text_config.model_type} model is not (llama.cpp families: "
+                           f"{llama_cpp_families()}). Serve it with "
                            "transformers (trust_remote_code=True).")
     blocks, maps = normed_blocks(model), subblock_maps(model)
     eps = getattr(model.config.text_config, "rms_norm_eps", NORMED_EPS)
@@ -288,8 +306,13 @@ def export_gguf(model: GhostedForCausalLM, tokenizer: Any, output: str | Path, l
     scratch = scratch_folder(output.parent, f".{output.name}.converting-")  # removes what a killed export left
     try:
         folder = scratch / "base"
-        pruned_base(model).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        try:
+            pruned_base(model).save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+        except (OSError, SafetensorError) as error:  # a full disk, a read-only folder
+            reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:200]
+            raise GhostedError(f"Cannot write the pruned base beside {output} ({reason}); free disk space there or "
+                               "write the GGUF elsewhere.") from None
         from ..io.card import name_tokenizer_class_for_every_reader
 
         name_tokenizer_class_for_every_reader(folder)

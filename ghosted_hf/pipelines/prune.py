@@ -30,7 +30,7 @@ from ..remote.configuration_ghosted import expected_boundaries
 from ..remote.modeling_ghosted import GhostedForCausalLM
 from ..statistics import (CalibrationPass, CalibrationStatistics, Calibrator, Patch, ShardSpec, StatisticsPlan,
                           as_calibration_pass, check_same_model)
-from ..text.tokens import TextSource, TokenBatches, tokenize_texts
+from ..text.tokens import TextSource, TokenBatches, check_positions, tokenize_texts
 from ..utils.memory import check_batch_memory
 
 logger = logging.getLogger(__name__)
@@ -326,6 +326,10 @@ def prepare_calibration(calibration_pass: CalibrationPass, tokenizer: Any, calib
     if statistics is not None and "shard" in statistics.origin and statistics.origin["shard"] != "0/1":
         raise GhostedError(f"The given statistics are shard {statistics.origin['shard']} only: merge all shards first "
                            "(ghosted stats merge stats-*.safetensors --output stats.safetensors).")
+    if statistics is not None and statistics.origin.get("set_tokens", statistics.tokens) != statistics.tokens:
+        raise GhostedError(f"The given statistics hold {statistics.tokens} tokens of the {statistics.origin['set_tokens']} "
+                           "of the calibration set they were collected from: a part of it (a shard, whatever its "
+                           "label says); merge all shards first (ghosted stats merge).")
     needed = statistics_plan(calibration_pass.config, options)
     if calibration is None:
         if statistics is None and needed:
@@ -368,6 +372,7 @@ def calibration_tokens(tokenizer: Any, calibration: TextSource, options: PruneOp
     """The calibration windows `options` ask for (read by the one text reader), checked against the model's vocabulary
     (`vocab_size` rows of its embedding), the memory a batch needs and the text a fit of `regressors` x C inputs
     needs."""
+    check_positions(config, options.seq_len)
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size,
                           options.text_column, split=options.split, streaming=options.streaming)
     check_batch_memory(*data.batches[0]["input_ids"].shape, config, "batch_size")  # before any forward

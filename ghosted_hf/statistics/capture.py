@@ -77,7 +77,11 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
     kept = [i for i in range(depth) if i not in set(patch.removed)]
     # The per-layer config fields the decoder's forward reads by position (layer_types, ...), as pruning sets them.
     pruned = pruned_config(config, kept)
-    saved = {name: getattr(config, name) for name in ("num_hidden_layers", *LAYER_FIELDS) if hasattr(config, name)}
+    # (per_layer_config reads back as a per-layer view and is set as the sparse dict config.json holds.)
+    sparse = {"per_layer_config": config.to_dict().get("per_layer_config")}
+    saved = {name: sparse[name] if name in sparse else getattr(config, name)
+             for name in ("num_hidden_layers", *LAYER_FIELDS) if hasattr(config, name)
+             and (name not in sparse or sparse[name] is not None)}
     handles = []
 
     def operator_hook(apply):
@@ -97,7 +101,7 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
             handles.append(mlp_of(model, layers[j]).register_forward_hook(hook))
         inner.layers = nn.ModuleList([layers[i] for i in kept])
         for name in saved:
-            setattr(config, name, getattr(pruned, name))
+            setattr(config, name, pruned.to_dict()[name] if name in sparse else getattr(pruned, name))
         yield
     finally:
         inner.layers = layers

@@ -210,7 +210,9 @@ class Calibrator:
         stats.tensors, stats.tokens = all_reduce_sums(stats.tensors, stats.tokens)
         if stats.tokens == 0:
             raise GhostedError("The calibration batches contain no real token (every position is padding).")
-        stats.origin.update(data=self.data_sha256(), plan=plan.to_json(), shard=str(self.shard))
+        # The whole set's token count: statistics that hold fewer are a part of it, whatever their shard label says.
+        set_tokens = sum(int(b["attention_mask"].bool().sum()) for b in self.data.batches)
+        stats.origin.update(data=self.data_sha256(), plan=plan.to_json(), shard=str(self.shard), set_tokens=set_tokens)
         self.passes.append({"purpose": purpose, "batches": len(batches),
                             "forwards": self.calibration_pass.forwards(len(batches), patch, plan),
                             "processes": self.world, "deepest_layer_input": plan.deepest(),

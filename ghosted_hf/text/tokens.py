@@ -100,6 +100,15 @@ def pack_tokens(
     return cut_windows(stream, seq_len, prefix, partial=True)[0][:max_sequences]
 
 
+def check_positions(config: Any, seq_len: int) -> None:
+    """Refuse windows longer than the model has positions for (calibration and healing alike)."""
+    config = getattr(config, "text_config", None) or config
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and seq_len > positions:
+        raise GhostedError(f"seq_len {seq_len} is beyond the model's {positions} positions (max_position_embeddings); "
+                           "use at most that.")
+
+
 def batch_sequences(sequences: list[list[int]], batch_size: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
     """Right-padded batches with attention masks."""
     batches = []

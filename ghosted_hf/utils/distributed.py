@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 # How long a process waits for its peers (rendezvous and every collective) before it fails with a message;
 # GHOSTED_DISTRIBUTED_TIMEOUT (seconds) overrides it for very long passes.
 DEFAULT_TIMEOUT_S = 1800
+WAIT_NOTICE_S = 10.0  # a rendezvous longer than this says what it waits for, and for how long
 # (rank, world size, local rank) as torchrun (and accelerate's GPU launcher) or an MPI launcher (accelerate's
 # multi-CPU launcher runs mpirun: Open MPI, MPICH / Intel MPI, MVAPICH) describe them.
 LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -75,20 +76,29 @@ def init_distributed() -> bool:
 def rendezvous() -> Iterator[None]:
     """Around whatever joins the launcher's group (here, or accelerate under the Trainer): peers that do not all
     come within the timeout fail this process with one line naming the address and the timeout."""
+    import threading
+
     import torch.distributed as dist
 
+    rank, world, _ = launcher_process()
+    waiting = threading.Timer(min(WAIT_NOTICE_S, timeout_s() / 2), lambda: logger.warning(
+        "Process %d of %d: waiting for the other processes at %s:%s (up to %.0f s; GHOSTED_DISTRIBUTED_TIMEOUT sets "
+        "it).", rank, world, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), timeout_s()))
+    waiting.daemon = True
+    waiting.start()
     try:
         yield
     # The process that hosts the store times out waiting for the others (DistStoreError), the others connecting to
     # it (DistNetworkError); any other error is not a failed rendezvous.
     except (dist.DistStoreError, dist.DistNetworkError, TimeoutError) as error:
-        rank, world, _ = launcher_process()
         if world <= 1 or dist.is_initialized():  # not a failed rendezvous
             raise
         raise GhostedError(f"Process {rank} of {world} found no peers at {os.environ.get('MASTER_ADDR')}:"
                            f"{os.environ.get('MASTER_PORT')} within {timeout_s():.0f} s "
                            f"({str(error).splitlines()[0][:200]}): start every process (torchrun --nproc-per-node N), "
                            "or raise GHOSTED_DISTRIBUTED_TIMEOUT.") from None
+    finally:
+        waiting.cancel()
 
 
 def process_rank() -> tuple[int, int]:

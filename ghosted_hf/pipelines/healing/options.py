@@ -19,11 +19,12 @@ from transformers import PreTrainedModel, TrainingArguments
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 
 from ...errors import GhostedError, MissingDependencyError
-from ...utils.inputs import relation
 from ...model.checkpoint import made_as
 from ...model.provenance import Provenance
 from ...options import Options, PruneOptions, option, option_fields, positive, same_as
+from ...text.tokens import check_positions
 from ...utils.distributed import init_distributed, rendezvous, timeout_s
+from ...utils.inputs import relation
 
 SCHEDULES = ("constant", "linear")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -207,13 +208,11 @@ def check_meaningful(options: HealOptions, model: nn.Module, teacher: nn.Module 
     than the stream, positions the model has none for, a distillation weight without a teacher, a held-out set that
     is the training set."""
     config = getattr(model.config, "text_config", None) or model.config
-    hidden, positions = getattr(config, "hidden_size", None), getattr(config, "max_position_embeddings", None)
+    hidden = getattr(config, "hidden_size", None)
     if isinstance(hidden, int) and options.rank > hidden:
         raise GhostedError(f"rank {options.rank} is above the model's hidden size {hidden}: a LoRA update of that rank "
                            "adds nothing over a full one; use a rank of at most a few dozen.")
-    if isinstance(positions, int) and options.seq_len > positions:
-        raise GhostedError(f"seq_len {options.seq_len} is beyond the model's {positions} positions "
-                           "(max_position_embeddings); use at most that.")
+    check_positions(config, options.seq_len)
     if teacher is None and options.kd_weight is not None:
         raise GhostedError("kd_weight weighs the distillation loss: pass a teacher (--teacher base or a folder), or "
                            "leave kd_weight out.")
