@@ -40,11 +40,12 @@ def batch_bytes(sequences: int, seq_len: int, config: Any) -> int:
 
 
 def check_batch_memory(sequences: int, seq_len: int, config: Any, flag: str) -> None:
-    """Refuse a batch (`flag`, the option that sets its size) whose forward needs more memory than is available."""
+    """Refuse a batch (`flag`, the option that sets its size) whose forward alone needs more than half the memory
+    available to this process (the other half: the model, the statistics, the machine's other users)."""
     needed, available = batch_bytes(sequences, seq_len, config), available_bytes()
-    if available is not None and needed > available:
-        fits = max(1, sequences * available // needed)
+    if available is not None and needed > available // 2:
+        fits = max(1, sequences * (available // 2) // needed)
         raise GhostedError(f"{flag}: one forward of {sequences} sequences of {seq_len} tokens needs at least "
-                           f"{needed / 2**30:.1f} GiB (logits and attention mask), and {available / 2**30:.1f} GiB "
-                           f"are available to this process: lower {flag} (at most {fits} fits) or the sequence "
+                           f"{needed / 2**30:.1f} GiB (logits and attention mask), more than half the "
+                           f"{available / 2**30:.1f} GiB available to this process: lower {flag} (at most {fits} fits) or the sequence "
                            "length.")
