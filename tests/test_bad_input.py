@@ -520,7 +520,8 @@ def test_claimed_sizes_are_checked_against_the_weight_headers_before_anything_is
     for folder, message in cases.items():
         for argv in (["inspect", folder], ["eval", folder, "--windows", "1"],
                      ["prune", folder, "--calibration", cal, "--num-layers", "1", "--dry-run"]):
-            argvs.append(([str(a) for a in argv], message))
+            if folder.name != "index" or argv[0] == "inspect":  # (one reader of a 10^6-entry index is enough)
+                argvs.append(([str(a) for a in argv], message))
     argvs.append((["prune", str(dense_folder), "--calibration", str(cal), "--batch-size", "100000", "--num-sequences",
                    "100000", "--seq-len", "8", "--num-layers", "2", "--dry-run"],  # a tiny text, 1 MiB of memory below
                   "batch_size: one forward of "))

@@ -23,7 +23,10 @@ def test_a_stamped_venv_is_reused_only_while_it_runs_torch_over_this_environment
     root = tmp_path / "transformers-0.0"
     (root / "bin").mkdir(parents=True)
     python = root / "bin" / "python"
-    python.symlink_to(sys.executable)
+    # A wrapper, not a symlink: a symlinked venv interpreter outside its venv runs as the base interpreter (its
+    # pyvenv.cfg is looked up beside the link), which need not have torch.
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
     inherits = compat_venvs.inherited_paths()
     assert any(Path(p, "torch").is_dir() for p in inherits), inherits  # torch comes from what runs the tests
     stamp = root / compat_venvs.STAMP

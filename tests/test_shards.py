@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -95,8 +94,18 @@ def test_prune_refuses_one_shard_and_another_models_statistics(tmp_path: Path) -
 
 
 def ghosted(*args, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ghosted_hf.cli", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    """`ghosted ARGS` run by `main` (what the console script calls) in this process, its output captured: the same
+    exit status and lines as a subprocess, without importing torch and transformers once per command
+    (tests/test_cli.py runs the command in subprocesses)."""
+    import contextlib
+    import io
+
+    from ghosted_hf.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.chdir(cwd):
+        status = main([str(a) for a in args])
+    return subprocess.CompletedProcess(list(args), status, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.slow
