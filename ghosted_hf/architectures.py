@@ -203,6 +203,12 @@ def architecture(config_or_model: Any) -> Architecture:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     refuse_non_decoder(model_type, bool(getattr(config, "is_encoder_decoder", False)))
+    text = getattr(config, "text_config", None)
+    if text is not None and text is not config:
+        raise GhostedError(f"{model_type!r} is a multimodal model: a vision tower and a projector around a "
+                           f"{getattr(text, 'model_type', '?')!r} language decoder. ghosted_hf does not prune a "
+                           "multimodal checkpoint as a whole yet; load its language model alone (its text config's "
+                           "causal-LM class) to prune it as a text-only model.")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise GhostedError(f"Unsupported architecture {model_type!r}: this transformers has no causal LM of that type "
                            "(a model with remote code, or a newer family: update transformers).")
@@ -263,6 +269,20 @@ def layer_of(name: str) -> int | None:
     """The decoder layer a parameter or module name belongs to (`layer_prefix`), else None."""
     match = _LAYER_NAME.match(name)
     return int(match.group(1)) if match else None
+
+
+# Where multimodal checkpoints keep their language decoder (Gemma 3 / Qwen3.5: model.language_model; Llama 4:
+# language_model.model), read as a decoder-only checkpoint's `model.`.
+_LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")
+
+
+def checkpoint_layer(name: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to, in a decoder-only checkpoint or a multimodal one's language
+    decoder; else None."""
+    for prefix in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return layer_of("model." + name[len(prefix):])
+    return layer_of(name)
 
 
 def checked_shapes(config: dict[str, Any]) -> dict[str, tuple[str, str]]:

@@ -320,3 +320,32 @@ def test_a_derived_family_prunes_calibrates_saves_and_reloads_without_ghosted_hf
     assert len(ghosted.config.removed_layers) == 2
     save_with_card(ghosted, tmp_path / "model", char_tokenizer())
     assert "LOADED" in assert_loads_with_same_logits(tmp_path / "model", ghosted, batch(), tmp_path)
+
+
+def test_a_multimodal_checkpoint_is_refused_as_a_whole_or_loaded_text_only_with_a_warning(tmp_path: Path,
+                                                                                         caplog) -> None:
+    """Multimodal checkpoints are not pruned as a whole yet: a Gemma 3 multimodal model is refused by name (with the
+    decoder it wraps); a Qwen3.5 checkpoint, which AutoModelForCausalLM loads as its language model alone, loads with
+    a warning that the vision tower is dropped, and its language model prunes as a text-only model."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from ghosted_hf.model.loading import load_model
+
+    with pytest.raises(GhostedError, match="'gemma3' is a multimodal model: a vision tower and a projector around a "
+                                           "'gemma3_text' language decoder"):
+        architecture(AutoConfig.for_model("gemma3"))
+    config = AutoConfig.for_model("qwen3_5")
+    text, vision = config.text_config, config.vision_config
+    for name, value in dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, num_hidden_layers=4, linear_num_value_heads=2,
+                            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8).items():
+        setattr(text, name, value)
+    text.layer_types = text.layer_types[:4]
+    vision.hidden_size, vision.depth, vision.intermediate_size, vision.num_heads, vision.out_hidden_size = 32, 1, 64, 4, 32
+    AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "qwen3_5")
+    char_tokenizer().save_pretrained(tmp_path / "qwen3_5")
+    with caplog.at_level("WARNING", logger="ghosted_hf.model.loading"):
+        model, tokenizer = load_model(str(tmp_path / "qwen3_5"))
+    assert "the vision tower and projector are dropped" in caplog.text and model.config.model_type == "qwen3_5_text"
+    ghosted = ghost_prune(model, char_tokenizer(), texts(), num_layers=1, seq_len=48, num_sequences=24)
+    assert ghosted.config.text_config.layer_types.count("full_attention") == 1

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..architectures import checked_shapes, layer_of, refuse_non_decoder
+from ..architectures import checked_shapes, checkpoint_layer, refuse_non_decoder
 from ..errors import GhostedError, MissingFileError
 from ..remote.configuration_ghosted import size_field_problems
 from ..utils.diskio import read_json_object
@@ -91,20 +91,13 @@ def check_folder(folder: str | Path) -> dict[str, Any]:
                            f"(e.g. {absent[:3]}): the index does not belong to these files; re-save the model.")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     refuse_non_decoder(config.get("model_type"), config.get("is_encoder_decoder") is True)
-    auto_map = config.get("auto_map", {})
-    bad = [key for key, value in auto_map.items() if not isinstance(value, str) and not (
-        isinstance(value, list) and all(isinstance(v, (str, type(None))) for v in value))] \
-        if isinstance(auto_map, dict) else ["(the whole field)"]
-    if bad:
-        raise GhostedError(f"{where}: auto_map.{bad[0]} should name a class (\"module.Class\", or a list of them), and "
-                           f"holds {auto_map if bad[0].startswith('(') else auto_map[bad[0]]!r}; the config is "
-                           "damaged.")
-    problems = size_field_problems(text, "text_config" if text is not config else "config")
+    problems = [*_auto_map_problems(config.get("auto_map", {})),
+                *size_field_problems(text, "text_config" if text is not config else "config")]
     if problems:
         raise GhostedError(f"{where}: {'; '.join(problems)}; the config is damaged.")
     claimed = text.get("num_hidden_layers")
     if claimed is not None:
-        held = {layer_of(name) for name in names} - {None}
+        held = {checkpoint_layer(name) for name in names} - {None}
         # counted, not compared with set(range(claimed)): a claim of 10**9 layers must cost nothing
         if sum(1 for i in held if i < claimed) != claimed or (made_as(config) is not None and len(held) != claimed):
             raise GhostedError(f"{where} claims {claimed} decoder layers, but the weight files hold {len(held)}: the "
@@ -129,6 +122,15 @@ def check_folder(folder: str | Path) -> dict[str, Any]:
                            f"weight files hold {held_values:,} values: the config does not belong to these weights "
                            "(nothing was built); re-save the model.")
     return config
+
+
+def _auto_map_problems(auto_map: Any) -> list[str]:
+    """An `auto_map` entry is a class reference ("module.Class") or a list of them (a tokenizer's pair)."""
+    if not isinstance(auto_map, dict):
+        return [f"auto_map should hold an object of class references, and holds {auto_map!r}"]
+    return [f"auto_map.{key} should name a class (\"module.Class\", or a list of them), and holds {value!r}"
+            for key, value in auto_map.items() if not isinstance(value, str)
+            and not (isinstance(value, list) and all(isinstance(v, (str, type(None))) for v in value))]
 
 
 def claimed_parameters(config: dict[str, Any], where: Path) -> int | None:

@@ -117,6 +117,10 @@ def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | Non
         tokenizer = AutoTokenizer.from_pretrained(ref, revision=revision, trust_remote_code=trust)
     except (ValueError, ImportError, StrictDataclassError) as error:  # transformers' and the remote code's refusals
         raise GhostedError(f"{ref} cannot be loaded: {' '.join(str(error).split())[:500]}") from error
+    if getattr(config, "vision_config", None) is not None and getattr(model.config, "vision_config", None) is None:
+        logger.warning("%s is a multimodal checkpoint (%s); AutoModelForCausalLM loads its language model alone: the "
+                       "vision tower and projector are dropped, and what is pruned and saved is a text-only %s model.",
+                       ref, config.model_type, model.config.model_type)
     return model.eval(), tokenizer
 
 

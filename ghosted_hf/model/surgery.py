@@ -280,16 +280,20 @@ def check_runs(model: PreTrainedModel) -> None:
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = (torch.arange(1, 5) % vocab).unsqueeze(0).to(model.get_input_embeddings().weight.device)
     name = "cache" if "cache" in inspect.signature(decoder(model).forward).parameters else "past_key_values"
-    try:
-        with torch.no_grad():
+    mode = model.training
+    try:  # in eval mode, the caller's random state untouched
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model.eval()
             first = model(input_ids=ids, use_cache=True)
-            cache = getattr(first, "cache", None) or first.past_key_values
+            cache = first.past_key_values if getattr(first, "cache", None) is None else first.cache
             step = model(input_ids=ids[:, -1:], use_cache=True, **{name: cache})
     except Exception as error:  # whatever the family's forward raises: the pruned structure is at fault
         reason = " ".join(str(error).split())[:300] or type(error).__name__
         raise GhostedError(f"The pruned model cannot run: one forward and one cached step of a few tokens failed "
                            f"({type(error).__name__}: {reason}); nothing was saved. Keep more of the layers or "
                            "sub-blocks its family needs.") from error
+    finally:
+        model.train(mode)
     if not (torch.isfinite(first.logits).all() and torch.isfinite(step.logits).all()):
         raise GhostedError("The pruned model gives NaN or Inf logits on a few tokens; nothing was saved. Check the "
                            "operators (their fit figures in config.ghost_boundaries).")
@@ -320,7 +324,8 @@ def check_derived_layout(config: Any) -> None:
     if model_type not in _VERDICTS:
         _VERDICTS[model_type] = "being checked"  # the check's own prune_layers passes through here
         try:
-            _compare_with_skip_reference(_small_twin(config))
+            with torch.random.fork_rng(devices=[]):  # seeded instances; the caller's random state untouched
+                _compare_with_skip_reference(_small_twin(config))
             _VERDICTS[model_type] = None
         except Exception as error:  # whatever the family's code raises on its small instance
             _VERDICTS[model_type] = " ".join(str(error).split())[:300] or type(error).__name__
@@ -374,16 +379,16 @@ def _twin_inputs(model: PreTrainedModel) -> dict[str, torch.Tensor]:
 def _compare_with_skip_reference(twin: PreTrainedModel) -> None:
     """Prune `twin` and compare it with its dense self with the removed layers skipped by hooks (the definition)."""
     depth, width = twin.config.num_hidden_layers, twin.config.hidden_size
-    options = [[1, depth - 1], [depth - 1], [1], [0]]
-    removed = next(r for r in options if len(set(r)) < depth and (not layers_to_keep_one_of(twin.config)
-                                                                   or not set(layers_to_keep_one_of(twin.config)) <= set(r)))
+    needed = set(layers_to_keep_one_of(twin.config))
+    removed = next(sorted(set(r)) for r in ([1, depth - 1], [depth - 1], [1])  # a middle layer and the last
+                   if len(set(r)) < depth and not (needed and needed <= set(r)))
     generator = torch.Generator().manual_seed(1)
     operators = {b["removed"][0]: torch.eye(width) + 0.05 * torch.randn(width, width, generator=generator)
-                 for b in expected_boundaries(depth, sorted(set(removed)))}
+                 for b in expected_boundaries(depth, removed)}
     inputs = _twin_inputs(twin)
     layers, norm = decoder_layers(twin), final_norm(twin)
-    hooks = [layers[i].register_forward_hook(_passed_through, with_kwargs=True) for i in set(removed)]
-    for b in expected_boundaries(depth, sorted(set(removed))):
+    hooks = [layers[i].register_forward_hook(_passed_through, with_kwargs=True) for i in removed]
+    for b in expected_boundaries(depth, removed):
         fed = layers[b["removed"][-1] + 1] if b["removed"][-1] + 1 < depth else norm
         hooks.append(fed.register_forward_pre_hook(_mapped(operators[b["removed"][0]]), with_kwargs=True))
     try:
@@ -392,12 +397,12 @@ def _compare_with_skip_reference(twin: PreTrainedModel) -> None:
     finally:
         for hook in hooks:
             hook.remove()
-    pruned = prune_layers(twin, sorted(set(removed)), operators, operator_kind="ghost")
+    pruned = prune_layers(twin, removed, operators, operator_kind="ghost")
     with torch.no_grad():
         got = pruned(**inputs, use_cache=False).logits
     gap = float((got - expected).abs().max())
     if not gap <= 1e-4 * max(1.0, float(expected.abs().max())):
-        raise GhostedError(f"removing layers {sorted(set(removed))} gives logits {gap:.3g} away from the dense instance "
+        raise GhostedError(f"removing layers {removed} gives logits {gap:.3g} away from the dense instance "
                            "with those layers skipped")
     prompt = inputs["input_ids"][:1]
     cached = pruned.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
