@@ -496,8 +496,8 @@ def check_layers_match(dense: Iterable[nn.Module], pruned: Iterable[nn.Module], 
         if before != after:
             diff = next((a, b) for a, b in zip(before + [None], after + [None]) if a != b)
             raise GhostedError(f"Pruned layer {new} would not be built like dense layer {kept[new]} ({diff[0]} became "
-                               f"{diff[1]}): a per-layer config field is not re-indexed right. Report it with the "
-                               "model's config.json.")
+                               f"{diff[1]}): a config field that depends on the layer index or count is not carried over "
+                               "right. Report it with the model's config.json.")
 
 
 def _layout(entry: Architecture) -> str:

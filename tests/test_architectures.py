@@ -296,7 +296,8 @@ def test_every_decoder_only_type_is_derived_or_refused_with_a_reason(capsys) -> 
               f"{len(refused)} refused with a reason")
     assert set(ARCHITECTURES) <= set(types) | {"gemma3_text", "qwen3_5_text"}
     assert {"llama4_text", "qwen3_5_moe_text", "exaone4", "apertus", "internlm3", "ministral3", "olmo", "stablelm",
-            "bitnet", "vaultgemma", "jetmoe", "granitemoeshared", "cohere2_moe", "deepseek_v4"} <= set(derived)
+            "bitnet", "vaultgemma", "jetmoe", "granitemoeshared", "cohere2_moe", "deepseek_v4", "deepseek_v32",
+            "glm4_moe_lite"} <= set(derived)
     assert "keeps its decoder layers elsewhere" in refused["gpt2"]  # another decoder layout: refused by what it lacks
 
 

@@ -328,7 +328,8 @@ def check_derived_layout(config: Any) -> None:
                 _compare_with_skip_reference(_small_twin(config))
             _VERDICTS[model_type] = None
         except Exception as error:  # whatever the family's code raises on its small instance
-            _VERDICTS[model_type] = " ".join(str(error).split())[:300] or type(error).__name__
+            reason = " ".join(str(error).split()).split(" Report it")[0]  # (the check's own advice follows)
+            _VERDICTS[model_type] = reason[:300] or type(error).__name__
     if _VERDICTS[model_type] not in (None, "being checked"):
         raise GhostedError(f"{model_type!r} has no entry in ghosted_hf's architecture registry, and the layout derived "
                            f"for it failed its check on a small instance: {_VERDICTS[model_type]}. Report it with the "
@@ -345,7 +346,9 @@ def _small_twin(config: Any) -> PreTrainedModel:
     values.update({k: i for i, k in enumerate(("pad_token_id", "bos_token_id", "eos_token_id"))  # within 128 tokens
                    if isinstance(values.get(k), int)})
     problems = []
-    for attempt in (sizes, {k: v for k, v in sizes.items() if k not in _FAMILY_SIZED}, {"vocab_size": 128}):
+    latent = {**sizes, "head_dim": sizes.get("qk_rope_head_dim"), "num_key_value_heads": sizes.get("num_attention_heads")}
+    for attempt in (sizes, {k: v for k, v in latent.items() if v is not None},  # latent attention: head_dim = rope
+                    {k: v for k, v in sizes.items() if k not in _FAMILY_SIZED}, {"vocab_size": 128}):
         try:
             small = type(config).from_dict({**values, **attempt})
             small._attn_implementation = "eager"
