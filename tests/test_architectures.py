@@ -267,14 +267,15 @@ def decoder_only_types() -> list[str]:
 
 def test_every_decoder_only_type_is_derived_or_refused_with_a_reason(capsys) -> None:
     """A type with no registry entry gets a derived layout, used only once a small instance of its own default config
-    passed the skip-reference check (in memory and with the cache); otherwise it is refused with one GhostedError
-    naming what failed. Registered families are checked the same way by the tests above."""
+    passed the skip-reference check (in memory and with the cache), for whole layers and for sub-blocks apart;
+    otherwise it is refused with one GhostedError naming what failed. Registered families are checked the same way by
+    the tests above."""
     from transformers import AutoConfig
 
     from ghosted_hf.model.surgery import check_derived_layout
 
     types = decoder_only_types()
-    registered, derived, refused = [], [], {}
+    registered, derived, with_subblocks, refused = [], [], [], {}
     for model_type in types:
         if model_type in ARCHITECTURES:
             registered.append(model_type)
@@ -288,17 +289,21 @@ def test_every_decoder_only_type_is_derived_or_refused_with_a_reason(capsys) -> 
             assert architecture(config).derived
             check_derived_layout(config)
             derived.append(model_type)
+            check_derived_layout(config, subblocks=True)
+            with_subblocks.append(model_type)
         except GhostedError as error:
             assert str(error).strip(), model_type
-            refused[model_type] = str(error)
+            refused.setdefault(model_type, str(error))
     with capsys.disabled():
-        print(f"\n{len(types)} decoder-only types: {len(registered)} registered, {len(derived)} derived and checked, "
-              f"{len(refused)} refused with a reason")
+        print(f"\n{len(types)} decoder-only types: {len(registered)} registered, {len(derived)} derived and checked "
+              f"({len(with_subblocks)} of them for sub-blocks too), {len(types) - len(registered) - len(derived)} "
+              "refused with a reason")
     assert set(ARCHITECTURES) <= set(types) | {"gemma3_text", "qwen3_5_text"}
     assert {"llama4_text", "qwen3_5_moe_text", "exaone4", "apertus", "internlm3", "ministral3", "olmo", "stablelm",
             "bitnet", "vaultgemma", "jetmoe", "granitemoeshared", "cohere2_moe", "deepseek_v4", "deepseek_v32",
-            "glm4_moe_lite"} <= set(derived)
+            "glm4_moe_lite"} <= set(with_subblocks)
     assert "keeps its decoder layers elsewhere" in refused["gpt2"]  # another decoder layout: refused by what it lacks
+    assert "(sub-blocks)" in refused.get("ergo", "(sub-blocks)")  # its layer reads self_attn.o_proj itself
 
 
 @pytest.mark.parametrize("model_type", ["llama4_text", "exaone4", "olmo"])
@@ -306,13 +311,13 @@ def test_a_derived_family_prunes_calibrates_saves_and_reloads_without_ghosted_hf
                                                                                   tmp_path: Path) -> None:
     """A family with no registry entry, end to end: ghost-aware selection and fits from calibration text, the result
     equal to its skip reference, saved with its card and loaded in a fresh process without ghosted_hf with the same
-    logits; sub-blocks and stock folds are refused by name (only whole layers are checked on a derived layout)."""
+    logits; sub-blocks (checked on the small instance too) are replaced; stock folds are refused by name."""
     from isolated import assert_loads_with_same_logits
 
     assert architecture(tiny_family(model_type).config).derived
-    with pytest.raises(GhostedError, match="derived .* only whole-layer removal is checked"):
-        ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), unit="subblock", remove="25%", seq_len=48,
-                    num_sequences=24)
+    replaced = ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), unit="subblock", criterion="manual",
+                           subblocks=["1.attention", "2.mlp"], seq_len=48, num_sequences=24)
+    assert [(r["original_layer"], r["block"]) for r in replaced.config.ghost_subblocks] == [(1, "attention"), (2, "mlp")]
     with pytest.raises(GhostedError, match="its layout is derived, not declared"):
         ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), operator="folded", num_layers=2, seq_len=48,
                     num_sequences=24)

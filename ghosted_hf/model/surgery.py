@@ -165,7 +165,10 @@ def prune_layers(
     consumed.
     """
     _check_dense_model(model)
-    check_derived_layout(model.config)
+    if not (subblocks and not remove):  # whole layers removed
+        check_derived_layout(model.config)
+    if subblocks:
+        check_derived_layout(model.config, subblocks=True)
     base_config = model.config
     depth, hidden = base_config.num_hidden_layers, base_config.hidden_size
     if isinstance(remove, Iterable) and not isinstance(remove, (str, bytes)):
@@ -310,29 +313,30 @@ _TWIN_SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_att
 _FAMILY_SIZED = ("head_dim", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
                  "qk_nope_head_dim", "v_head_dim")
 _TWIN_DEPTH, _TWIN_PARAMETERS = 6, 50_000_000
-_VERDICTS: dict[str, str | None] = {}  # model type -> None (the derived layout passed) or why it failed
+_VERDICTS: dict[tuple[str, str], str | None] = {}  # (model type, unit) -> None (the check passed) or why it failed
 
 
-def check_derived_layout(config: Any) -> None:
-    """Use a derived layout only once a small random instance of the same config class, pruned by it (a removal in
-    the middle and one of the last layer, random operators), equals the dense instance with those layers skipped and
-    the operators applied by hooks, and generates the same tokens with the cache as without. Checked once per model
-    type and process; a failure is refused in one line naming what failed."""
-    model_type = config.model_type
-    if not architecture(config).derived or _VERDICTS.get(model_type, "") is None:
+def check_derived_layout(config: Any, subblocks: bool = False) -> None:
+    """Use a derived layout only once a small random instance of the same config class, pruned by it, equals the
+    dense instance with the change made by hooks, and generates the same tokens with the cache as without: for whole
+    layers, a removal in the middle and one of the last layer with random operators (the layers skipped); with
+    `subblocks`, the first layer's attention and the last layer's MLP replaced by random maps (their outputs replaced).
+    Checked once per model type, unit and process; a failure is refused in one line naming what failed."""
+    key = (config.model_type, "sub-blocks" if subblocks else "whole layers")
+    if not architecture(config).derived or _VERDICTS.get(key, "") is None:
         return
-    if model_type not in _VERDICTS:
-        _VERDICTS[model_type] = "being checked"  # the check's own prune_layers passes through here
+    if key not in _VERDICTS:
+        _VERDICTS[key] = "being checked"  # the check's own prune_layers passes through here
         try:
             with torch.random.fork_rng(devices=[]):  # seeded instances; the caller's random state untouched
-                _compare_with_skip_reference(_small_twin(config))
-            _VERDICTS[model_type] = None
+                _compare_with_skip_reference(_small_twin(config), subblocks)
+            _VERDICTS[key] = None
         except Exception as error:  # whatever the family's code raises on its small instance
             reason = " ".join(str(error).split()).split(" Report it")[0]  # (the check's own advice follows)
-            _VERDICTS[model_type] = reason[:300] or type(error).__name__
-    if _VERDICTS[model_type] not in (None, "being checked"):
-        raise GhostedError(f"{model_type!r} has no entry in ghosted_hf's architecture registry, and the layout derived "
-                           f"for it failed its check on a small instance: {_VERDICTS[model_type]}. Report it with the "
+            _VERDICTS[key] = reason[:300] or type(error).__name__
+    if _VERDICTS[key] not in (None, "being checked"):
+        raise GhostedError(f"{key[0]!r} has no entry in ghosted_hf's architecture registry, and the layout derived for "
+                           f"it failed its check on a small instance ({key[1]}): {_VERDICTS[key]}. Report it with the "
                            "model's config.json (docs/architectures.md says how to add an entry).")
 
 
@@ -379,12 +383,13 @@ def _twin_inputs(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def _compare_with_skip_reference(twin: PreTrainedModel) -> None:
-    """Prune `twin` and compare it with its dense self with the removed layers skipped by hooks (the definition)."""
+def _compare_with_skip_reference(twin: PreTrainedModel, subblocks: bool = False) -> None:
+    """Prune `twin` (whole layers, or with `subblocks` two sub-blocks) and compare it with its dense self with the
+    removed layers skipped, or the sub-blocks' outputs replaced, by hooks (the definition)."""
     depth, width = twin.config.num_hidden_layers, twin.config.hidden_size
     needed = set(layers_to_keep_one_of(twin.config))
-    removed = next(sorted(set(r)) for r in ([1, depth - 1], [depth - 1], [1])  # a middle layer and the last
-                   if len(set(r)) < depth and not (needed and needed <= set(r)))
+    removed = [] if subblocks else next(sorted(set(r)) for r in ([1, depth - 1], [depth - 1], [1])  # middle, last
+                                        if len(set(r)) < depth and not (needed and needed <= set(r)))
     generator = torch.Generator().manual_seed(1)
     operators = {b["removed"][0]: torch.eye(width) + 0.05 * torch.randn(width, width, generator=generator)
                  for b in expected_boundaries(depth, removed)}
@@ -394,18 +399,27 @@ def _compare_with_skip_reference(twin: PreTrainedModel) -> None:
     for b in expected_boundaries(depth, removed):
         fed = layers[b["removed"][-1] + 1] if b["removed"][-1] + 1 < depth else norm
         hooks.append(fed.register_forward_pre_hook(_mapped(operators[b["removed"][0]]), with_kwargs=True))
+    maps, outputs = {}, {}
+    if subblocks:
+        family = architecture(twin)
+        for layer, block in ((0, "attention"), (depth - 1, "mlp")):
+            maps[layer, block] = 0.5 * torch.randn(width, width, generator=generator)
+            module = getattr(family, block).module(layers[layer])
+            hooks.append(module.register_forward_hook(_replaced(maps[layer, block], outputs, (layer, block)),
+                                                      with_kwargs=True))
     try:
         with torch.no_grad():
             expected = twin(**inputs, use_cache=False).logits
     finally:
         for hook in hooks:
             hook.remove()
-    pruned = prune_layers(twin, removed, operators, operator_kind="ghost")
+    pruned = prune_layers(twin, removed, operators, operator_kind="ghost",
+                          subblocks={key: (value, outputs[key]) for key, value in maps.items()} or None)
     with torch.no_grad():
         got = pruned(**inputs, use_cache=False).logits
     gap = float((got - expected).abs().max())
     if not gap <= 1e-4 * max(1.0, float(expected.abs().max())):
-        raise GhostedError(f"removing layers {removed} gives logits {gap:.3g} away from the dense instance "
+        raise GhostedError(f"{'replacing sub-blocks' if subblocks else f'removing layers {removed}'} gives logits {gap:.3g} away from the dense instance "
                            "with those layers skipped")
     prompt = inputs["input_ids"][:1]
     cached = pruned.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -417,6 +431,17 @@ def _compare_with_skip_reference(twin: PreTrainedModel) -> None:
 def _passed_through(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     hidden = args[0] if args else kwargs["hidden_states"]
     return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
+def _replaced(matrix: torch.Tensor, outputs: dict, key: tuple) -> Callable:
+    """A forward hook giving the module's output as `matrix` applied to its input (and recording how many values
+    the module returns, as a replaced sub-block records it)."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        mapped = (hidden.float() @ matrix).to(hidden.dtype)
+        outputs[key] = len(output) if isinstance(output, tuple) else 0
+        return (mapped, *([None] * (len(output) - 1))) if isinstance(output, tuple) else mapped
+    return hook
 
 
 def _mapped(operator: torch.Tensor) -> Callable:

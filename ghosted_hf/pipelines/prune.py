@@ -287,10 +287,10 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
                            f"got a {type(config).__name__}.")
     kind = operator_kind(options.operator)
     family = architecture(config)
-    check_derived_layout(config)  # before any calibration work
-    if options.unit != "layer" and family.derived:
-        raise GhostedError(f"unit={options.unit!r}: the layout of {config.model_type!r} is derived (no registry entry), "
-                           "and only whole-layer removal is checked on it; use unit='layer'.")
+    if options.unit != "subblock":  # before any calibration work
+        check_derived_layout(config)
+    if options.unit != "layer":
+        check_derived_layout(config, subblocks=True)
     if options.unit != "layer":
         if options.subblocks or options.layers:
             subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
