@@ -372,15 +372,15 @@ def calibration_tokens(tokenizer: Any, calibration: TextSource, options: PruneOp
     """The calibration windows `options` ask for (read by the one text reader), checked against the model's vocabulary
     (`vocab_size` rows of its embedding), the memory a batch needs and the text a fit of `regressors` x C inputs
     needs."""
-    check_positions(config, options.seq_len)
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size,
                           options.text_column, split=options.split, streaming=options.streaming)
-    check_batch_memory(*data.batches[0]["input_ids"].shape, config, "batch_size")  # before any forward
     top = max(int(b["input_ids"].max()) for b in data.batches)
     if top >= vocab_size:  # a tokenizer of another model
         raise GhostedError(f"The tokenizer produced token id {top}, but the model's embedding has {vocab_size} rows: "
                            "the tokenizer does not belong to this model. Load the tokenizer from the model's own folder.")
     check_token_budget(data.num_tokens, config.hidden_size, regressors)
+    check_positions(config, options.seq_len)  # before any forward, as the batch's memory
+    check_batch_memory(*data.batches[0]["input_ids"].shape, config, "batch_size")
     return data
 
 
