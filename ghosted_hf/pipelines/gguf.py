@@ -40,7 +40,6 @@ from ..model.surgery import adopt_tensors
 from ..remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
 from ..remote.modeling_ghosted import GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key, scratch_folder
 from ..utils.diskio import atomic_write
-from ..utils.inputs import note_read
 from ..utils.network import check_timeout
 
 logger = logging.getLogger(__name__)
@@ -123,8 +122,6 @@ def convert(folder: Path, llama_cpp: Path, outfile: Path, outtype: str, timeout:
     if not script.is_file():
         raise GhostedError(f"{llama_cpp} has no convert_hf_to_gguf.py: pass the llama.cpp source folder (e.g. a clone "
                            "of ggml-org/llama.cpp, or vendor/llama.cpp of the llama-cpp-python sdist).")
-    for part in converter_files(llama_cpp):
-        note_read(part, "llama.cpp converter")
     command = [sys.executable, str(script), str(folder), "--outfile", str(outfile), "--outtype", outtype]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)

@@ -211,8 +211,8 @@ class Calibrator:
         if stats.tokens == 0:
             raise GhostedError("The calibration batches contain no real token (every position is padding).")
         # The whole set's token count: statistics that hold fewer are a part of it, whatever their shard label says.
-        set_tokens = sum(int(b["attention_mask"].bool().sum()) for b in self.data.batches)
-        stats.origin.update(data=self.data_sha256(), plan=plan.to_json(), shard=str(self.shard), set_tokens=set_tokens)
+        stats.origin.update(data=self.data_sha256(), plan=plan.to_json(), shard=str(self.shard),
+                            set_tokens=self.data.num_tokens)
         self.passes.append({"purpose": purpose, "batches": len(batches),
                             "forwards": self.calibration_pass.forwards(len(batches), patch, plan),
                             "processes": self.world, "deepest_layer_input": plan.deepest(),

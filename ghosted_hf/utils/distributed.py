@@ -85,7 +85,8 @@ def rendezvous() -> Iterator[None]:
         "Process %d of %d: waiting for the other processes at %s:%s (up to %.0f s; GHOSTED_DISTRIBUTED_TIMEOUT sets "
         "it).", rank, world, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), timeout_s()))
     waiting.daemon = True
-    waiting.start()
+    if world > 1:  # (healing's options pass through here in one process too)
+        waiting.start()
     try:
         yield
     # The process that hosts the store times out waiting for the others (DistStoreError), the others connecting to
