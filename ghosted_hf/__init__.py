@@ -3,7 +3,7 @@
 
 import importlib.metadata
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from .assets import default_model_dir, wikipedia_split
 from .errors import GhostedError
@@ -19,7 +19,7 @@ from .pipelines.export import export_stock
 from .pipelines.healing import HealOptions, HealResult, heal, merge
 from .pipelines.prune import calibrate, ghost_prune
 from .remote.configuration_ghosted import GhostedConfig
-from .remote.modeling_ghosted import GhostedForCausalLM, GhostedModel, GhostOperator
+from .remote.modeling_ghosted import GhostedForCausalLM, GhostedForConditionalGeneration, GhostedModel, GhostOperator
 from .statistics import CalibrationStatistics, LayerwisePass, StatisticsPlan, collect_statistics
 
 __version__ = importlib.metadata.version("ghosted_hf")
@@ -27,10 +27,12 @@ __version__ = importlib.metadata.version("ghosted_hf")
 AutoConfig.register(GhostedConfig.model_type, GhostedConfig, exist_ok=True)
 AutoModel.register(GhostedConfig, GhostedModel, exist_ok=True)
 AutoModelForCausalLM.register(GhostedConfig, GhostedForCausalLM, exist_ok=True)
+AutoModelForImageTextToText.register(GhostedConfig, GhostedForConditionalGeneration, exist_ok=True)
 # save_pretrained then writes `auto_map` and copies the two remote-code files next to the weights.
 GhostedConfig.register_for_auto_class()
 GhostedModel.register_for_auto_class("AutoModel")
 GhostedForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+GhostedForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")
 
 __all__ = [
     "CRITERIA",
@@ -41,6 +43,7 @@ __all__ = [
     "GhostedConfig",
     "GhostedError",
     "GhostedForCausalLM",
+    "GhostedForConditionalGeneration",
     "GhostedModel",
     "GhostOperator",
     "HealOptions",

@@ -8,11 +8,13 @@ Adding a family is one `Architecture` entry and one tiny-model test (tests/test_
 
 from __future__ import annotations
 
+import copy
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -64,6 +66,24 @@ class SubBlock:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """Where a causal LM keeps its decoder layers and the norm after the last one, as module paths (Llama's, or
+    GPT-2's ``transformer.h`` and ``transformer.ln_f``, ...): a ghosted model holds the family's modules under the same
+    names, and records a layout other than Llama's in its config (`ghost_layout`)."""
+
+    layers: str = "model.layers"
+    norm: str = "model.norm"
+
+    @property
+    def is_default(self) -> bool:
+        return self == Layout()
+
+    def as_config(self) -> dict[str, str] | None:
+        """The `ghost_layout` config field: None for Llama's layout (older readers' only one)."""
+        return None if self.is_default else {"layers": self.layers, "norm": self.norm}
+
+
+@dataclass(frozen=True)
 class Architecture:
     """One decoder family (or several that share a layout), keyed by their `model_type`s."""
 
@@ -86,6 +106,7 @@ class Architecture:
     # Derived from the model rather than declared (`derived_architecture`): used once a small instance of its config
     # passed the skip-reference check (`model.surgery.check_derived_layout`).
     derived: bool = False
+    layout: Layout = Layout()
 
     def __post_init__(self) -> None:
         assert self.norm_placement in NORM_PLACEMENTS and self.gain in GAINS
@@ -193,26 +214,46 @@ _DERIVED_MLP = ("mlp", "feed_forward", "block_sparse_moe", "ffn", "moe")
 
 def architecture(config_or_model: Any) -> Architecture:
     """The registry entry of a model or config (a ghosted one: of its base), else the layout derived for a decoder-only
-    type of transformers (checked on a small instance before use), or a GhostedError naming why not."""
+    type of transformers (checked on a small instance before use), or a GhostedError naming why not. A multimodal
+    model is its language decoder's family, laid out where the multimodal model keeps that decoder."""
     config = getattr(config_or_model, "config", config_or_model)
     if getattr(config, "model_type", None) == "ghosted":
         config = config.text_config
     model_type = getattr(config, "model_type", None)
+    text = language_config(config)
+    if text is not config:
+        refuse_non_decoder(model_type, bool(getattr(config, "is_encoder_decoder", False)))
+        return replace(architecture(text), layout=derived_layout(config))
     if model_type in ARCHITECTURES:
         return ARCHITECTURES[model_type]
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     refuse_non_decoder(model_type, bool(getattr(config, "is_encoder_decoder", False)))
-    text = getattr(config, "text_config", None)
-    if text is not None and text is not config:
-        raise GhostedError(f"{model_type!r} is a multimodal model: a vision tower and a projector around a "
-                           f"{getattr(text, 'model_type', '?')!r} language decoder. ghosted_hf does not prune a "
-                           "multimodal checkpoint as a whole yet; load its language model alone (its text config's "
-                           "causal-LM class) to prune it as a text-only model.")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise GhostedError(f"Unsupported architecture {model_type!r}: this transformers has no causal LM of that type "
                            "(a model with remote code, or a newer family: update transformers).")
-    return derived_architecture(model_type)
+    return derived_architecture(config)
+
+
+def language_config(config: Any) -> Any:
+    """The config of the language decoder: a multimodal model's text config (Gemma 3's `text_config`), a ghosted
+    model's base's, else `config` itself."""
+    if getattr(config, "model_type", None) == "ghosted":
+        config = config.text_config
+    get = getattr(config, "get_text_config", None)
+    if not callable(get):
+        return config
+    try:
+        return get()
+    except ValueError:  # a text encoder beside the decoder (several text configs): the decoder's
+        return get(decoder=True)
+
+
+def is_multimodal(config: Any) -> bool:
+    """Whether a (base or ghosted) config describes a multimodal model around its language decoder."""
+    if getattr(config, "model_type", None) == "ghosted":
+        config = config.text_config
+    return language_config(config) is not config
 
 
 def refuse_non_decoder(model_type: Any, is_encoder_decoder: bool = False) -> None:
@@ -229,46 +270,174 @@ def refuse_non_decoder(model_type: Any, is_encoder_decoder: bool = False) -> Non
                            "decoder-only causal LMs.")
 
 
-def derived_architecture(model_type: str) -> Architecture:
-    """The layout of a decoder-only type with no registry entry: its decoder's `layers` and final `norm` and its
-    sub-blocks by their usual names; whole layers with the ghost and normed kinds, never a fold."""
-    return Architecture((model_type,), attention=SubBlock(_DERIVED_ATTENTION, None),
-                        mlp=SubBlock(_DERIVED_MLP, None), derived=True)
+def derived_architecture(config: PretrainedConfig) -> Architecture:
+    """The layout of a decoder-only type with no registry entry: its decoder layers and final norm where its model
+    keeps them (`derived_layout`), its sub-blocks by their usual names; whole layers and sub-blocks with the ghost and
+    normed kinds, never a fold."""
+    return Architecture((config.model_type,), attention=SubBlock(_DERIVED_ATTENTION, None),
+                        mlp=SubBlock(_DERIVED_MLP, None), derived=True, layout=derived_layout(config))
+
+
+_LAYOUTS: dict[str, Layout | str] = {}  # model type -> its derived layout, or why none was found
+_ASIDE = re.compile(r"vision|visual|audio|image|speech")  # encoders beside a multimodal model's language decoder
+
+
+def derived_layout(config: PretrainedConfig) -> Layout:
+    """Where the causal LM of `config`'s type keeps its decoder layers and final norm, read off a shallow instance
+    built on the meta device (nothing allocated), once per model type; a GhostedError naming what was not found."""
+    from transformers import AutoModelForCausalLM
+
+    model_type = config.model_type
+    if model_type not in _LAYOUTS and is_multimodal(config):  # its language decoder's family was checked apart
+        from transformers import AutoModelForImageTextToText
+
+        try:
+            with torch.device("meta"):
+                skeleton = AutoModelForImageTextToText.from_config(pruned_config(config, [0, 1, 2]))
+            _LAYOUTS[model_type] = find_layout(skeleton, 3)
+        except GhostedError as error:
+            _LAYOUTS[model_type] = str(error)
+        except Exception as error:  # the family's own classes, whatever they raise
+            _LAYOUTS[model_type] = (f"no {model_type} model could be built from its config to find its language "
+                                    f"decoder ({type(error).__name__}: {' '.join(str(error).split())[:200]})")
+    if model_type not in _LAYOUTS:
+        problems = []
+        try:
+            for small, problem in small_configs(config, 3):
+                if small is None:
+                    problems.append(problem)
+                    continue
+                try:
+                    with torch.device("meta"):
+                        skeleton = AutoModelForCausalLM.from_config(small)
+                except Exception as error:  # the family's own model class, whatever it raises: try the next sizes
+                    problems.append(f"{type(error).__name__}: {' '.join(str(error).split())[:120]}")
+                    continue
+                _LAYOUTS[model_type] = find_layout(skeleton, small.num_hidden_layers)
+                break
+            else:
+                _LAYOUTS[model_type] = (f"no {model_type} model could be built from its config to find its layers "
+                                        f"({'; '.join(problems)})")
+        except GhostedError as error:
+            _LAYOUTS[model_type] = str(error)
+        except Exception as error:  # the family's config class, whatever it raises
+            _LAYOUTS[model_type] = (f"its config cannot be read for its layers ({type(error).__name__}: "
+                                    f"{' '.join(str(error).split())[:200]})")
+    found = _LAYOUTS[model_type]
+    if isinstance(found, str):
+        raise GhostedError(found)
+    return found
+
+
+# Sizes of the small instances a derived layout is found and checked on (set where the family's config has the field,
+# under its own name: GPT-2's n_embd), and the first attempt's fields the next attempts leave to the family (head and
+# latent sizes some families derive).
+_SMALL_SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+                    num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=16,
+                    kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, linear_num_value_heads=2,
+                    linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, n_group=1, topk_group=1,
+                    vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, max_position_embeddings=256,
+                    rotary_dim=4, attention_hidden_size=32, d_head=8, attention_head_dim=8, lru_width=32,
+                    num_heads=8, state_size=16, mamba_n_heads=8, mamba_d_head=8, mamba_headdim=8, mamba_d_state=16,
+                    mamba_d_ssm=64)
+_FAMILY_SIZED = ("head_dim", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                 "qk_nope_head_dim", "v_head_dim", "rotary_dim", "d_head", "attention_head_dim", "num_heads")
+
+
+def small_configs(config: PretrainedConfig, depth: int) -> Iterator[tuple[PretrainedConfig | None, str | None]]:
+    """(config, None) of `config`'s class `depth` layers deep (a hybrid keeping one of `layers_to_keep_one_of`), a
+    few dozen wide, eager attention: with every small size, latent attention's, the family's own head sizes, then its
+    own widths; (None, why) for each the family's config class refuses."""
+    depth = min(config.num_hidden_layers, depth)
+    kept, needed = list(range(depth)), layers_to_keep_one_of(config)
+    if needed and not set(needed) & set(kept):
+        kept = [*kept[:-1], needed[0]]
+    values = pruned_config(config, kept).to_dict()
+    values.update({k: i for i, k in enumerate(("pad_token_id", "bos_token_id", "eos_token_id"))  # within 128 tokens
+                   if isinstance(values.get(k), int)})
+    aliases = config.attribute_map
+    sizes = {aliases.get(k, k): v for k, v in _SMALL_SIZES.items() if aliases.get(k, k) in values}
+    heads = aliases.get("num_attention_heads", "num_attention_heads")
+    latent = {**sizes, "head_dim": sizes.get("qk_rope_head_dim"), "num_key_value_heads": sizes.get(heads)}
+    family_sized = {aliases.get(k, k) for k in _FAMILY_SIZED}
+    for attempt in (sizes, {k: v for k, v in latent.items() if v is not None},  # latent attention: head_dim = rope
+                    {k: v for k, v in sizes.items() if k not in family_sized}, {"vocab_size": 128}):
+        try:
+            small = type(config).from_dict({**values, **attempt})
+        except Exception as error:  # the family's config validation on these sizes: try the next
+            yield None, f"{type(error).__name__}: {' '.join(str(error).split())[:120]}"
+            continue
+        small._attn_implementation = "eager"
+        yield small, None
+
+
+def find_layout(model: nn.Module, depth: int) -> Layout:
+    """The layout of `model`, a causal LM with `depth` decoder layers: the shallowest list of `depth` modules outside
+    any vision or audio encoder, and what reads the last layer's output: the one norm beside the list (of several,
+    those not named for the embeddings or an input), or the output layer where there is none (post-norm GPT)."""
+    lists = [name for name, module in model.named_modules() if isinstance(module, nn.ModuleList)
+             and len(module) == depth and "." in name and not _ASIDE.search(name)]
+    shallowest = [name for name in lists if name.count(".") == min((n.count(".") for n in lists), default=0)]
+    if len(shallowest) != 1:
+        raise GhostedError(f"{type(model).__name__} has {len(shallowest) or 'no'} module lists as long as its "
+                           f"decoder layers ({depth} in the instance they were looked for in)"
+                           f"{' ' + str(shallowest) if shallowest else ''}: its decoder layers cannot be told apart.")
+    parent = shallowest[0].rpartition(".")[0]
+    norms = [name for name, module in model.get_submodule(parent).named_children() if _is_norm(module)]
+    if len(norms) > 1:  # the embeddings' or a per-layer input's norm beside the final one
+        norms = [name for name in norms if not re.search("emb|proj|input", name)] or norms
+    if len(norms) > 1 and "norm" in norms:
+        norms = ["norm"]
+    if len(norms) > 1:
+        raise GhostedError(f"{type(model).__name__} has {len(norms)} norms beside its decoder layers ({shallowest[0]}) "
+                           f"{norms}: the norm after the last layer, which a boundary after it feeds, cannot be told.")
+    if norms:
+        return Layout(shallowest[0], f"{parent}.{norms[0]}")
+    head = model.get_output_embeddings()
+    return Layout(shallowest[0], next(name for name, module in model.named_modules() if module is head))
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "norm" in type(module).__name__.lower()
 
 
 def decoder(model: nn.Module) -> nn.Module:
-    """The decoder of a causal LM (dense or ghosted): `model.model`, with its `layers` and final `norm`."""
-    inner = getattr(model, "model", None)
-    if not isinstance(getattr(inner, "layers", None), nn.ModuleList) or not hasattr(inner, "norm"):
-        raise GhostedError(f"{type(model).__name__} keeps its decoder layers elsewhere than `model.model.layers` with a "
-                           "final `model.model.norm` (Llama's layout, which ghosted models keep): ghosted_hf cannot "
-                           "prune this layout.")
-    return inner
+    """The module holding a causal LM's decoder layers (dense or ghosted; `model.model` in Llama's layout)."""
+    return _module(model, architecture(model).layout.layers.rpartition(".")[0], "decoder")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a causal LM (dense or ghosted), in order."""
-    return decoder(model).layers
+    return _module(model, architecture(model).layout.layers, "decoder layers")
 
 
 def final_norm(model: nn.Module) -> nn.Module:
     """The norm after the last decoder layer (a boundary after the last kept layer feeds it)."""
-    return decoder(model).norm
+    return _module(model, architecture(model).layout.norm, "final norm")
 
 
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+def _module(model: nn.Module, path: str, what: str) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        raise GhostedError(f"{type(model).__name__} has no {what} at `{path}`, where its family's causal LM keeps "
+                           f"them: ghosted_hf cannot prune this model as it is built.") from None
+
+
 EMBEDDING_WEIGHT = "model.embed_tokens.weight"  # the input embedding, in every registry family's checkpoint
 
 
-def layer_prefix(index: int) -> str:
+def layer_prefix(index: int, layout: Layout = Layout()) -> str:
     """The prefix of every parameter and module name of decoder layer `index` (``model.layers.<i>.``)."""
-    return f"model.layers.{index}."
+    return f"{layout.layers}.{index}."
 
 
-def layer_of(name: str) -> int | None:
+def layer_of(name: str, layout: Layout = Layout()) -> int | None:
     """The decoder layer a parameter or module name belongs to (`layer_prefix`), else None."""
-    match = _LAYER_NAME.match(name)
-    return int(match.group(1)) if match else None
+    head, _, tail = name.partition(layout.layers + ".")
+    index = tail.split(".", 1)[0]
+    return int(index) if not head and index.isdigit() and "." in tail else None
 
 
 # Where multimodal checkpoints keep their language decoder (Gemma 3 / Qwen3.5: model.language_model; Llama 4:
@@ -276,13 +445,17 @@ def layer_of(name: str) -> int | None:
 _LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")
 
 
-def checkpoint_layer(name: str) -> int | None:
-    """The decoder layer a checkpoint tensor belongs to, in a decoder-only checkpoint or a multimodal one's language
-    decoder; else None."""
-    for prefix in _LANGUAGE_MODEL_PREFIXES:
-        if name.startswith(prefix):
-            return layer_of("model." + name[len(prefix):])
-    return layer_of(name)
+def checkpoint_layer(name: str, layout: Layout = Layout()) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to, in a decoder-only checkpoint (stored from the causal LM, or
+    from its base model: GPT-2's ``h.0.`` for ``transformer.h.0.``) or a multimodal one's language decoder; else
+    None."""
+    if layout.is_default:
+        for prefix in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                return layer_of("model." + name[len(prefix):])
+    found = layer_of(name, layout)
+    base = layout.layers.partition(".")[0] + "."
+    return found if found is not None else layer_of(base + name, layout)
 
 
 def checked_shapes(config: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -344,7 +517,7 @@ def lora_targets(model: nn.Module) -> str:
     Linear subclass with its own forward (a router returning weights and indices, which LoRA cannot wrap)."""
     relative = sorted({name.split(".", 1)[1] for name, module in decoder_layers(model).named_modules()
                        if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and "." in name})
-    return rf"model\.layers\.\d+\.({'|'.join(re.escape(name) for name in relative)})"
+    return rf"{re.escape(architecture(model).layout.layers)}\.\d+\.({'|'.join(re.escape(name) for name in relative)})"
 
 
 def lora_target_parameters(model: nn.Module) -> list[str]:
@@ -361,7 +534,29 @@ Rule = Callable[[Any, list[int], dict[str, Any]], Any]  # a per-layer field's (v
 
 
 def _sliced(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
-    return None if value is None else [value[i] for i in kept]
+    """One entry per layer (a single value where a family also accepts one for every layer: Gemma 3n's sizes)."""
+    return [value[i] for i in kept] if isinstance(value, (list, tuple)) else value
+
+
+def _cycled(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+    """A pattern the layers repeat (RecurrentGemma's block_types): the kept layers' entries, spelled out."""
+    return [value[i % len(value)] for i in kept] if isinstance(value, (list, tuple)) and value else value
+
+
+def _run_lengths(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+    """GPT-Neo's attention_types, [[pattern, repeats], ...]: the kept layers' kinds as one run."""
+    return [[_sliced(values.get("attention_layers"), kept, values), 1]] if values.get("attention_layers") else value
+
+
+def _sources(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+    """Per layer, the layer whose keys and values it reads (Kolibri's kv_source_layers): re-indexed; a kept layer
+    reading a removed one's is refused."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    lost = sorted({value[i] for i in kept if value[i] not in kept})
+    if lost:
+        raise GhostedError(f"Layers {lost} hold keys and values that kept layers read (kv_source_layers): keep them.")
+    return [kept.index(value[i]) for i in kept]
 
 
 def _reindexed(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
@@ -416,6 +611,10 @@ def _unchanged(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
 LAYER_FIELDS: dict[str, Rule] = {
     "layer_types": _sliced, "mlp_layer_types": _sliced, "no_rope_layers": _sliced, "layer_rope_theta": _sliced,
     "num_attention_heads_per_layer": _sliced, "indexer_types": _sliced, "layers_block_type": _sliced,
+    "attention_layers": _sliced, "attention_types": _run_lengths, "block_types": _cycled, "kv_source_layers": _sources,
+    "expert_swiglu_limit_list": _sliced, "share_expert_swiglu_limit_list": _sliced, "intermediate_size": _sliced,
+    "activation_sparsity_pattern": _sliced, "hybrid_layer_ids": _reindexed, "index_layers": _reindexed,
+    "cross_attention_layers": _reindexed,
     "moe_layers": _reindexed, "full_attn_idxs": _reindexed, "per_layer_config": _reindexed_keys,
     "mlp_only_layers": _mlp_only_layers, "decoder_sparse_step": _sparse_step,
     "max_window_layers": _prefix_count, "first_k_dense_replace": _prefix_count,
@@ -430,6 +629,12 @@ LAYER_FIELDS: dict[str, Rule] = {
 def pruned_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig:
     """The base config with `num_hidden_layers` and every per-layer field restricted to the `kept` layers; a list
     as long as the layer count that `LAYER_FIELDS` does not know is refused by name."""
+    text = language_config(config)
+    if text is not config:  # a multimodal model: its language decoder's config pruned, the rest as it is
+        whole = copy.deepcopy(config)
+        setattr(whole, next(name for name in config.sub_configs if getattr(config, name, None) is text),
+                pruned_config(text, kept))
+        return whole
     values = config.to_dict()
     depth = config.num_hidden_layers
     unknown = [k for k, v in values.items() if isinstance(v, (list, tuple)) and len(v) == depth
@@ -438,7 +643,7 @@ def pruned_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig
         raise GhostedError(f"Config field(s) {unknown} of {config.model_type!r} hold one entry per layer, and "
                            "ghosted_hf does not know how they re-index when layers are removed: add them to "
                            "ghosted_hf.architectures.LAYER_FIELDS.")
-    new = dict(values, num_hidden_layers=len(kept))
+    new = dict(values, **{config.attribute_map.get("num_hidden_layers", "num_hidden_layers"): len(kept)})
     for field, rule in LAYER_FIELDS.items():
         if field in values:
             new[field] = rule(values[field], kept, values)
@@ -448,14 +653,16 @@ def pruned_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig
 
 
 SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # `layer_types` of softmax attention
+_MASKING_TYPES = ("full_attention", "hybrid", "attention")  # the layer kinds a hybrid builds its masks from
 
 
 def layers_to_keep_one_of(config: PretrainedConfig) -> list[int]:
     """Dense layers of which a pruned model must keep at least one: a hybrid's full-attention layers (transformers
     builds its attention masks from a full-attention layer's cache, so a hybrid left with linear-attention or
-    state-space layers only fails its first forward). Derived from `layer_types`; empty where nothing is needed."""
-    types = list(getattr(config, "layer_types", None) or [])
-    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    state-space layers only fails its first forward). Derived from `layer_types` (Zamba's `layers_block_type`); empty
+    where nothing is needed."""
+    types = list(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
+    full = [i for i, kind in enumerate(types) if kind in _MASKING_TYPES]
     return full if full and any(kind not in SOFTMAX_LAYER_TYPES for kind in types) else []
 
 
@@ -481,7 +688,7 @@ def _signature(layer: nn.Module, skip: Iterable[str] = ()) -> list[tuple]:
         shapes = tuple((n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False))
         plain = tuple(sorted((k, v) for k, v in vars(module).items()
                              if not k.startswith("_") and k != "training" and not _INDEX_ATTRIBUTE.search(k)
-                             and isinstance(v, (int, float, str, bool, type(None)))))
+                             and isinstance(v, (int, float, str, bool))))  # (None: unset, as a runtime state)
         signature.append((name, type(module).__name__, shapes, plain))
     return signature
 
@@ -526,3 +733,51 @@ def supported_architectures_table() -> str:
         rows.append(f"| {', '.join(f'`{t}`' for t in entry.model_types)} | {_layout(entry)} | {_stock_export(entry)} "
                     f"| {'yes' if entry.gguf_architecture else 'refused'} | {layerwise} | {tested} |")
     return "\n".join(rows) + "\n"
+
+
+def decoder_only_types() -> list[str]:
+    """Every decoder-only causal-LM type of the installed transformers: its causal-LM mapping less encoder-decoders,
+    encoders (masked LMs) and multimodal wrappers (their language decoder's type is counted), computed, not listed."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+
+    found = []
+    for model_type in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+                             - set(MODEL_FOR_MASKED_LM_MAPPING_NAMES) - {"ghosted"}):
+        try:
+            config = AutoConfig.for_model(model_type)
+        except Exception:  # a config class that cannot be built with its own defaults: listed (and refused)
+            found.append(model_type)
+            continue
+        if not getattr(config, "is_encoder_decoder", False) and getattr(config, "text_config", None) is None:
+            found.append(model_type)
+    return found
+
+
+Verdict = tuple[Layout | None, str | None, str | None]  # (layout, why whole layers are refused, why sub-blocks are)
+
+
+def derived_families_table(verdicts: Mapping[str, Verdict]) -> str:
+    """The markdown tables of docs/architectures.md's derived families (where their layers and final norm are, what
+    passed) and refused types (why), from each type's verdict (`model.surgery.derivation_verdicts`)."""
+    rows = ["| `model_type` | decoder layers | read after the last layer | whole layers | sub-blocks |",
+            "|---|---|---|---|---|"]
+    refused = ["| `model_type` | refused because |", "|---|---|"]
+    for model_type, (layout, whole, sub) in sorted(verdicts.items()):
+        if whole is None and layout is not None:
+            rows.append(f"| `{model_type}` | `{layout.layers}` | `{layout.norm}` | yes | "
+                        f"{'yes' if sub is None else 'refused: ' + _first_clause(sub)} |")
+        else:
+            refused.append(f"| `{model_type}` | {_first_clause(whole or 'no layout')} |")
+    return "\n".join(rows) + "\n\nRefused, each with its reason:\n\n" + "\n".join(refused) + "\n"
+
+
+def _first_clause(reason: str) -> str:
+    """A refusal's reason without the boilerplate around it, short enough for a table cell."""
+    marker = "failed its check on a small instance ("  # (whole layers): or (sub-blocks):
+    reason = reason.split(marker, 1)[1].split("): ", 1)[1] if marker in reason else reason
+    reason = reason.split(". Report it")[0].replace("|", "/")
+    return reason if len(reason) <= 160 else reason[:157].rsplit(" ", 1)[0] + " ..."
+

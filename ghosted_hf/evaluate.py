@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from .assets import cache_root
 from .errors import GhostedError, MissingDependencyError
 from .statistics.capture import input_device
+from .text.tokens import text_tokenizer
 
 
 def perplexity(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], progress: bool = True,
@@ -66,7 +67,7 @@ def lambada_items(limit: int | None = None) -> list[tuple[str, str]]:
 def lambada(model: nn.Module, tokenizer: Any, limit: int | None = None, progress: bool = True) -> dict[str, float]:
     """Last-word accuracy (every token of the word is the greedy choice) and perplexity of the last word,
     on the first `limit` items: a measure that still separates small models where multiple choice does not."""
-    items = lambada_items(limit)
+    items, tokenizer = lambada_items(limit), text_tokenizer(tokenizer)
     device = input_device(model)
     nll, tokens, correct = 0.0, 0, 0
     with torch.no_grad():
@@ -149,6 +150,7 @@ def zero_shot(model: nn.Module, tokenizer: Any, tasks: list[str], limit: int | N
     offline. `limit` takes the first N validation examples of each task (a fixed sample): with N >= 625 the
     standard error of an accuracy near 0.5 is below 0.02 (hellaswag, piqa, winogrande and boolq have enough
     validation examples for that; arc and openbookqa do not)."""
+    tokenizer = text_tokenizer(tokenizer)
     check_zero_shot(tasks)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:

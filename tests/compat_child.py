@@ -315,13 +315,14 @@ def main() -> None:
     run_families(spec.get("families", {}))
 
 
-def skipped_reference(dense, removed: list[int], maps: dict, inputs: dict):
+def skipped_reference(dense, removed: list[int], maps: dict, inputs: dict, layers=None, norm=None):
     """The definition of a ghosted model, computed with a dense model of its family: the `removed` layers pass
     their input through, and `maps[fed]` (a function of the float32 stream) maps the stream entering layer `fed`
-    (`len(layers)`: the final norm). Shared with tests/test_architectures.py."""
+    (`len(layers)`: the final norm). `layers` and `norm`: the decoder's, where they are not Llama's
+    (`dense.model.layers`, `dense.model.norm`). Shared with tests/test_architectures.py."""
     import torch
 
-    layers, norm = dense.model.layers, dense.model.norm
+    layers, norm = (dense.model.layers, dense.model.norm) if layers is None else (layers, norm)
 
     def skip(module, args, kwargs, output):
         hidden = args[0] if args else kwargs["hidden_states"]

@@ -23,28 +23,34 @@ def run_without_ghosted(code: str, cwd: Path, env: dict[str, str] | None = None,
     return done.stdout
 
 
-def assert_loads_with_same_logits(model_id: str | Path, model, inputs: dict, cwd: Path, env: dict[str, str] | None = None,
-                                  trust_remote_code: bool = True, atol: float = 0.0) -> str:
-    """Load `model_id` in a process without ghosted_hf and check its logits on `inputs` against `model`'s
-    (bit-identical by default). Returns what the process printed: 'LOADED <module> <class> <layers>'."""
+def assert_loads_with_same_logits(model_id: str | Path, model, inputs: dict | list[dict], cwd: Path,
+                                  env: dict[str, str] | None = None, trust_remote_code: bool = True, atol: float = 0.0,
+                                  auto_class: str = "AutoModelForCausalLM") -> str:
+    """Load `model_id` with `auto_class` in a process without ghosted_hf and check its logits on `inputs` (one
+    batch, or several: a multimodal model's text batch and image prompt) against `model`'s (bit-identical by
+    default). Returns what the process printed: 'LOADED <module> <class> <layers>'."""
     import torch
     from safetensors.torch import save_file
 
-    with torch.no_grad():
-        expected = model(**inputs).logits
-    save_file({"expected": expected, **inputs}, cwd / "io.safetensors")
+    batches = [inputs] if isinstance(inputs, dict) else list(inputs)
+    for i, one in enumerate(batches):
+        with torch.no_grad():
+            expected = model(**one).logits
+        save_file({"expected": expected, **one}, cwd / f"io{i}.safetensors")
     remote = ", trust_remote_code=True" if trust_remote_code else ""
     return run_without_ghosted(
         f"""
         import torch
         from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-        io = load_file("io.safetensors")
-        model = AutoModelForCausalLM.from_pretrained({str(model_id)!r}{remote})
-        with torch.no_grad():
-            got = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"]).logits
-        torch.testing.assert_close(got, io["expected"], rtol=0, atol={atol})
-        print("LOADED", type(model).__module__, type(model).__name__, model.config.num_hidden_layers)
+        from transformers import {auto_class}
+        model = {auto_class}.from_pretrained({str(model_id)!r}{remote})
+        for i in range({len(batches)}):
+            io = load_file(f"io{{i}}.safetensors")
+            expected = io.pop("expected")
+            with torch.no_grad():
+                got = model(**io).logits
+            torch.testing.assert_close(got, expected, rtol=0, atol={atol})
+        print("LOADED", type(model).__module__, type(model).__name__, model.config.get_text_config().num_hidden_layers)
         """,
         cwd,
         env,

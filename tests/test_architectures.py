@@ -15,7 +15,7 @@ from compat_child import skipped_reference
 from isolated import run_without_ghosted
 from peft.tuners.lora.layer import ParamWrapper
 from safetensors.torch import save_file
-from tiny import batch, char_tokenizer, random_operator, sequences, texts, tiny_family
+from tiny import HIDDEN, LAYERS, batch, char_tokenizer, random_operator, sequences, texts, tiny_family
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 from ghosted_hf import GhostedError, ghost_prune, prune_layers, save_with_card, to_stock_model
@@ -210,10 +210,13 @@ def test_index_encoded_fields_re_index() -> None:
 
 
 def test_families_that_cannot_be_pruned_are_refused_by_name() -> None:
-    from transformers import BartConfig, BartForCausalLM, GPT2Config, GPT2LMHeadModel
+    """NanoChat runs its one final norm before the layers too, so a boundary before it would map the embeddings as
+    well: its derived layout fails the check against the skip reference (which maps the last kept layer's output)."""
+    from transformers import BartConfig, BartForCausalLM
 
-    with pytest.raises(GhostedError, match=r"GPT2LMHeadModel keeps its decoder layers elsewhere than `model.model.layers`"):
-        prune_layers(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64)), [0])
+    with pytest.raises(GhostedError, match=r"'nanochat' has no entry .* failed its check on a small instance \(whole "
+                                           r"layers\): removing layers \[1, 5\] gives logits .* away from the dense"):
+        prune_layers(tiny_family("nanochat"), [3])
     bart = BartForCausalLM(BartConfig(vocab_size=64, d_model=16, decoder_layers=2, encoder_layers=2,
                                       decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=16,
                                       encoder_ffn_dim=16))
@@ -244,56 +247,21 @@ def test_a_config_with_another_mlp_width_is_refused_from_the_headers_in_the_fami
         check_folder(tmp_path)
 
 
-def decoder_only_types() -> list[str]:
-    """Every decoder-only causal-LM type of the installed transformers: its causal-LM mapping less encoder-decoders,
-    encoders (masked LMs) and multimodal wrappers (a config holding a text_config), computed here, not listed."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
-
-    found = []
-    for model_type in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
-                             - set(MODEL_FOR_MASKED_LM_MAPPING_NAMES) - {"ghosted"}):
-        try:
-            config = AutoConfig.for_model(model_type)
-        except Exception:  # a config class that cannot be built with its own defaults: listed, and counted below
-            found.append(model_type)
-            continue
-        if not getattr(config, "is_encoder_decoder", False) and getattr(config, "text_config", None) is None:
-            found.append(model_type)
-    return found
-
-
 def test_every_decoder_only_type_is_derived_or_refused_with_a_reason(capsys) -> None:
     """A type with no registry entry gets a derived layout, used only once a small instance of its own default config
     passed the skip-reference check (in memory and with the cache), for whole layers and for sub-blocks apart;
     otherwise it is refused with one GhostedError naming what failed. Registered families are checked the same way by
-    the tests above."""
-    from transformers import AutoConfig
-
-    from ghosted_hf.model.surgery import check_derived_layout
+    the tests above; docs/architectures.md lists what was found here."""
+    from ghosted_hf.architectures import decoder_only_types, derived_families_table
+    from ghosted_hf.model.surgery import derivation_verdicts
 
     types = decoder_only_types()
-    registered, derived, with_subblocks, refused = [], [], [], {}
-    for model_type in types:
-        if model_type in ARCHITECTURES:
-            registered.append(model_type)
-            continue
-        try:
-            config = AutoConfig.for_model(model_type)
-        except Exception as error:
-            refused[model_type] = f"its default config cannot be built ({type(error).__name__})"
-            continue
-        try:
-            assert architecture(config).derived
-            check_derived_layout(config)
-            derived.append(model_type)
-            check_derived_layout(config, subblocks=True)
-            with_subblocks.append(model_type)
-        except GhostedError as error:
-            assert str(error).strip(), model_type
-            refused.setdefault(model_type, str(error))
+    verdicts = derivation_verdicts(types)
+    registered = [t for t in types if t in ARCHITECTURES]
+    derived = [t for t, (_, whole, _) in verdicts.items() if whole is None]
+    with_subblocks = [t for t, (_, whole, sub) in verdicts.items() if whole is None and sub is None]
+    refused = {t: whole or sub for t, (_, whole, sub) in verdicts.items() if whole is not None or sub is not None}
+    assert all(reason.strip() for reason in refused.values())
     with capsys.disabled():
         print(f"\n{len(types)} decoder-only types: {len(registered)} registered, {len(derived)} derived and checked "
               f"({len(with_subblocks)} of them for sub-blocks too), {len(types) - len(registered) - len(derived)} "
@@ -302,56 +270,45 @@ def test_every_decoder_only_type_is_derived_or_refused_with_a_reason(capsys) -> 
     assert {"llama4_text", "qwen3_5_moe_text", "exaone4", "apertus", "internlm3", "ministral3", "olmo", "stablelm",
             "bitnet", "vaultgemma", "jetmoe", "granitemoeshared", "cohere2_moe", "deepseek_v4", "deepseek_v32",
             "glm4_moe_lite"} <= set(with_subblocks)
-    assert "keeps its decoder layers elsewhere" in refused["gpt2"]  # another decoder layout: refused by what it lacks
     assert "(sub-blocks)" in refused.get("ergo", "(sub-blocks)")  # its layer reads self_attn.o_proj itself
+    assert len(registered) + len(derived) >= 120
+    # Other layouts (GPT-2's transformer.h, GPT-NeoX's and Phi's parallel blocks, Falcon, MPT, LFM2's final
+    # embedding_norm), with sub-blocks; state-space and post-norm ones (no MLP, or no final norm) as whole layers.
+    assert {"gpt2", "gpt_neox", "phi", "bloom", "falcon", "mpt", "gptj", "codegen", "lfm2", "falcon_h1"} <= \
+        set(with_subblocks)
+    assert {"mamba", "opt", "xglm", "nemotron_h", "openai-gpt", "recurrent_gemma"} <= set(derived)
+    assert "has none of the sub-blocks" in refused["mamba"]
+    assert "away from the dense instance" in refused["nanochat"]  # its final norm also runs before the layers
+    page = (Path(__file__).parents[1] / "docs" / "architectures.md").read_text()
+    assert derived_families_table(verdicts) in page, "docs/architectures.md: run python docs/reference/generate.py"
 
 
-@pytest.mark.parametrize("model_type", ["llama4_text", "exaone4", "olmo"])
+@pytest.mark.parametrize("model_type", ["llama4_text", "exaone4", "olmo", "gpt2", "gpt_neox", "mamba", "openai-gpt"])
 def test_a_derived_family_prunes_calibrates_saves_and_reloads_without_ghosted_hf(model_type: str,
                                                                                   tmp_path: Path) -> None:
     """A family with no registry entry, end to end: ghost-aware selection and fits from calibration text, the result
     equal to its skip reference, saved with its card and loaded in a fresh process without ghosted_hf with the same
-    logits; sub-blocks (checked on the small instance too) are replaced; stock folds are refused by name."""
+    logits; sub-blocks (checked on the small instance too) are replaced where the family has them; stock folds are
+    refused by name. GPT-2 keeps its layers in transformer.h, GPT-NeoX's blocks are parallel, Mamba's are state
+    space (no MLP), GPT-1 has no final norm (a boundary after its last layer feeds the output layer)."""
     from isolated import assert_loads_with_same_logits
 
-    assert architecture(tiny_family(model_type).config).derived
-    replaced = ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), unit="subblock", criterion="manual",
-                           subblocks=["1.attention", "2.mlp"], seq_len=48, num_sequences=24)
-    assert [(r["original_layer"], r["block"]) for r in replaced.config.ghost_subblocks] == [(1, "attention"), (2, "mlp")]
+    family = architecture(tiny_family(model_type).config)
+    assert family.derived and (family.layout.as_config() is None) == (model_type in ("llama4_text", "exaone4", "olmo"))
+    if model_type not in ("mamba", "openai-gpt"):
+        replaced = ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), unit="subblock", criterion="manual",
+                               subblocks=["1.attention", "2.mlp"], seq_len=48, num_sequences=24)
+        assert [(r["original_layer"], r["block"]) for r in replaced.config.ghost_subblocks] == \
+            [(1, "attention"), (2, "mlp")]
     with pytest.raises(GhostedError, match="its layout is derived, not declared"):
         ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), operator="folded", num_layers=2, seq_len=48,
                     num_sequences=24)
     ghosted = ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), num_layers=2, seq_len=48,
                           num_sequences=24)
     assert len(ghosted.config.removed_layers) == 2
+    if model_type in ("gpt2", "openai-gpt"):  # the last layer's boundary: before ln_f, or the output layer itself
+        plain = prune_layers(tiny_family(model_type), [LAYERS - 1], {LAYERS - 1: 2 * torch.eye(HIDDEN)})
+        assert plain.config.ghost_layout["norm"] == {"gpt2": "transformer.ln_f", "openai-gpt": "lm_head"}[model_type]
+        assert f"{plain.config.ghost_layout['norm']}.ghost.operator" in plain.state_dict()
     save_with_card(ghosted, tmp_path / "model", char_tokenizer())
     assert "LOADED" in assert_loads_with_same_logits(tmp_path / "model", ghosted, batch(), tmp_path)
-
-
-def test_a_multimodal_checkpoint_is_refused_as_a_whole_or_loaded_text_only_with_a_warning(tmp_path: Path,
-                                                                                         caplog) -> None:
-    """Multimodal checkpoints are not pruned as a whole yet: a Gemma 3 multimodal model is refused by name (with the
-    decoder it wraps); a Qwen3.5 checkpoint, which AutoModelForCausalLM loads as its language model alone, loads with
-    a warning that the vision tower is dropped, and its language model prunes as a text-only model."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    from ghosted_hf.model.loading import load_model
-
-    with pytest.raises(GhostedError, match="'gemma3' is a multimodal model: a vision tower and a projector around a "
-                                           "'gemma3_text' language decoder"):
-        architecture(AutoConfig.for_model("gemma3"))
-    config = AutoConfig.for_model("qwen3_5")
-    text, vision = config.text_config, config.vision_config
-    for name, value in dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=8, num_hidden_layers=4, linear_num_value_heads=2,
-                            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8).items():
-        setattr(text, name, value)
-    text.layer_types = text.layer_types[:4]
-    vision.hidden_size, vision.depth, vision.intermediate_size, vision.num_heads, vision.out_hidden_size = 32, 1, 64, 4, 32
-    AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "qwen3_5")
-    char_tokenizer().save_pretrained(tmp_path / "qwen3_5")
-    with caplog.at_level("WARNING", logger="ghosted_hf.model.loading"):
-        model, tokenizer = load_model(str(tmp_path / "qwen3_5"))
-    assert "the vision tower and projector are dropped" in caplog.text and model.config.model_type == "qwen3_5_text"
-    ghosted = ghost_prune(model, char_tokenizer(), texts(), num_layers=1, seq_len=48, num_sequences=24)
-    assert ghosted.config.text_config.layer_types.count("full_attention") == 1

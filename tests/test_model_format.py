@@ -11,8 +11,8 @@ import torch
 from fake_hub import build_hub_cache
 from isolated import assert_loads_with_same_logits, run_without_ghosted
 from safetensors.torch import load_file, save_file
-from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, deleted_reference, random_operator
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, deleted_reference, random_operator, tiny_family
+from transformers import AutoModelForCausalLM
 
 import ghosted_hf
 from ghosted_hf import GhostedForCausalLM, prune_layers
@@ -353,9 +353,10 @@ def test_bad_layer_indices(remove, message) -> None:
 
 
 def test_unsupported_architecture() -> None:
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel keeps its decoder layers elsewhere than `model.model.layers`"):
-        prune_layers(gpt2, [0])
+    """A causal LM whose decoder layers cannot be found (HRM's are not one list as long as its layer count) is refused
+    by what is missing."""
+    with pytest.raises(ValueError, match=r"HrmTextForCausalLM has no module lists as long as its decoder layers"):
+        prune_layers(tiny_family("hrm_text"), [0])
 
 
 def test_already_ghosted_model_is_refused() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -189,11 +189,14 @@ FAMILY_OVERRIDES: dict[str, dict] = {
 
 
 def tiny_config(model_type: str, **overrides):
-    """A tiny config of `model_type`: the SMALL sizes where the family has them, and its FAMILY_OVERRIDES."""
+    """A tiny config of `model_type`: the SMALL sizes where the family has them (under its own names: GPT-2's n_embd),
+    and its FAMILY_OVERRIDES."""
     from transformers import AutoConfig
 
-    fields = set(AutoConfig.for_model(model_type).to_dict())
-    sizes = {k: v for k, v in SMALL.items() if k in fields or k in ("vocab_size", "hidden_size", "num_hidden_layers")}
+    default = AutoConfig.for_model(model_type)
+    fields, aliases = set(default.to_dict()), default.attribute_map
+    sizes = {aliases.get(k, k): v for k, v in SMALL.items()
+             if aliases.get(k, k) in fields or k in ("vocab_size", "hidden_size", "num_hidden_layers")}
     return AutoConfig.for_model(model_type, **{**sizes, **FAMILY_OVERRIDES.get(model_type, {}), **overrides})
 
 
@@ -212,3 +215,88 @@ def tiny_family(model_type: str, seed: int = 0, **overrides) -> PreTrainedModel:
             elif "embed" not in name:
                 p.mul_(4.0)
     return model
+
+
+IMAGE = 120  # the image token of the tiny multimodal models (beside the character tokenizer's ids)
+# A one- or two-layer vision tower per multimodal family, and the ids its language decoder reserves for images.
+MULTIMODAL: dict[str, dict] = {
+    "gemma3": dict(vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=32, patch_size=8),
+                   mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=IMAGE + 1,
+                   eoi_token_index=IMAGE + 2),
+    "llama4": dict(vision_config=dict(hidden_size=16, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=16, patch_size=4, vision_output_dim=32, projector_input_dim=32,
+                                      projector_output_dim=32),
+                   image_token_index=IMAGE, boi_token_index=IMAGE + 1, eoi_token_index=IMAGE + 2),
+    "qwen3_5": dict(vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=4,
+                                       out_hidden_size=HIDDEN, num_position_embeddings=64),
+                    image_token_id=IMAGE, video_token_id=IMAGE + 1, vision_start_token_id=IMAGE + 2,
+                    vision_end_token_id=IMAGE + 3),
+}
+MULTIMODAL_TEXT = {"gemma3": "gemma3_text", "llama4": "llama4_text", "qwen3_5": "qwen3_5_text"}
+
+
+def tiny_multimodal(model_type: str, seed: int = 0) -> PreTrainedModel:
+    """A tiny random image-text-to-text model as `AutoModelForImageTextToText` builds it: its language decoder a tiny
+    model of its text family (as `tiny_family`), a small vision tower and projector."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = tiny_config(MULTIMODAL_TEXT[model_type]).to_dict()
+    config = AutoConfig.for_model(model_type, text_config=text, **MULTIMODAL[model_type])
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _tokenizer_with(specials: dict[str, int], named: dict[str, str]) -> PreTrainedTokenizerFast:
+    """The character tokenizer with special tokens at given ids (a multimodal model's image tokens), `named` as the
+    tokenizer's attributes (image_token, ...)."""
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {"<pad>": PAD, "</s>": EOS, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}, **specials}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(token, special=True) for token in specials])
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   extra_special_tokens=named)
+
+
+def image_inputs(model_type: str) -> dict[str, torch.Tensor]:
+    """A prompt with one image for `tiny_multimodal(model_type)`, as its processor would give it: text tokens around
+    the image's placeholder tokens, and the image's pixels (Qwen3.5: flattened patches and their grid)."""
+    g = torch.Generator().manual_seed(3)
+    text = torch.randint(3, 90, (1, 6), generator=g)
+    if model_type == "gemma3":  # four image tokens between the begin and end markers
+        image = torch.tensor([[IMAGE + 1, *[IMAGE] * 4, IMAGE + 2]])
+        pixels = {"pixel_values": torch.rand(1, 3, 32, 32, generator=g)}
+    elif model_type == "llama4":  # 16 x 16 pixels, 4-pixel patches, shuffled 2 x 2: four patch tokens
+        image = torch.tensor([[IMAGE + 1, *[IMAGE] * 4, IMAGE + 2]])
+        pixels = {"pixel_values": torch.rand(1, 3, 16, 16, generator=g)}
+    else:  # a 2 x 2 grid of 16-pixel patches (two frames each), merged 2 x 2: one image token
+        image = torch.tensor([[IMAGE + 2, IMAGE, IMAGE + 3]])
+        pixels = {"pixel_values": torch.rand(4, 3 * 2 * 16 * 16, generator=g), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    ids = torch.cat([text[:, :3], image, text[:, 3:]], dim=1)
+    marks = (ids == IMAGE).long()  # where the image is (Gemma 3's token types, Qwen3.5's multimodal RoPE)
+    extra = {"token_type_ids": marks} if model_type == "gemma3" else {"mm_token_type_ids": marks} \
+        if model_type == "qwen3_5" else {}
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **pixels, **extra}
+
+
+def gemma3_processor():
+    """A Gemma 3 processor for `tiny_multimodal("gemma3")`: the character tokenizer with Gemma's image tokens (at the
+    ids the model reserves), 32 x 32 images, four image tokens each. (Llama 4's and Qwen3.5's processors need
+    torchvision, which the CPU wheels here lack.)"""
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+    tokenizer = _tokenizer_with({"<image_soft_token>": IMAGE, "<start_of_image>": IMAGE + 1, "<end_of_image>": IMAGE + 2},
+                                {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+                                 "eoi_token": "<end_of_image>"})
+    template = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<start_of_image>"
+                "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
+    return Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 32, "width": 32}), tokenizer=tokenizer,
+                           chat_template=template, image_seq_length=4)

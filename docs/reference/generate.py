@@ -79,14 +79,25 @@ def cli_page() -> str:
     return "\n".join(lines)
 
 
-def architectures_page() -> str:
-    """docs/architectures.md with its generated table replaced by the registry's current one."""
-    from ghosted_hf.architectures import supported_architectures_table
+def architectures_page(check: bool = False) -> str:
+    """docs/architectures.md with its generated tables replaced: the registry's, and (when writing, not checking: it
+    runs the derivation check on every decoder-only type, about two minutes; the test of that check keeps it
+    current) the derived families'."""
+    from ghosted_hf.architectures import decoder_only_types, derived_families_table, supported_architectures_table
 
     text = (HERE.parent / "architectures.md").read_text()
-    start, end = "<!-- generated: supported_architectures_table -->\n", "<!-- end generated -->"
+    text = _replaced(text, "supported_architectures_table", supported_architectures_table())
+    if not check:
+        from ghosted_hf.model.surgery import derivation_verdicts
+
+        text = _replaced(text, "derived_families_table", derived_families_table(derivation_verdicts(decoder_only_types())))
+    return text
+
+
+def _replaced(text: str, name: str, table: str) -> str:
+    start, end = f"<!-- generated: {name} -->\n", "<!-- end generated -->"
     head, rest = text.split(start, 1)
-    return head + start + supported_architectures_table() + end + rest.split(end, 1)[1]
+    return head + start + table + end + rest.split(end, 1)[1]
 
 
 PAGES = {"options.md": options_page, "cli.md": cli_page, "../architectures.md": architectures_page}
@@ -98,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stale = []
     for name, render in PAGES.items():
-        text = render().rstrip() + "\n"
+        text = (render(check=args.check) if render is architectures_page else render()).rstrip() + "\n"
         path = HERE / name
         if args.check:
             if not path.is_file() or path.read_text() != text:

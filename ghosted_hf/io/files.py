@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import GhostedError, MissingFileError
 from ..model.checkpoint import check_folder, index_weight_map, made_as, weight_map
+from ..remote.configuration_ghosted import decoder_paths
 from ..remote.modeling_ghosted import check_sizes_against_weights, ghost_records, ghost_tensor_keys, operator_sha256
 from ..remote.modeling_ghosted import staged_folder as remote_staged_folder
 from ..utils.inputs import check_apart, check_write, note_output
@@ -110,11 +111,11 @@ def check_ghosted_layout(folder: Path, config: dict[str, Any], operators: dict[s
         check_sizes_against_weights(str(folder), {})  # the check from_pretrained makes: layers, vocabulary, width
     except ValueError as error:
         raise GhostedError(f"{error} Save the model again.") from None
-    expected = {key for b in ghost_records(ghosted) for key in ghost_tensor_keys(b).values()}
+    expected = {key for b in ghost_records(ghosted) for key in ghost_tensor_keys(b, decoder_paths(ghosted)).values()}
     if set(operators) != expected:
         raise GhostedError(f"The weight files hold the operators {sorted(operators)}, but config.json has boundaries "
                            f"and sub-blocks for {sorted(expected)}; save the model again.")
-    c = ghosted.text_config.hidden_size
+    c = ghosted.get_text_config().hidden_size
     for key, tensor in operators.items():
         if tuple(tensor.shape) != (c, c):
             raise GhostedError(f"Operator tensor {key} has shape {tuple(tensor.shape)}, not ({c}, {c}); save the "
@@ -124,7 +125,7 @@ def check_ghosted_layout(folder: Path, config: dict[str, Any], operators: dict[s
 def check_operator_hashes(config: dict[str, Any], tensors: dict[str, Any]) -> None:
     """Compare each ghost tensor with the sha256 its config recorded."""
     for boundary in [*(config.get("ghost_boundaries") or []), *(config.get("ghost_subblocks") or [])]:
-        for field, key in ghost_tensor_keys(boundary).items():
+        for field, key in ghost_tensor_keys(boundary, decoder_paths(config)).items():
             if key not in tensors:
                 raise GhostedError(f"Operator tensor {key} is missing from the weight files; save the model again.")
             expected = boundary.get(field)

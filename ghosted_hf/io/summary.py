@@ -71,6 +71,7 @@ class ModelSummary:
     untied_embeddings: bool = False
     normed: bool = False  # some boundary adds n(x) @ A (format 1.1)
     subblocks: list[SubBlockSummary] = field(default_factory=list)  # replaced sub-blocks (format 1.2)
+    multimodal: str | None = None  # the image-text-to-text model whose language decoder was pruned (its model type)
 
 
 def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
@@ -82,12 +83,12 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         check_shape(score, (int, float), f"config.json: ghost_provenance.selection.scores.{name}")
     stock, kind = prov.stock_export, made_as(config)
     if kind == "ghosted":
-        text, depth, removed_layers = config.text_config, config.original_num_hidden_layers, config.removed_layers
+        text, depth, removed_layers = config.get_text_config(), config.original_num_hidden_layers, config.removed_layers
         boundaries, storage = config.ghost_boundaries, config.operator_dtype
         check_shape(boundaries, [BOUNDARY], "config.json: ghost_boundaries")
         replaced = check_shape(getattr(config, "ghost_subblocks", []), [SUBBLOCK], "config.json: ghost_subblocks")
     elif stock:
-        text, depth, removed_layers = config, stock["original_num_hidden_layers"], stock["removed_layers"]
+        text, depth, removed_layers = config.get_text_config(), stock["original_num_hidden_layers"], stock["removed_layers"]
         boundaries, storage, replaced = stock["boundaries"], "folded into the weights", []
     else:
         raise GhostedError(f"This {getattr(config, 'model_type', None)!r} config was not made by ghosted_hf.")
@@ -124,6 +125,7 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         untied_embeddings=bool(stock and stock.get("untied_embeddings")),
         normed=any(b.get("normed") for b in boundaries),
         subblocks=[_subblock(r) for r in replaced],
+        multimodal=base.model_type if (base := config.text_config if kind == "ghosted" else config) is not text else None,
     )
 
 

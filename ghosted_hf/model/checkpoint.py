@@ -10,9 +10,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..architectures import checked_shapes, checkpoint_layer, refuse_non_decoder
+from ..architectures import ARCHITECTURES, Layout, checked_shapes, checkpoint_layer, derived_layout, refuse_non_decoder
 from ..errors import GhostedError, MissingFileError
-from ..remote.configuration_ghosted import size_field_problems
+from ..remote.configuration_ghosted import decoder_paths, size_field_problems
 from ..utils.diskio import read_json_object
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -90,6 +90,8 @@ def check_folder(folder: str | Path) -> dict[str, Any]:
         raise GhostedError(f"The safetensors index of {folder} names {len(absent)} tensors that its files do not hold "
                            f"(e.g. {absent[:3]}): the index does not belong to these files; re-save the model.")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if text is not config and isinstance(text.get("text_config"), dict):  # a ghosted multimodal model's decoder
+        text = text["text_config"]
     refuse_non_decoder(config.get("model_type"), config.get("is_encoder_decoder") is True)
     problems = [*_auto_map_problems(config.get("auto_map", {})),
                 *size_field_problems(text, "text_config" if text is not config else "config")]
@@ -97,7 +99,8 @@ def check_folder(folder: str | Path) -> dict[str, Any]:
         raise GhostedError(f"{where}: {'; '.join(problems)}; the config is damaged.")
     claimed = text.get("num_hidden_layers")
     if claimed is not None:
-        held = {checkpoint_layer(name) for name in names} - {None}
+        layout = _stored_layout(config)
+        held = {checkpoint_layer(name, layout) for name in names} - {None}
         # counted, not compared with set(range(claimed)): a claim of 10**9 layers must cost nothing
         if sum(1 for i in held if i < claimed) != claimed or (made_as(config) is not None and len(held) != claimed):
             raise GhostedError(f"{where} claims {claimed} decoder layers, but the weight files hold {len(held)}: the "
@@ -122,6 +125,25 @@ def check_folder(folder: str | Path) -> dict[str, Any]:
                            f"weight files hold {held_values:,} values: the config does not belong to these weights "
                            "(nothing was built); re-save the model.")
     return config
+
+
+def _stored_layout(config: dict[str, Any]) -> Layout:
+    """Where a config.json's model keeps its decoder layers: a ghosted model's `ghost_layout`, else its family's,
+    derived from the family's default config (never from the claimed sizes)."""
+    if made_as(config) == "ghosted":
+        try:
+            return Layout(**decoder_paths(config))
+        except ValueError as error:
+            raise GhostedError(str(error)) from None
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type in ARCHITECTURES or isinstance(config.get("text_config"), dict):
+        return Layout()
+    from transformers import AutoConfig
+
+    try:
+        return derived_layout(AutoConfig.for_model(model_type))
+    except Exception:  # no layout derived for the type: Llama's (the derived check refuses the type when it is used)
+        return Layout()
 
 
 def _auto_map_problems(auto_map: Any) -> list[str]:

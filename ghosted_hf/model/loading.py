@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .. import assets
+from ..architectures import is_multimodal
 from ..errors import GhostedError, MissingFileError
 from ..utils.inputs import note_read
 from ..utils.network import HUB_TIMEOUT_S
@@ -100,9 +101,11 @@ NO_HUB_KERNELS = {"use_kernels": False}
 def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | None = None,
                trust_remote_code: bool = False, revision: str | None = None, config: Any = None) -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) from a folder or Hub id, its config checked first (`load_config`; pass
-    `config` when the caller already has it from there, so that the checks and the Hub probe run once)."""
+    `config` when the caller already has it from there, so that the checks and the Hub probe run once). A multimodal
+    checkpoint loads whole (`AutoModelForImageTextToText`: its vision tower and projector travel with the pruned
+    language decoder), with its processor in the tokenizer's place."""
     from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate their fields with it
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     ref = resolve(ref)
     # No Python file of the folder runs unless the user trusts it: not the model's (ghosted_hf's own classes are
@@ -111,17 +114,32 @@ def load_model(ref: str | None, *, dtype: str = "float32", device_map: str | Non
     trust = bool(trust_remote_code)
     if config is None:
         config = load_config(ref, trust_remote_code=trust, revision=revision)
+    whole = is_multimodal(config) and type(config) in AutoModelForImageTextToText._model_mapping
     try:
-        model = AutoModelForCausalLM.from_pretrained(ref, config=config, dtype=DTYPES[dtype], device_map=device_map,
-                                                     revision=revision, trust_remote_code=trust, **NO_HUB_KERNELS)
-        tokenizer = AutoTokenizer.from_pretrained(ref, revision=revision, trust_remote_code=trust)
+        model = (AutoModelForImageTextToText if whole else AutoModelForCausalLM).from_pretrained(
+            ref, config=config, dtype=DTYPES[dtype], device_map=device_map, revision=revision, trust_remote_code=trust,
+            **NO_HUB_KERNELS)
+        tokenizer = _processor(ref, revision, trust) if whole else None
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(ref, revision=revision, trust_remote_code=trust)
     except (ValueError, ImportError, StrictDataclassError) as error:  # transformers' and the remote code's refusals
         raise GhostedError(f"{ref} cannot be loaded: {' '.join(str(error).split())[:500]}") from error
-    if getattr(config, "vision_config", None) is not None and getattr(model.config, "vision_config", None) is None:
+    if is_multimodal(config) and not is_multimodal(model.config):
         logger.warning("%s is a multimodal checkpoint (%s); AutoModelForCausalLM loads its language model alone: the "
                        "vision tower and projector are dropped, and what is pruned and saved is a text-only %s model.",
                        ref, config.model_type, model.config.model_type)
     return model.eval(), tokenizer
+
+
+def _processor(ref: str, revision: str | None, trust: bool) -> Any:
+    """A multimodal checkpoint's processor (text and images), or None where it has none (its tokenizer alone)."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(ref, revision=revision, trust_remote_code=trust)
+    except OSError:  # no image processor saved
+        logger.warning("%s has no processor (no preprocessor_config.json): the pruned model is saved with its "
+                       "tokenizer alone.", ref)
+        return None
 
 
 def load_for_calibration(model: str | None, *, dtype: str = "float32", device: str | None = None,

@@ -16,13 +16,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..architectures import (StreamWeight, SubBlock, architecture, check_declared, check_keeps_one_of,
-                             check_layers_match, decoder, decoder_layers, final_norm, layer_of, layer_prefix,
-                             layers_to_keep_one_of, pruned_config, stream_weights)
+from ..architectures import (ARCHITECTURES, Layout, StreamWeight, SubBlock, Verdict, architecture, is_multimodal, language_config, check_declared, check_keeps_one_of,
+                             check_layers_match, decoder, decoder_layers, layer_of, layer_prefix,
+                             layers_to_keep_one_of, pruned_config, small_configs, stream_weights)
 from ..errors import GhostedError, NonFiniteError
 from ..remote.configuration_ghosted import (LAYER_TARGET, OPERATOR_DTYPES, SUBBLOCK_KINDS, GhostedConfig,
-                                            expected_boundaries, pruned_index, required_format_version)
-from ..remote.modeling_ghosted import GHOST_MODULE, GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key
+                                            decoder_paths, expected_boundaries, pruned_index, required_format_version)
+from ..remote.modeling_ghosted import (GHOST_MODULE, GHOST_NORMED, GhostedForCausalLM, GhostedForConditionalGeneration,
+                                      ghost_tensor_key)
 from .provenance import Provenance
 
 logger = logging.getLogger(__name__)
@@ -74,10 +75,10 @@ def _validate_ghost_tensor(tensor: torch.Tensor, width: int, what: str, where: s
     return stored
 
 
-def _dense_name(name: str, kept: list[int]) -> str:
+def _dense_name(name: str, kept: list[int], layout: Layout) -> str:
     """Name in the dense model of a tensor of the pruned model."""
-    layer = layer_of(name)
-    return name if layer is None else name.replace(layer_prefix(layer), layer_prefix(kept[layer]), 1)
+    layer = layer_of(name, layout)
+    return name if layer is None else name.replace(layer_prefix(layer, layout), layer_prefix(kept[layer], layout), 1)
 
 
 def _take_tensor(pruned: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -170,11 +171,12 @@ def prune_layers(
     if subblocks:
         check_derived_layout(model.config, subblocks=True)
     base_config = model.config
-    depth, hidden = base_config.num_hidden_layers, base_config.hidden_size
+    text = language_config(base_config)  # (a multimodal model's language decoder's)
+    depth, hidden = text.num_hidden_layers, text.hidden_size
     if isinstance(remove, Iterable) and not isinstance(remove, (str, bytes)):
         remove = list(remove)
     removed = [] if subblocks and remove == [] else validate_removal(remove, depth)
-    check_keeps_one_of(base_config, removed)
+    check_keeps_one_of(text, removed)
     kept = [i for i in range(depth) if i not in set(removed)]
     if kept and {i for i, block in (subblocks or {}) if block == "attention"} >= set(kept):
         raise GhostedError("Replacing the attention of every kept layer leaves no token mixing (each position would "
@@ -188,13 +190,15 @@ def prune_layers(
     records = [{**b, "operator": operator_kind if start_of(b) in stored.keys() | terms.keys() else "none", "fit": {},
                 **({"normed": True} if start_of(b) in terms else {})} for b in boundaries]
 
+    layout = architecture(model).layout
     config = GhostedConfig(
         text_config=pruned_config(base_config, kept),
+        ghost_layout=layout.as_config(),
         original_num_hidden_layers=depth,
         removed_layers=removed,
         ghost_boundaries=records,
         ghost_subblocks=[record for record, _ in replaced],
-        ghost_format_version=required_format_version(records, [record for record, _ in replaced]),
+        ghost_format_version=required_format_version(records, [record for record, _ in replaced], layout.as_config()),
         operator_dtype=str(operator_dtype).removeprefix("torch."),
         ghost_provenance={"base_model": base_config._name_or_path or None},
     )
@@ -202,26 +206,27 @@ def prune_layers(
     config.dtype = base_config.dtype
 
     with torch.device("meta"):
-        pruned = GhostedForCausalLM(config)
+        pruned = (GhostedForConditionalGeneration if is_multimodal(base_config) else GhostedForCausalLM)(config)
     dense_layers = decoder_layers(model)
     by_layer: dict[int, list[str]] = {}
     for record, _ in replaced:
         by_layer.setdefault(record["layer"], []).append(record["module"])
     check_layers_match([dense_layers[i] for i in kept], decoder_layers(pruned), kept, by_layer)
 
-    adopt_tensors(pruned, model, lambda name: _dense_name(name, kept))
+    adopt_tensors(pruned, model, lambda name: _dense_name(name, kept, layout))
 
+    paths = decoder_paths(config)
     for boundary in records:
-        key = ghost_tensor_key(boundary)
+        key = ghost_tensor_key(boundary, paths=paths)
         device = _weight_device(pruned.get_submodule(key.rsplit(".", 2)[0]))
         value = stored.get(start_of(boundary), torch.eye(hidden, dtype=operator_dtype))
         _take_tensor(pruned, key, nn.Parameter(value.to(device=device).clone()))
         if boundary.get("normed"):
-            _take_tensor(pruned, ghost_tensor_key(boundary, GHOST_NORMED), terms[start_of(boundary)].to(device).clone())
+            _take_tensor(pruned, ghost_tensor_key(boundary, GHOST_NORMED, paths), terms[start_of(boundary)].to(device).clone())
 
     for record, value in replaced:
         device = _weight_device(dense_layers[record["original_layer"]])
-        _take_tensor(pruned, ghost_tensor_key(record), nn.Parameter(value.to(device=device).clone()))
+        _take_tensor(pruned, ghost_tensor_key(record, paths=paths), nn.Parameter(value.to(device=device).clone()))
 
     still_meta = [n for n, t in [*pruned.named_parameters(), *pruned.named_buffers()] if t.device.type == "meta"]
     if still_meta:
@@ -270,7 +275,7 @@ def fold_into_mlp_writers(model: GhostedForCausalLM, dense_layer: int, transform
     for writer in writers:
         _map_stream(writer, transform.detach().double())
     paths = {id(module): name for name, module in mlp.named_modules()}
-    prefix = layer_prefix(layer) + family.mlp.modules[0]
+    prefix = layer_prefix(layer, family.layout) + family.mlp.modules[0]
     # A Linear by its module's name, a raw parameter (fused experts) by its own.
     edited = dict.fromkeys(".".join(filter(None, (prefix, paths[id(owner)], None if isinstance(owner, nn.Linear)
                                                   else name))) for owner, name, _ in writers)
@@ -282,14 +287,16 @@ def check_runs(model: PreTrainedModel) -> None:
     hybrid without the layers its masks are built from, say) is refused here, before it is returned or saved."""
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = (torch.arange(1, 5) % vocab).unsqueeze(0).to(model.get_input_embeddings().weight.device)
-    name = "cache" if "cache" in inspect.signature(decoder(model).forward).parameters else "past_key_values"
+    accepted = inspect.signature(model.forward).parameters
     mode = model.training
     try:  # in eval mode, the caller's random state untouched
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model.eval()
             first = model(input_ids=ids, use_cache=True)
-            cache = first.past_key_values if getattr(first, "cache", None) is None else first.cache
-            step = model(input_ids=ids[:, -1:], use_cache=True, **{name: cache})
+            # (the cache under the name this family gives it: a KV cache, Mamba's cache_params, RWKV's state)
+            cache = {name: getattr(first, name) for name in ("cache", "past_key_values", "cache_params", "state")
+                     if name in accepted and getattr(first, name, None) is not None}
+            step = model(input_ids=ids[:, -1:], use_cache=True, **dict(list(cache.items())[:1]))
     except Exception as error:  # whatever the family's forward raises: the pruned structure is at fault
         reason = " ".join(str(error).split())[:300] or type(error).__name__
         raise GhostedError(f"The pruned model cannot run: one forward and one cached step of a few tokens failed "
@@ -302,16 +309,6 @@ def check_runs(model: PreTrainedModel) -> None:
                            "operators (their fit figures in config.ghost_boundaries).")
 
 
-# Sizes of the small instance a derived layout is checked on (set where the family's config has the field), and the
-# first attempt's fields the next attempts leave to the family (head and latent sizes some families derive).
-_TWIN_SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
-                   num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=16,
-                   kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, linear_num_value_heads=2,
-                   linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, n_group=1, topk_group=1,
-                   vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, max_position_embeddings=256)
-_FAMILY_SIZED = ("head_dim", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
-                 "qk_nope_head_dim", "v_head_dim")
 _TWIN_DEPTH, _TWIN_PARAMETERS = 6, 50_000_000
 _VERDICTS: dict[tuple[str, str], str | None] = {}  # (model type, unit) -> None (the check passed) or why it failed
 
@@ -321,7 +318,9 @@ def check_derived_layout(config: Any, subblocks: bool = False) -> None:
     dense instance with the change made by hooks, and generates the same tokens with the cache as without: for whole
     layers, a removal in the middle and one of the last layer with random operators (the layers skipped); with
     `subblocks`, the first layer's attention and the last layer's MLP replaced by random maps (their outputs replaced).
-    Checked once per model type, unit and process; a failure is refused in one line naming what failed."""
+    Checked once per model type, unit and process; a failure is refused in one line naming what failed. A multimodal
+    model's language decoder is checked."""
+    config = language_config(config)
     key = (config.model_type, "sub-blocks" if subblocks else "whole layers")
     if not architecture(config).derived or _VERDICTS.get(key, "") is None:
         return
@@ -332,7 +331,7 @@ def check_derived_layout(config: Any, subblocks: bool = False) -> None:
                 _compare_with_skip_reference(_small_twin(config), subblocks)
             _VERDICTS[key] = None
         except Exception as error:  # whatever the family's code raises on its small instance
-            reason = " ".join(str(error).split()).split(" Report it")[0]  # (the check's own advice follows)
+            reason = " ".join(str(error).split()).split(" Report it")[0].rstrip(".")  # (the check's own advice follows)
             _VERDICTS[key] = reason[:300] or type(error).__name__
     if _VERDICTS[key] not in (None, "being checked"):
         raise GhostedError(f"{key[0]!r} has no entry in ghosted_hf's architecture registry, and the layout derived for "
@@ -340,30 +339,46 @@ def check_derived_layout(config: Any, subblocks: bool = False) -> None:
                            "model's config.json (docs/architectures.md says how to add an entry).")
 
 
+def derivation_verdicts(types: Iterable[str]) -> dict[str, Verdict]:
+    """Each type of `types` with no registry entry: its derived layout and why whole layers, then sub-blocks, are
+    refused (None: the check passed), as `check_derived_layout` decides (the docs' table of derived families)."""
+    from transformers import AutoConfig
+
+    verdicts: dict[str, Verdict] = {}
+    for model_type in (t for t in types if t not in ARCHITECTURES):
+        try:
+            config = AutoConfig.for_model(model_type)
+        except Exception as error:  # the family's own defaults do not build: nothing to derive from
+            verdicts[model_type] = (None, f"its default config cannot be built ({type(error).__name__})", None)
+            continue
+        layout, whole, sub = None, None, None
+        try:
+            layout = architecture(config).layout
+            check_derived_layout(config)
+        except GhostedError as error:
+            whole = str(error)
+        if whole is None:
+            try:
+                check_derived_layout(config, subblocks=True)
+            except GhostedError as error:
+                sub = str(error)
+        verdicts[model_type] = (layout, whole, sub)
+    return verdicts
+
+
 def _small_twin(config: Any) -> PreTrainedModel:
-    """A random float32 instance of `config`'s class, a few layers deep (per-layer fields sliced as pruning slices
-    them) and a few dozen wide where the family accepts that, whose dense forward runs."""
+    """A random float32 instance of `config`'s class, a few layers deep and a few dozen wide where the family accepts
+    that (`small_configs`), whose dense forward runs."""
     from transformers import AutoModelForCausalLM
 
-    values = pruned_config(config, list(range(min(config.num_hidden_layers, _TWIN_DEPTH)))).to_dict()
-    sizes = {k: v for k, v in _TWIN_SIZES.items() if k in values}
-    values.update({k: i for i, k in enumerate(("pad_token_id", "bos_token_id", "eos_token_id"))  # within 128 tokens
-                   if isinstance(values.get(k), int)})
     problems = []
-    latent = {**sizes, "head_dim": sizes.get("qk_rope_head_dim"), "num_key_value_heads": sizes.get("num_attention_heads")}
-    for attempt in (sizes, {k: v for k, v in latent.items() if v is not None},  # latent attention: head_dim = rope
-                    {k: v for k, v in sizes.items() if k not in _FAMILY_SIZED}, {"vocab_size": 128}):
-        try:
-            small = type(config).from_dict({**values, **attempt})
-            small._attn_implementation = "eager"
-            with torch.device("meta"):
-                skeleton = AutoModelForCausalLM.from_config(small)
-        except Exception as error:  # the family's config validation on these sizes: try the next
-            problems.append(f"{type(error).__name__}: {' '.join(str(error).split())[:120]}")
+    for small, problem in small_configs(config, _TWIN_DEPTH):
+        if small is None:
+            problems.append(problem)
             continue
-        decoder(skeleton)  # a decoder of another shape is refused as such, before anything is built for real
         try:
-            count = count_parameters(skeleton)
+            with torch.device("meta"):
+                count = count_parameters(AutoModelForCausalLM.from_config(small))
             if count > _TWIN_PARAMETERS:
                 problems.append(f"{count:,} parameters at its own widths")
                 continue
@@ -372,7 +387,7 @@ def _small_twin(config: Any) -> PreTrainedModel:
             with torch.no_grad():
                 twin(**_twin_inputs(twin))
             return twin
-        except Exception as error:  # the family's config validation or forward on these sizes: try the next
+        except Exception as error:  # the family's model on these sizes: try the next
             problems.append(f"{type(error).__name__}: {' '.join(str(error).split())[:120]}")
     raise GhostedError(f"no small instance of its config could be built and run ({'; '.join(problems)})")
 
@@ -394,11 +409,12 @@ def _compare_with_skip_reference(twin: PreTrainedModel, subblocks: bool = False)
     operators = {b["removed"][0]: torch.eye(width) + 0.05 * torch.randn(width, width, generator=generator)
                  for b in expected_boundaries(depth, removed)}
     inputs = _twin_inputs(twin)
-    layers, norm = decoder_layers(twin), final_norm(twin)
+    layers = decoder_layers(twin)
     hooks = [layers[i].register_forward_hook(_passed_through, with_kwargs=True) for i in removed]
-    for b in expected_boundaries(depth, removed):
-        fed = layers[b["removed"][-1] + 1] if b["removed"][-1] + 1 < depth else norm
-        hooks.append(fed.register_forward_pre_hook(_mapped(operators[b["removed"][0]]), with_kwargs=True))
+    for b in expected_boundaries(depth, removed):  # on the fed layer's input; after the last layer, on its output
+        fed, mapped = b["removed"][-1] + 1, _mapped(operators[b["removed"][0]])
+        hooks.append(layers[fed].register_forward_pre_hook(mapped, with_kwargs=True) if fed < depth else
+                     layers[b["removed"][0] - 1].register_forward_hook(mapped, with_kwargs=True))
     maps, outputs = {}, {}
     if subblocks:
         family = architecture(twin)
@@ -430,7 +446,7 @@ def _compare_with_skip_reference(twin: PreTrainedModel, subblocks: bool = False)
 
 def _passed_through(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     hidden = args[0] if args else kwargs["hidden_states"]
-    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+    return type(output)([hidden, *output[1:]]) if isinstance(output, (tuple, list)) else hidden
 
 
 def _replaced(matrix: torch.Tensor, outputs: dict, key: tuple) -> Callable:
@@ -445,7 +461,14 @@ def _replaced(matrix: torch.Tensor, outputs: dict, key: tuple) -> Callable:
 
 
 def _mapped(operator: torch.Tensor) -> Callable:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A hook mapping the hidden state a layer reads (pre-hook) or gives (forward hook) by `operator`; after the last
+    layer it is found without the layout's final norm, which it checks."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict, *output: Any) -> Any:
+        if output:
+            several = isinstance(output[0], (tuple, list))
+            hidden = output[0][0] if several else output[0]
+            mapped = (hidden.float() @ operator).to(hidden.dtype)
+            return type(output[0])([mapped, *output[0][1:]]) if several else mapped
         hidden = args[0] if args else kwargs["hidden_states"]
         mapped = (hidden.float() @ operator).to(hidden.dtype)
         return ((mapped, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": mapped})
@@ -537,7 +560,7 @@ def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
     c Q (the identity included, e.g. after `replaceme-ls`): each is folded into the weights with
     `fold_scaled_rotation`. Tied embeddings are untied when a rotation must be folded into them (the LM head
     keeps the original matrix). Shares the tensors it does not change with `model`."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     replaced = [f"{r['original_layer']}.{r['block']}" for r in model.config.ghost_subblocks]
     if replaced:
@@ -546,7 +569,7 @@ def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
                            "loads with trust_remote_code=True).")
     folds = []
     for boundary in model.config.ghost_boundaries:
-        name = ghost_tensor_key(boundary)
+        name = ghost_tensor_key(boundary, paths=decoder_paths(model.config))
         if boundary.get("normed"):
             raise GhostedError(
                 f"The boundary before {name.rsplit('.', 2)[0]} has a normed term (operator kind "
@@ -564,15 +587,15 @@ def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
                 "`ghosted export-stock` (ghosted_hf.export_stock), prune with operator='folded', or save it as a "
                 "ghosted model."
             )
-        layer = boundary["layer"] if boundary["target"] == LAYER_TARGET else model.config.text_config.num_hidden_layers
+        layer = boundary["layer"] if boundary["target"] == LAYER_TARGET else model.config.get_text_config().num_hidden_layers
         folds.append((layer, *found))
-    eye = torch.eye(model.config.hidden_size, dtype=torch.float64)
+    eye = torch.eye(model.config.get_text_config().hidden_size, dtype=torch.float64)
     text_config = copy.deepcopy(model.config.text_config)
     untie = text_config.tie_word_embeddings and any(not torch.equal(q, eye) for _, _, q in folds)
     if untie:
         text_config.tie_word_embeddings = False
     with torch.device("meta"):
-        stock = AutoModelForCausalLM.from_config(text_config)
+        stock = (AutoModelForImageTextToText if is_multimodal(text_config) else AutoModelForCausalLM).from_config(text_config)
     adopt_tensors(stock, model, lambda name: name)
     for layer, c, q in folds:
         fold_scaled_rotation(stock, layer, c, q)

@@ -16,7 +16,7 @@ from ..fitting.operators import operator_kind
 from ..model.provenance import Provenance
 from ..model.surgery import fold_into_mlp_writers, to_stock_model
 from ..options import ExportOptions
-from ..remote.configuration_ghosted import LAYER_TARGET
+from ..remote.configuration_ghosted import LAYER_TARGET, decoder_paths
 from ..remote.modeling_ghosted import GhostedForCausalLM, ghost_tensor_key
 from ..statistics import (CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, CalibrationStatistics, StatisticsPlan,
                           collect_statistics)
@@ -39,7 +39,7 @@ def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSou
     data = calibration_tokens(tokenizer, calibration, options, model.config,
                               model.get_input_embeddings().weight.shape[0])  # the rules `ghost_prune` applies
     for record in model.config.ghost_boundaries:
-        operator = model.get_parameter(ghost_tensor_key(record))
+        operator = model.get_parameter(ghost_tensor_key(record, paths=decoder_paths(model.config)))
         s = record["layer"] if record["target"] == LAYER_TARGET else model.config.num_hidden_layers  # pruned numbering
         fit = kind.fit(imitation_statistics(model, data, operator, s, options), s, s + 1, options.ridge)
         with torch.no_grad():

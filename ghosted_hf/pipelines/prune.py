@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..architectures import architecture, check_keeps_one_of, decoder_layers, layers_to_keep_one_of
+from ..architectures import architecture, check_keeps_one_of, decoder_layers, language_config, layers_to_keep_one_of
 from ..assets import base_model_info
 from ..errors import GhostedError
 from ..fitting import subblocks
@@ -74,7 +74,7 @@ def ghost_prune(
     calibrator.check_agreement(options)
     chosen, request = criterion(options.criterion), selection_request(calibration_pass.config, options)
     selection = chosen.select(calibrator.ensure(chosen.statistics(request), f"selection by {chosen.name!r}"), request)
-    check_keeps_one_of(calibration_pass.config, selection.removed)  # a criterion that chooses anywhere (locality)
+    check_keeps_one_of(language_config(calibration_pass.config), selection.removed)  # a criterion that chooses anywhere (locality)
     fits = fit_operators(calibrator, selection.removed, options)
     dense = calibration_pass.model_for_build(selection.removed)
     dense_parameters = count_parameters(dense)
@@ -92,7 +92,8 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
     -> the model, a whole layers' run of maps its boundary's operator."""
     unit = f"unit={options.unit!r}"
     model = dense_in_memory(calibration_pass, unit)
-    depth, width = calibration_pass.config.num_hidden_layers, calibration_pass.config.hidden_size
+    text = language_config(calibration_pass.config)
+    depth, width = text.num_hidden_layers, text.hidden_size
     if calibration is None or tokenizer is None:
         raise GhostedError(f"{unit} fits each map on calibration text: pass a tokenizer and calibration text.")
     data = calibration_tokens(tokenizer, calibration, options, calibration_pass.config, calibration_pass.vocab_size)
@@ -162,7 +163,8 @@ def resolve_budget(calibration_pass: CalibrationPass, options: PruneOptions) -> 
     if options.unit != "layer" or (options.remove is None and options.num_parameters is None):
         return options
     model = dense_in_memory(calibration_pass, "A parameter budget")
-    depth, width = calibration_pass.config.num_hidden_layers, calibration_pass.config.hidden_size
+    text = language_config(calibration_pass.config)
+    depth, width = text.num_hidden_layers, text.hidden_size
     kind, budget = operator_kind(options.operator), parameter_budget(model, options)
     added = 0 if kind.stock else kind.regressors * width * width
     num_layers = max(1, math.ceil((budget + added) / (decoder_parameters(model) / depth)))
@@ -175,6 +177,7 @@ def resolve_budget(calibration_pass: CalibrationPass, options: PruneOptions) -> 
 
 def selection_request(config: PretrainedConfig, options: PruneOptions) -> SelectionRequest:
     """What the criterion is asked to choose, for a model of this config."""
+    config = language_config(config)
     return SelectionRequest(depth=config.num_hidden_layers, num_layers=options.num_layers,
                             first=operator_kind(options.operator).first_removable, ridge=options.ridge,
                             layers=tuple(options.layers or ()), operator=options.operator,
@@ -186,7 +189,7 @@ def statistics_plan(config: PretrainedConfig, options: PruneOptions) -> Statisti
     criterion's statistics and the fit statistics of every boundary it may choose. ShortGPT's scattered layers and
     sequential fits of later boundaries need passes on the chosen layers (pass calibration text then)."""
     chosen, kind = criterion(options.criterion), operator_kind(options.operator)
-    request, depth = selection_request(config, options), config.num_hidden_layers
+    request, depth = selection_request(config, options), language_config(config).num_hidden_layers
     if isinstance(chosen, ContiguousCriterion):
         spans = chosen.spans(request)
     elif chosen.takes_layers:
@@ -281,7 +284,7 @@ def provenance(ghosted: GhostedForCausalLM, base_name: str | None, dense_paramet
 
 def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
     """Refuse a request that cannot succeed before any calibration work."""
-    depth = getattr(config, "num_hidden_layers", None)
+    depth = getattr(language_config(config), "num_hidden_layers", None)
     if not isinstance(depth, int):
         raise GhostedError(f"Expected a decoder-only causal LM (a transformers model with config.num_hidden_layers), "
                            f"got a {type(config).__name__}.")
@@ -304,7 +307,7 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
                                f"{options.num_layers}.")
         return
     removed = validate_removal(options.layers, depth)
-    check_keeps_one_of(config, removed)
+    check_keeps_one_of(language_config(config), removed)
     if removed[0] < kind.first_removable:
         raise GhostedError(f"Operator kind {kind.name!r} cannot remove layers below {kind.first_removable} "
                            f"(it folds into the kept layer before the boundary); got layers {removed}.")
@@ -317,7 +320,7 @@ def prepare_calibration(calibration_pass: CalibrationPass, tokenizer: Any, calib
     if isinstance(statistics, (str, Path)):
         statistics = CalibrationStatistics.load(statistics, device=options.stats_device or "cpu")
     if statistics is not None:
-        config = calibration_pass.config
+        config = language_config(calibration_pass.config)
         if (statistics.depth, statistics.hidden_size) != (config.num_hidden_layers, config.hidden_size):
             raise GhostedError(f"The given statistics were collected on a model of {statistics.depth} layers of "
                                f"width {statistics.hidden_size}, not this one ({config.num_hidden_layers} x "
@@ -372,6 +375,7 @@ def calibration_tokens(tokenizer: Any, calibration: TextSource, options: PruneOp
     """The calibration windows `options` ask for (read by the one text reader), checked against the model's vocabulary
     (`vocab_size` rows of its embedding), the memory a batch needs and the text a fit of `regressors` x C inputs
     needs."""
+    config = language_config(config)
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size,
                           options.text_column, split=options.split, streaming=options.streaming)
     top = max(int(b["input_ids"].max()) for b in data.batches)

@@ -30,12 +30,15 @@ NORM_TARGET = "norm"
 LAYER_TARGET = "layer"
 # The saved format's version, "MAJOR.MINOR". This code reads every checkpoint of its major version (a minor
 # version only adds what older readers may ignore) and refuses a newer major version.
-FORMAT_VERSION = "1.2"
+FORMAT_VERSION = "1.3"
 # 1.1 adds the normed term of a boundary, ``x -> x @ operator + n(x) @ normed`` with n(x) = x / rms(x), read with
 # this epsilon (fitted with it too: part of the format, not of the base model).
 NORMED_EPS = 1e-6
 # 1.2 adds replaced sub-blocks (`ghost_subblocks`): the attention or MLP module of a kept layer is a linear map.
 SUBBLOCK_KINDS = ("attention", "mlp")
+# 1.3 adds `ghost_layout`: where a family keeps its decoder layers and final norm when not where Llama does (GPT-2's
+# `transformer.h` and `transformer.ln_f`); the ghost tensors' names follow it. Absent: Llama's layout.
+DEFAULT_LAYOUT = {"layers": "model.layers", "norm": "model.norm"}
 _READY = "_ghosted_init_done"
 # Sizes a config states that something proportional to is built: each must be a positive integer where present.
 SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
@@ -61,6 +64,10 @@ class GhostedConfig(PretrainedConfig):
             tensor, e.g. `"ghost"`), `sha256` of the operator's bytes and free-form `fit` figures. Format 1.1: `normed`
             (`True` when the boundary also adds ``n(x) @ normed``, n the RMS normalisation with `NORMED_EPS`) and
             `normed_sha256` of that tensor's bytes.
+        ghost_layout (`dict`, *optional*):
+            Format 1.3: the module paths of the decoder layers (`layers`) and of what reads the last one's output
+            (`norm`: the final norm, or the output layer of a family without one) in the family's causal LM, where they are not Llama's `model.layers` and `model.norm` (GPT-2:
+            `transformer.h`, `transformer.ln_f`). The ghost tensors are named under these paths.
         operator_dtype (`str`):
             Storage and compute dtype of the operators, `"float32"` (default, whatever the model dtype) or
             `"bfloat16"`.
@@ -99,6 +106,7 @@ class GhostedConfig(PretrainedConfig):
         ghost_provenance: dict[str, Any] | None = None,
         ghost_subblocks: list[dict[str, Any]] | None = None,
         ghost_format_version: str = "1.0",  # a config.json written before the field existed is 1.0
+        ghost_layout: dict[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
         # Set before the parent init (recent versions read it there). Turned into a config object here on every
@@ -111,10 +119,11 @@ class GhostedConfig(PretrainedConfig):
         self.ghost_provenance = dict(ghost_provenance or {})
         self.ghost_subblocks = [dict(b) for b in (ghost_subblocks or [])]
         self.ghost_format_version = ghost_format_version
+        self.ghost_layout = dict(ghost_layout) if isinstance(ghost_layout, dict) else ghost_layout
         tie = kwargs.pop("tie_word_embeddings", None)
         super().__init__(**kwargs)
         if self.original_num_hidden_layers is None:
-            self.original_num_hidden_layers = self.text_config.num_hidden_layers + len(self.removed_layers)
+            self.original_num_hidden_layers = self.get_text_config().num_hidden_layers + len(self.removed_layers)
         # Generation and weight tying read these from the top-level config: keep one source of truth.
         self.tie_word_embeddings = getattr(self.text_config, "tie_word_embeddings", False) if tie is None else tie
         # Our own end-of-init marker: the parent's `_post_init_done` only exists from transformers 5.22 on.
@@ -127,10 +136,16 @@ class GhostedConfig(PretrainedConfig):
         if name.startswith("__") or not self.__dict__.get(_READY):
             raise AttributeError(name)
         text_config = self.__dict__["text_config"]
-        try:
-            return getattr(text_config, name)
-        except AttributeError:
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
+        for source in (text_config, text_config.get_text_config()):  # (a multimodal base: its language decoder's)
+            try:
+                return getattr(source, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def get_text_config(self, *args: Any, **kwargs: Any) -> PretrainedConfig:
+        """The language decoder's config: the base's (a multimodal base's text config), as generation reads it."""
+        return self.text_config.get_text_config(*args, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()
@@ -148,7 +163,8 @@ class GhostedConfig(PretrainedConfig):
     def validate_ghost_layout(self) -> None:
         """Raise a ValueError naming the problem if the pruning metadata contradicts itself."""
         check_format_version(self.ghost_format_version)
-        text = self.text_config
+        decoder_paths(self)
+        text = self.get_text_config()
         if self.operator_dtype not in OPERATOR_DTYPES:
             raise ValueError(f"operator_dtype must be one of {OPERATOR_DTYPES}, got {self.operator_dtype!r}.")
         total, removed = self.original_num_hidden_layers, self.removed_layers
@@ -207,12 +223,29 @@ def check_format_version(version: Any) -> None:
                          "ghosted_hf imported).")
 
 
-def required_format_version(boundaries: list[dict[str, Any]], subblocks: list[dict[str, Any]] = ()) -> str:
-    """The oldest format version that describes a checkpoint: 1.2 with replaced sub-blocks, 1.1 where a boundary
-    has a normed term, else 1.0 (which every 1.x reader loads)."""
+def required_format_version(boundaries: list[dict[str, Any]], subblocks: list[dict[str, Any]] = (),
+                            layout: dict[str, str] | None = None) -> str:
+    """The oldest format version that describes a checkpoint: 1.3 with a layout other than Llama's, 1.2 with replaced
+    sub-blocks, 1.1 where a boundary has a normed term, else 1.0 (which every 1.x reader loads)."""
+    if layout:
+        return "1.3"
     if subblocks:
         return "1.2"
     return "1.1" if any(b.get("normed") for b in boundaries) else "1.0"
+
+
+def decoder_paths(config: Any) -> dict[str, str]:
+    """{"layers": path, "norm": path} of a ghosted config (a `GhostedConfig` or its dict): its `ghost_layout`, or
+    Llama's; a ValueError naming a malformed one."""
+    layout = config.get("ghost_layout") if isinstance(config, dict) else getattr(config, "ghost_layout", None)
+    if layout is None:
+        return dict(DEFAULT_LAYOUT)
+    if not isinstance(layout, dict) or set(layout) != set(DEFAULT_LAYOUT) or not all(
+            isinstance(v, str) and all(part.isidentifier() for part in v.split(".")) for v in layout.values()) \
+            or "." not in layout["layers"]:
+        raise ValueError(f"ghost_layout must map 'layers' and 'norm' to module paths such as 'transformer.h', got "
+                         f"{layout!r}: the config.json is damaged.")
+    return dict(layout)
 
 
 def check_subblocks(records: list[dict[str, Any]], original: list[int]) -> None:
@@ -341,6 +374,7 @@ def check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
     try:
         config = json.loads(Path(locate("config.json")).read_text())
         text = config.get("text_config", {})
+        text = text.get("text_config", text)  # a multimodal base: its language decoder's
     except (OSError, ValueError, TypeError, AttributeError):
         return  # no readable config here: from_pretrained itself reports that
     if not isinstance(text, dict):
@@ -358,7 +392,9 @@ def check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
         return
     names, embedding = layout
     claimed = text.get("num_hidden_layers")
-    held = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    prefix = decoder_paths(config)["layers"] + "."
+    held = {int(index) for index, _, rest in (n[len(prefix):].partition(".") for n in names if n.startswith(prefix))
+            if index.isdigit() and rest}
     if isinstance(claimed, int) and (len(held) != claimed or (held and max(held) != claimed - 1)):
         raise ValueError(f"config.json claims {claimed} decoder layers (text_config.num_hidden_layers), but the "
                          f"weight files hold {len(held)}: the config does not belong to these weights.")

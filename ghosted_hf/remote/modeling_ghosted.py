@@ -21,6 +21,7 @@ import contextlib
 import fnmatch
 import glob
 import hashlib
+import inspect
 import logging
 import os
 import shutil
@@ -32,10 +33,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, LlamaForCausalLM, PreTrainedModel
+from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationMixin, LlamaForCausalLM,
+                          PreTrainedModel)
 
 from .configuration_ghosted import (LAYER_TARGET, NORMED_EPS, OPERATOR_DTYPES, GhostedConfig, check_sizes_against_weights,
-                                    required_format_version)
+                                    decoder_paths, required_format_version)
 
 try:  # transformers >= 4.56: a cache is a list of layers
     from transformers.cache_utils import DynamicLayer
@@ -81,20 +83,22 @@ def operator_sha256(operator: torch.Tensor, dtype: str) -> str:
     return hashlib.sha256(tensor.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def ghost_tensor_key(boundary: dict[str, Any], param: str = GHOST_PARAM) -> str:
-    """State-dict key of a boundary's operator (or of its other tensor `param`), or of a replaced sub-block's map."""
+def ghost_tensor_key(boundary: dict[str, Any], param: str = GHOST_PARAM, paths: dict[str, str] | None = None) -> str:
+    """State-dict key of a boundary's operator (or of its other tensor `param`), or of a replaced sub-block's map,
+    in a model whose decoder layers and final norm sit at `paths` (`decoder_paths`; Llama's by default)."""
+    layers, norm = (paths or decoder_paths({}))["layers"], (paths or decoder_paths({}))["norm"]
     if "block" in boundary:
-        return f"model.layers.{boundary['layer']}.{boundary['module']}.{GHOST_MODULE}.{param}"
+        return f"{layers}.{boundary['layer']}.{boundary['module']}.{GHOST_MODULE}.{param}"
     if boundary["target"] == LAYER_TARGET:
-        return f"model.layers.{boundary['layer']}.{GHOST_MODULE}.{param}"
-    return f"model.norm.{GHOST_MODULE}.{param}"
+        return f"{layers}.{boundary['layer']}.{GHOST_MODULE}.{param}"
+    return f"{norm}.{GHOST_MODULE}.{param}"
 
 
-def ghost_tensor_keys(boundary: dict[str, Any]) -> dict[str, str]:
+def ghost_tensor_keys(boundary: dict[str, Any], paths: dict[str, str] | None = None) -> dict[str, str]:
     """{the config field holding its sha256: state-dict key} of every tensor of a boundary."""
-    keys = {"sha256": ghost_tensor_key(boundary)}
+    keys = {"sha256": ghost_tensor_key(boundary, paths=paths)}
     if boundary.get("normed"):
-        keys["normed_sha256"] = ghost_tensor_key(boundary, GHOST_NORMED)
+        keys["normed_sha256"] = ghost_tensor_key(boundary, GHOST_NORMED, paths)
     return keys
 
 
@@ -372,26 +376,30 @@ class GhostedPreTrainedModel(PreTrainedModel):
         else:
             super()._init_weights(module)
 
-    def _build_decoder(self, config: GhostedConfig, decoder: nn.Module | None = None) -> None:
-        """The pruned base decoder (`self.model`, standard weight names; built here unless given) with an operator
-        before every boundary."""
-        config.validate_ghost_layout()
-        text_config = config.text_config
-        self.model = AutoModel.from_config(text_config) if decoder is None else decoder
-        if not isinstance(getattr(self.model, "layers", None), nn.ModuleList) or not hasattr(self.model, "norm"):
-            raise ValueError(f"{type(self.model).__name__} has no `layers` list and final `norm`: a ghosted model "
-                             "cannot hold it.")
+    def _install_operators(self, config: GhostedConfig) -> None:
+        """An operator before every boundary and a bypass in every replaced sub-block of the pruned base decoder this
+        model holds under the family's own module names (`ghost_layout`, Llama's by default)."""
+        text_config = config.get_text_config()  # the language decoder's (a multimodal base's text config)
+        paths = decoder_paths(config)
+        layers = _submodule(self, paths["layers"])
+        if not isinstance(layers, nn.ModuleList):
+            raise ValueError(f"This {text_config.model_type} model has no decoder layers at `{paths['layers']}` "
+                             "(ghost_layout): the config does not match this model family.")
         operator_dtype = getattr(torch, config.operator_dtype)
         if operator_dtype == torch.float32:
             # from_pretrained(dtype=torch.bfloat16) must not round the operators.
             self._keep_in_fp32_modules_strict = [GHOST_MODULE]
         for boundary in config.ghost_boundaries:
-            parent = self.model.layers[boundary["layer"]] if boundary["target"] == LAYER_TARGET else self.model.norm
+            parent = layers[boundary["layer"]] if boundary["target"] == LAYER_TARGET else _submodule(self, paths["norm"])
+            if parent is None:
+                raise ValueError(f"This {text_config.model_type} model has no `{paths['norm']}`, which the boundary "
+                                 f"after removed layers {boundary['removed']} feeds (ghost_layout): load it with the "
+                                 "class of its config's auto_map that has it (AutoModelForCausalLM).")
             parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size, operator_dtype,
                                                           normed=bool(boundary.get("normed"))))
             parent.register_forward_pre_hook(apply_ghost_operator, with_kwargs=True)
         for record in config.ghost_subblocks:
-            layer = self.model.layers[record["layer"]]
+            layer = layers[record["layer"]]
             if not isinstance(getattr(layer, record["module"], None), nn.Module):
                 raise ValueError(f"Layer {record['layer']} ({type(layer).__name__}) has no sub-block "
                                  f"{record['module']!r} to replace: the config does not match this model family.")
@@ -401,7 +409,9 @@ class GhostedPreTrainedModel(PreTrainedModel):
     def ghost_operators(self) -> dict[str, nn.Parameter]:
         """Every ghost tensor (each boundary's operator and its normed term where it has one, each replaced
         sub-block's map), keyed by its state-dict name."""
-        return {key: self.get_parameter(key) for b in ghost_records(self.config) for key in ghost_tensor_keys(b).values()}
+        paths = decoder_paths(self.config)
+        return {key: self.get_parameter(key) for b in ghost_records(self.config)
+                for key in ghost_tensor_keys(b, paths).values()}
 
     def operator_value_problems(self, require_hashes: bool = False) -> list[str]:
         """What is wrong with the operators' values: non-finite in the storage dtype, not the bytes whose
@@ -409,7 +419,9 @@ class GhostedPreTrainedModel(PreTrainedModel):
         at all. Empty when they are sound."""
         problems = []
         storage = self.config.operator_dtype
-        recorded = {key: b.get(field) for b in ghost_records(self.config) for field, key in ghost_tensor_keys(b).items()}
+        paths = decoder_paths(self.config)
+        recorded = {key: b.get(field) for b in ghost_records(self.config)
+                    for field, key in ghost_tensor_keys(b, paths).items()}
         for name, operator in self.ghost_operators().items():
             if operator.device.type == "meta":  # offloaded (device_map with disk or CPU offload): read it back
                 operator = _offloaded_value(self, name)
@@ -449,7 +461,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
         def hashed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             records = [dict(record) for record in records]
             for record in records:
-                for field, name in ghost_tensor_keys(record).items():
+                for field, name in ghost_tensor_keys(record, decoder_paths(self.config)).items():
                     operator = operators[name]
                     if operator.device.type == "meta":  # offloaded: hash the value its hook reads back
                         operator = _offloaded_value(self, name)
@@ -462,7 +474,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
         self.config.ghost_boundaries = hashed(self.config.ghost_boundaries)
         self.config.ghost_subblocks = hashed(self.config.ghost_subblocks)
         self.config.ghost_format_version = required_format_version(self.config.ghost_boundaries,
-                                                                   self.config.ghost_subblocks)
+                                                                   self.config.ghost_subblocks, self.config.ghost_layout)
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any):
         """`PreTrainedModel.save_pretrained`, all or nothing: the files are written into a sibling folder that then
@@ -470,9 +482,18 @@ class GhostedPreTrainedModel(PreTrainedModel):
         file beside new shards, an old index) are gone; files a model save never writes (tokenizer, card) stay."""
         # Before the parent writes config.json: the operator dtype and hashes always match the saved tensors.
         self._refresh_ghost_integrity(kwargs.get("state_dict"))
+        multimodal = self.config.get_text_config() is not self.config.text_config
         if self._auto_class is not None:  # the parent adds this class's own entry (and the config's) to auto_map
             module = type(self).__module__.rsplit(".", 1)[-1]
-            self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), "AutoModel": f"{module}.GhostedModel"}
+            entries = {"AutoModel": f"{module}.GhostedModel"}
+            if multimodal:  # loads whole with either auto class
+                entries.update(AutoModelForCausalLM=f"{module}.{GhostedForConditionalGeneration.__name__}",
+                               AutoModelForImageTextToText=f"{module}.{GhostedForConditionalGeneration.__name__}")
+            self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **entries}
+        if multimodal and _SAVES_ORIGINAL_FORMAT:
+            # Tensors under the module names (format 1.3's ghost_layout names them), not renamed to the family's
+            # original checkpoint layout, which this transformers applies to a nested model in another way.
+            kwargs.setdefault("save_original_format", False)
         target = Path(save_directory)
         if kwargs.get("push_to_hub") or not kwargs.get("is_main_process", True) or target.is_file():
             return super().save_pretrained(save_directory, *args, **kwargs)
@@ -534,14 +555,18 @@ class GhostedModel(GhostedPreTrainedModel):
 
     def __init__(self, config: GhostedConfig) -> None:
         super().__init__(config)
-        self._build_decoder(config)
+        config.validate_ghost_layout()
+        # The family's base model, under the name its causal LM gives it (`model`, `transformer`, `backbone`, ...).
+        self.base_model_prefix = decoder_paths(config)["layers"].split(".")[0]
+        setattr(self, self.base_model_prefix, AutoModel.from_config(config.text_config))
+        self._install_operators(config)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
-        return self.model.get_input_embeddings()
+        return getattr(self, self.base_model_prefix).get_input_embeddings()
 
     def forward(self, *args: Any, **kwargs: Any):
-        return self.model(*args, **kwargs)
+        return getattr(self, self.base_model_prefix)(*args, **kwargs)
 
 
 class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
@@ -551,52 +576,45 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
 
     The head, the logits' post-processing (soft-capping, scaling), the loss (a router's auxiliary loss included) and
     the generation hooks are the base family's own: its causal-LM class is built from `text_config`, its modules
-    (`model`, `lm_head`) and the attributes its methods read are taken over, and the instance becomes one of a
-    subclass of both this class and the family's (same name), so that the family's methods run on it as written.
+    (`model` and `lm_head`, `transformer`, ...) and the attributes its methods read are taken over under their own
+    names, and the instance becomes one of a subclass of both this class and the family's (same name), so that the
+    family's methods (`forward` first) run on it as written.
     """
 
     _tied_weights_keys = TIED_WEIGHTS_KEYS
 
     def __init__(self, config: GhostedConfig) -> None:
         super().__init__(config)
-        base = AutoModelForCausalLM.from_config(config.text_config)
-        if set(dict(base.named_children())) != {"model", "lm_head"}:
-            raise ValueError(f"{type(base).__name__} is not a decoder with `model` and `lm_head` modules: a ghosted "
-                             "model cannot hold it.")
+        config.validate_ghost_layout()
+        multimodal = config.get_text_config() is not config.text_config
+        base = (AutoModelForImageTextToText if multimodal else AutoModelForCausalLM).from_config(config.text_config)
         for name, value in vars(base).items():  # what the family's forward reads (vocab_size, logit_scale, ...)
             if not name.startswith("_") and name != "training" and not hasattr(self, name):
                 setattr(self, name, value)
+        for name, module in base.named_children():
+            self.add_module(name, module)
         self.__class__ = _with_family(type(self), type(base))
-        self._tied_weights_keys = getattr(base, "_tied_weights_keys", None) or TIED_WEIGHTS_KEYS
-        self.lm_head = base.lm_head
-        self._build_decoder(config, base.model)
+        tied = getattr(base, "_tied_weights_keys", None)  # ({} where the family ties nothing)
+        self._tied_weights_keys = TIED_WEIGHTS_KEYS if tied is None else tied
+        self._install_operators(config)
         self.post_init()
 
-    def get_output_embeddings(self) -> nn.Module:
-        return self.lm_head
 
-    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
-        self.lm_head = new_embeddings
-
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Any,
-    ):
-        # The family's own forward, on this model (`self.model` is the pruned decoder with its operators). The KV
-        # cache and attention options travel in **kwargs, whatever this transformers names them.
-        return self._base_class.forward(self, input_ids=input_ids, attention_mask=attention_mask,
-                                        position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
-                                        use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+class GhostedForConditionalGeneration(GhostedForCausalLM):
+    """A pruned multimodal model (`AutoModelForImageTextToText`: Gemma 3, Llama 4, Qwen3.5, ...) whose language
+    decoder has Ghosted Layers operators; its vision tower and projector are the dense model's, untouched. Built,
+    loaded and checked as `GhostedForCausalLM`, from the family's image-text-to-text class."""
 
 
+_SAVES_ORIGINAL_FORMAT = "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters
 _FAMILY_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _with_family(cls: type, family: type) -> type:
@@ -607,8 +625,8 @@ def _with_family(cls: type, family: type) -> type:
     if (cls, family) not in _FAMILY_CLASSES:
         _FAMILY_CLASSES[cls, family] = type(cls.__name__, (cls, family), {"__module__": cls.__module__,
                                                                           "__qualname__": cls.__qualname__,
-                                                                          "_base_class": family})
+                                                                          "base_model_prefix": family.base_model_prefix})
     return _FAMILY_CLASSES[cls, family]
 
 
-__all__ = ["GhostedForCausalLM", "GhostedModel", "GhostedPreTrainedModel", "GhostOperator", "SubBlockBypass"]
+__all__ = ["GhostedForCausalLM", "GhostedForConditionalGeneration", "GhostedModel", "GhostedPreTrainedModel", "GhostOperator", "SubBlockBypass"]

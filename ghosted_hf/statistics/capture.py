@@ -73,7 +73,7 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
     left out of its layer list (and of its per-layer config), each operator is a pre-hook on what its boundary
     feeds, each transform a hook on an MLP's output. Everything is restored on exit."""
     inner, layers, norm = decoder(model), decoder_layers(model), final_norm(model)
-    depth, config = len(layers), inner.config
+    depth, config, leaf = len(layers), inner.config, architecture(model).layout.layers.rpartition(".")[2]
     kept = [i for i in range(depth) if i not in set(patch.removed)]
     # The per-layer config fields the decoder's forward reads by position (layer_types, ...), as pruning sets them.
     pruned = pruned_config(config, kept)
@@ -99,12 +99,12 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
         for j, matrix in patch.transforms.items():  # the default argument binds this matrix's map, not the last one
             hook = lambda module, args, output, apply=apply_matrix(matrix): apply(output)
             handles.append(mlp_of(model, layers[j]).register_forward_hook(hook))
-        inner.layers = nn.ModuleList([layers[i] for i in kept])
+        setattr(inner, leaf, nn.ModuleList([layers[i] for i in kept]))
         for name in saved:
             setattr(config, name, pruned.to_dict()[name] if name in sparse else getattr(pruned, name))
         yield
     finally:
-        inner.layers = layers
+        setattr(inner, leaf, layers)
         for name, value in saved.items():
             setattr(config, name, value)
         for handle in handles:

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..architectures import decoder, decoder_layers, layer_of
+from ..architectures import architecture, decoder, decoder_layers, layer_of
 from ..errors import GhostedError, MissingFileError, NonFiniteError
 from ..model.checkpoint import check_folder, weight_map
 from .accumulate import StatisticsAccumulator
@@ -90,6 +90,11 @@ class LayerwisePass(CalibrationPass):
         check_folder(self.folder)  # the config describes the weights: nothing of another size is built
         self.config = AutoConfig.from_pretrained(self.folder, trust_remote_code=False)
         self.config._name_or_path = str(self.folder)
+        layout = architecture(self.config).layout
+        if not layout.is_default:
+            raise GhostedError(f"Layer-by-layer calibration reads decoders laid out as Llama's (model.layers); "
+                               f"{self.config.model_type} keeps its layers at {layout.layers}. Calibrate with the "
+                               "full-model pass (leave out --layerwise and --max-memory).")
         self.dtype, self.offload_folder = dtype, offload_folder
         self.weights = weight_map(self.folder)
         self.observer: Callable[[int], None] | None = None

@@ -17,7 +17,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..architectures import decoder_layers
+from ..architectures import decoder_layers, language_config
 from ..errors import GhostedError
 from ..text.tokens import TokenBatches
 from ..utils.distributed import all_reduce_sums, check_agreement, process_rank
@@ -158,7 +158,7 @@ class Calibrator:
 
     @property
     def depth(self) -> int:
-        return self.calibration_pass.config.num_hidden_layers
+        return language_config(self.calibration_pass.config).num_hidden_layers
 
     @property
     def data_description(self) -> dict[str, Any]:

@@ -50,8 +50,15 @@ class TokenBatches:
         }
 
 
+def text_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer inside a multimodal model's processor (which reads text and images), or `tokenizer` itself: the
+    text passes of ghosted_hf read text only."""
+    return getattr(tokenizer, "tokenizer", tokenizer)
+
+
 def pad_token_id(tokenizer: Any) -> int:
     """A pad id for batching; tokenizers without one (Llama) pad with EOS, which the mask hides anyway."""
+    tokenizer = text_tokenizer(tokenizer)
     candidates = (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id)
     return next((int(c) for c in candidates if c is not None), 0)
 
@@ -60,6 +67,7 @@ def leading_token(tokenizer: Any) -> int | None:
     """The token the tokenizer puts before every text (Gemma's and Llama 3's BOS), else None. Every window is
     made to start with it: the model was trained seeing it at position 0, and a window cut from the middle of a
     document would otherwise put an arbitrary token where the model keeps its attention sink."""
+    tokenizer = text_tokenizer(tokenizer)
     bos = getattr(tokenizer, "bos_token_id", None)
     ids = tokenizer("a", add_special_tokens=True)["input_ids"] if bos is not None else []
     return int(bos) if ids and ids[0] == bos else None
@@ -102,7 +110,7 @@ def pack_tokens(
 
 def check_positions(config: Any, seq_len: int) -> None:
     """Refuse windows longer than the model has positions for (calibration and healing alike)."""
-    config = getattr(config, "text_config", None) or config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config  # the language decoder's
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and seq_len > positions:
         raise GhostedError(f"seq_len {seq_len} is beyond the model's {positions} positions (max_position_embeddings); "
@@ -128,6 +136,7 @@ def tokenize_texts(tokenizer: Any, text: TextSource, seq_len: int, num_sequences
     training: packed in order, a batch would hold one document's consecutive windows, a short run the first ones)."""
     if seq_len < 2 or batch_size < 1:
         raise GhostedError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}.")
+    tokenizer = text_tokenizer(tokenizer)
     documents, identity = read_documents(text, split=split, text_column=text_column, streaming=streaming,
                                          what=what), DataIdentity()
     name = documents.name
@@ -213,7 +222,7 @@ def training_sequences(
     """Tokenize and pack `corpus` into sequences of `seq_len` tokens (documents joined by EOS). Without a
     `held_out_corpus`, the first documents up to `held_out` sequences are carved off as whole documents, so no
     document is in both sets. `max_sequences` bounds what is read (a streamed corpus is read only that far)."""
-    identity = DataIdentity()  # of the documents used, kept as they are read
+    identity, tokenizer = DataIdentity(), text_tokenizer(tokenizer)  # (identity: of the documents used, as read)
 
     def tokens(texts: Iterable[str]) -> Iterator[list[int]]:
         for batch in _batches(texts):  # a document counts once its tokens are taken

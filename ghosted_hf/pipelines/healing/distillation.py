@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
 
 from ...architectures import final_norm
 
@@ -60,7 +61,7 @@ def final_hidden_states(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """Capture the output of the decoder's final norm during a forward pass of `model` (which may be wrapped by
     PEFT or DDP: the forward must go through the wrapper for DDP to synchronise gradients)."""
     inner = model
-    while not isinstance(getattr(getattr(inner, "model", None), "layers", None), nn.ModuleList):
+    while not isinstance(inner, PreTrainedModel):
         if hasattr(inner, "get_base_model"):  # PEFT
             inner = inner.get_base_model()
         elif hasattr(inner, "module"):  # DDP and the like

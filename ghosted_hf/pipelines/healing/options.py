@@ -207,7 +207,7 @@ def check_meaningful(options: HealOptions, model: nn.Module, teacher: nn.Module 
     """Refuse options that would mean nothing for this model and data (before any text is read): adapters wider
     than the stream, positions the model has none for, a distillation weight without a teacher, a held-out set that
     is the training set."""
-    config = getattr(model.config, "text_config", None) or model.config
+    config = model.config.get_text_config()  # the language decoder's
     hidden = getattr(config, "hidden_size", None)
     if isinstance(hidden, int) and options.rank > hidden:
         raise GhostedError(f"rank {options.rank} is above the model's hidden size {hidden}: a LoRA update of that rank "

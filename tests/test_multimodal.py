@@ -1,0 +1,89 @@
+"""Multimodal checkpoints (Gemma 3, Llama 4, Qwen3.5): the language decoder is pruned, the vision tower, projector and
+processor are kept as they are, and the result is the same image-text-to-text class, saved and loaded without
+ghosted_hf."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from compat_child import skipped_reference
+from isolated import assert_loads_with_same_logits, run_without_ghosted
+from safetensors.torch import load_file
+from tiny import batch, char_tokenizer, gemma3_processor, image_inputs, random_operator, texts, tiny_multimodal
+
+from ghosted_hf import ghost_prune, prune_layers, save_with_card
+from ghosted_hf.architectures import architecture, decoder_layers, final_norm
+from ghosted_hf.io.files import verify_folder
+from ghosted_hf.model.loading import load_model
+
+FAMILIES = ["gemma3", "llama4", "qwen3_5"]
+
+
+def _loaded(model_type: str, folder: Path):
+    """The tiny model as `AutoModelForImageTextToText.from_pretrained` loads it (through ghosted_hf's loader)."""
+    tiny_multimodal(model_type).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    model, _ = load_model(str(folder))
+    return model
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_multimodal_model_s_language_decoder_is_pruned_and_reloads_as_the_same_class(model_type: str,
+                                                                                     tmp_path: Path) -> None:
+    """`prune_layers` and `ghost_prune` take the multimodal model as it loads: the result is still the family's
+    image-text-to-text class, equals the skip reference on text, and loads in a fresh process without ghosted_hf
+    with `AutoModelForImageTextToText` and the same logits on text and on a prompt with an image; every
+    vision-tower and projector tensor is the dense model's, bit for bit."""
+    dense = _loaded(model_type, tmp_path / "dense")
+    family_class = type(dense)
+    assert architecture(dense).layout.layers.endswith("language_model.layers") or "language_model" in \
+        architecture(dense).layout.layers
+    language = architecture(dense).layout.layers.rsplit(".", 1)[0] + "."
+    outside = {name: tensor.clone() for name, tensor in dense.state_dict().items() if not name.startswith(language)
+               and "lm_head" not in name}
+    assert any("vision" in name or "visual" in name for name in outside)
+    removed, operators = [1, 2, 5], {1: random_operator(1), 5: random_operator(2)}
+    expected = skipped_reference(dense, removed, {3: lambda x: x @ operators[1], 6: lambda x: x @ operators[5]},
+                                 batch(), decoder_layers(dense), final_norm(dense))
+    ghosted = prune_layers(dense, removed, operators, operator_kind="ghost")
+    assert isinstance(ghosted, family_class) and ghosted.config.ghost_layout["layers"] == language + "layers"
+    with torch.no_grad():
+        torch.testing.assert_close(ghosted(**batch()).logits, expected, rtol=1e-5, atol=1e-5)
+    save_with_card(ghosted, tmp_path / "ghosted", char_tokenizer())
+    saved = load_file(tmp_path / "ghosted" / "model.safetensors")
+    assert all(torch.equal(saved[name], tensor) for name, tensor in outside.items() if name in saved)
+    assert {name for name in outside if "vision" in name or "visual" in name} <= set(saved)
+    # (1e-6: Qwen3.5's linear-attention layers sum in another order in another process, 6e-8 apart)
+    printed = assert_loads_with_same_logits(tmp_path / "ghosted", ghosted, [batch(), image_inputs(model_type)], tmp_path,
+                                            auto_class="AutoModelForImageTextToText", atol=1e-6)
+    assert "LOADED transformers_modules" in printed and "GhostedForConditionalGeneration 3" in printed
+    assert "vision tower and projector" in (tmp_path / "ghosted" / "README.md").read_text()
+    assert verify_folder(tmp_path / "ghosted")["ghost_layout"]["layers"] == language + "layers"  # (what push checks)
+
+    fitted = ghost_prune(_loaded(model_type, tmp_path / "again"), char_tokenizer(), texts(), num_layers=2, seq_len=48,
+                         num_sequences=24)
+    assert isinstance(fitted, family_class) and len(fitted.config.removed_layers) == 2
+
+
+def test_a_pruned_gemma3_answers_an_image_text_prompt_through_the_pipeline_without_ghosted_hf(tmp_path: Path) -> None:
+    """The processor is saved beside the pruned model; `pipeline("image-text-to-text")` loads the folder in a process
+    without ghosted_hf and answers a prompt with an image."""
+    processor = gemma3_processor()
+    ghosted = ghost_prune(tiny_multimodal("gemma3"), processor.tokenizer, texts(), num_layers=2, seq_len=48,
+                          num_sequences=24)
+    save_with_card(ghosted, tmp_path / "ghosted", processor)
+    printed = run_without_ghosted(
+        f"""
+        import numpy as np
+        from PIL import Image
+        from transformers import pipeline
+        pipe = pipeline("image-text-to-text", model={str(tmp_path / "ghosted")!r}, trust_remote_code=True)
+        image = Image.fromarray((np.random.RandomState(0).rand(32, 32, 3) * 255).astype("uint8"))
+        out = pipe(images=image, text="What is <start_of_image> this?", max_new_tokens=4, do_sample=False)
+        print("ANSWER", type(pipe.model).__name__, repr(out[0]["generated_text"]))
+        """,
+        tmp_path,
+    )
+    assert "ANSWER GhostedForConditionalGeneration 'What is <start_of_image> this?" in printed
