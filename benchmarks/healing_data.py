@@ -22,7 +22,8 @@ from common import packaged_model
 
 from ghosted_hf import assets
 from ghosted_hf.text.documents import Documents
-from ghosted_hf.text.tokens import pack_tokens, text_hash, training_sequences
+from ghosted_hf.text.tokens import pack_tokens, training_sequences
+from ghosted_hf.utils.hashing import text_hash
 
 SEQ_LEN = 256  # heal's default
 

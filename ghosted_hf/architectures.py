@@ -218,12 +218,17 @@ def architecture(config_or_model: Any) -> Architecture:
     model is its language decoder's family, laid out where the multimodal model keeps that decoder."""
     config = getattr(config_or_model, "config", config_or_model)
     if getattr(config, "model_type", None) == "ghosted":
-        config = config.text_config
+        config = config.base_config if config.base_config is not None else config.text_config
     model_type = getattr(config, "model_type", None)
     text = language_config(config)
     if text is not config:
         refuse_non_decoder(model_type, bool(getattr(config, "is_encoder_decoder", False)))
-        return replace(architecture(text), layout=derived_layout(config))
+        try:
+            family = architecture(text)
+        except GhostedError as error:
+            raise GhostedError(f"{model_type!r} is a multimodal model whose language decoder ({text.model_type!r}) "
+                               f"cannot be pruned: {error}") from None
+        return replace(family, layout=derived_layout(config))
     if model_type in ARCHITECTURES:
         return ARCHITECTURES[model_type]
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -252,7 +257,7 @@ def language_config(config: Any) -> Any:
 def is_multimodal(config: Any) -> bool:
     """Whether a (base or ghosted) config describes a multimodal model around its language decoder."""
     if getattr(config, "model_type", None) == "ghosted":
-        config = config.text_config
+        return config.base_config is not None
     return language_config(config) is not config
 
 

@@ -283,32 +283,39 @@ def test_every_decoder_only_type_is_derived_or_refused_with_a_reason(capsys) -> 
     assert derived_families_table(verdicts) in page, "docs/architectures.md: run python docs/reference/generate.py"
 
 
-@pytest.mark.parametrize("model_type", ["llama4_text", "exaone4", "olmo", "gpt2", "gpt_neox", "mamba", "openai-gpt"])
-def test_a_derived_family_prunes_calibrates_saves_and_reloads_without_ghosted_hf(model_type: str,
-                                                                                  tmp_path: Path) -> None:
-    """A family with no registry entry, end to end: ghost-aware selection and fits from calibration text, the result
-    equal to its skip reference, saved with its card and loaded in a fresh process without ghosted_hf with the same
-    logits; sub-blocks (checked on the small instance too) are replaced where the family has them; stock folds are
-    refused by name. GPT-2 keeps its layers in transformer.h, GPT-NeoX's blocks are parallel, Mamba's are state
-    space (no MLP), GPT-1 has no final norm (a boundary after its last layer feeds the output layer)."""
-    from isolated import assert_loads_with_same_logits
+DERIVED_END_TO_END = ["llama4_text", "exaone4", "olmo", "gpt2", "gpt_neox", "mamba", "openai-gpt"]
 
-    family = architecture(tiny_family(model_type).config)
-    assert family.derived and (family.layout.as_config() is None) == (model_type in ("llama4_text", "exaone4", "olmo"))
-    if model_type not in ("mamba", "openai-gpt"):
-        replaced = ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), unit="subblock", criterion="manual",
-                               subblocks=["1.attention", "2.mlp"], seq_len=48, num_sequences=24)
-        assert [(r["original_layer"], r["block"]) for r in replaced.config.ghost_subblocks] == \
-            [(1, "attention"), (2, "mlp")]
-    with pytest.raises(GhostedError, match="its layout is derived, not declared"):
-        ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), operator="folded", num_layers=2, seq_len=48,
-                    num_sequences=24)
-    ghosted = ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), num_layers=2, seq_len=48,
-                          num_sequences=24)
-    assert len(ghosted.config.removed_layers) == 2
-    if model_type in ("gpt2", "openai-gpt"):  # the last layer's boundary: before ln_f, or the output layer itself
-        plain = prune_layers(tiny_family(model_type), [LAYERS - 1], {LAYERS - 1: 2 * torch.eye(HIDDEN)})
-        assert plain.config.ghost_layout["norm"] == {"gpt2": "transformer.ln_f", "openai-gpt": "lm_head"}[model_type]
-        assert f"{plain.config.ghost_layout['norm']}.ghost.operator" in plain.state_dict()
-    save_with_card(ghosted, tmp_path / "model", char_tokenizer())
-    assert "LOADED" in assert_loads_with_same_logits(tmp_path / "model", ghosted, batch(), tmp_path)
+
+def test_derived_families_prune_calibrate_save_and_reload_without_ghosted_hf(tmp_path: Path) -> None:
+    """Families with no registry entry, end to end: ghost-aware selection and fits from calibration text, the result
+    equal to its skip reference, saved with its card and loaded in a fresh process without ghosted_hf with the same
+    logits (one process for all); sub-blocks (checked on the small instance too) are replaced where the family has
+    them; stock folds are refused by name. GPT-2 keeps its layers in transformer.h, GPT-NeoX's blocks are parallel,
+    Mamba's are state space (no MLP), GPT-1 has no final norm (a boundary after its last layer feeds the output
+    layer)."""
+    from isolated import assert_all_load_with_same_logits
+
+    saved = []
+    for model_type in DERIVED_END_TO_END:
+        family = architecture(tiny_family(model_type).config)
+        assert family.derived and (family.layout.as_config() is None) == (model_type in DERIVED_END_TO_END[:3])
+        if model_type not in ("mamba", "openai-gpt"):
+            replaced = ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), unit="subblock",
+                                   criterion="manual", subblocks=["1.attention", "2.mlp"], seq_len=48,
+                                   num_sequences=24)
+            assert [(r["original_layer"], r["block"]) for r in replaced.config.ghost_subblocks] == \
+                [(1, "attention"), (2, "mlp")], model_type
+        with pytest.raises(GhostedError, match="its layout is derived, not declared"):
+            ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), operator="folded", num_layers=2,
+                        seq_len=48, num_sequences=24)
+        ghosted = ghost_prune(tiny_family(model_type), char_tokenizer(), texts(), num_layers=2, seq_len=48,
+                              num_sequences=24)
+        assert len(ghosted.config.removed_layers) == 2
+        if model_type in ("gpt2", "openai-gpt"):  # the last layer's boundary: before ln_f, or the output layer itself
+            plain = prune_layers(tiny_family(model_type), [LAYERS - 1], {LAYERS - 1: 2 * torch.eye(HIDDEN)})
+            norm = {"gpt2": "transformer.ln_f", "openai-gpt": "lm_head"}[model_type]
+            assert plain.config.ghost_layout["norm"] == norm and f"{norm}.ghost.operator" in plain.state_dict()
+        save_with_card(ghosted, tmp_path / model_type, char_tokenizer())
+        saved.append((tmp_path / model_type, ghosted, batch()))
+    printed = assert_all_load_with_same_logits(saved, tmp_path)
+    assert printed.count("LOADED transformers_modules") == len(DERIVED_END_TO_END)

@@ -85,3 +85,15 @@ def test_the_benchmarks_index_names_every_script_and_results_file() -> None:
     assert scripts <= named, scripts - named
     unnamed = {r for r in results if not any(fnmatch.fnmatch(r, n) for n in named) and f"results/{r}" not in index}
     assert not unnamed, unnamed
+
+
+def test_every_benchmark_script_imports(monkeypatch) -> None:
+    """Benchmarks run by hand, so nothing else would notice one importing a name the package no longer has: each
+    script is imported (what runs before its main)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    scripts = sorted(ROOT.glob("benchmarks/*.py"))
+    assert len(scripts) > 10
+    for script in scripts:
+        importlib.import_module(script.stem)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from compat_child import skipped_reference
-from isolated import assert_loads_with_same_logits, run_without_ghosted
+from isolated import assert_all_load_with_same_logits, run_without_ghosted
 from safetensors.torch import load_file
 from tiny import batch, char_tokenizer, gemma3_processor, image_inputs, random_operator, texts, tiny_multimodal
 
@@ -18,7 +18,7 @@ from ghosted_hf.architectures import architecture, decoder_layers, final_norm
 from ghosted_hf.io.files import verify_folder
 from ghosted_hf.model.loading import load_model
 
-FAMILIES = ["gemma3", "llama4", "qwen3_5"]
+FAMILIES = ["gemma3", "llama4", "qwen3_5", "qwen3_5_moe"]
 
 
 def _loaded(model_type: str, folder: Path):
@@ -29,42 +29,43 @@ def _loaded(model_type: str, folder: Path):
     return model
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_a_multimodal_model_s_language_decoder_is_pruned_and_reloads_as_the_same_class(model_type: str,
-                                                                                     tmp_path: Path) -> None:
-    """`prune_layers` and `ghost_prune` take the multimodal model as it loads: the result is still the family's
+def test_multimodal_models_language_decoders_are_pruned_and_reload_as_the_same_class(tmp_path: Path) -> None:
+    """`prune_layers` and `ghost_prune` take each multimodal model as it loads: the result is still the family's
     image-text-to-text class, equals the skip reference on text, and loads in a fresh process without ghosted_hf
-    with `AutoModelForImageTextToText` and the same logits on text and on a prompt with an image; every
+    (one for all) with `AutoModelForImageTextToText` and the same logits on text and on a prompt with an image; every
     vision-tower and projector tensor is the dense model's, bit for bit."""
-    dense = _loaded(model_type, tmp_path / "dense")
-    family_class = type(dense)
-    assert architecture(dense).layout.layers.endswith("language_model.layers") or "language_model" in \
-        architecture(dense).layout.layers
-    language = architecture(dense).layout.layers.rsplit(".", 1)[0] + "."
-    outside = {name: tensor.clone() for name, tensor in dense.state_dict().items() if not name.startswith(language)
-               and "lm_head" not in name}
-    assert any("vision" in name or "visual" in name for name in outside)
-    removed, operators = [1, 2, 5], {1: random_operator(1), 5: random_operator(2)}
-    expected = skipped_reference(dense, removed, {3: lambda x: x @ operators[1], 6: lambda x: x @ operators[5]},
-                                 batch(), decoder_layers(dense), final_norm(dense))
-    ghosted = prune_layers(dense, removed, operators, operator_kind="ghost")
-    assert isinstance(ghosted, family_class) and ghosted.config.ghost_layout["layers"] == language + "layers"
-    with torch.no_grad():
-        torch.testing.assert_close(ghosted(**batch()).logits, expected, rtol=1e-5, atol=1e-5)
-    save_with_card(ghosted, tmp_path / "ghosted", char_tokenizer())
-    saved = load_file(tmp_path / "ghosted" / "model.safetensors")
-    assert all(torch.equal(saved[name], tensor) for name, tensor in outside.items() if name in saved)
-    assert {name for name in outside if "vision" in name or "visual" in name} <= set(saved)
-    # (1e-6: Qwen3.5's linear-attention layers sum in another order in another process, 6e-8 apart)
-    printed = assert_loads_with_same_logits(tmp_path / "ghosted", ghosted, [batch(), image_inputs(model_type)], tmp_path,
-                                            auto_class="AutoModelForImageTextToText", atol=1e-6)
-    assert "LOADED transformers_modules" in printed and "GhostedForConditionalGeneration 3" in printed
-    assert "vision tower and projector" in (tmp_path / "ghosted" / "README.md").read_text()
-    assert verify_folder(tmp_path / "ghosted")["ghost_layout"]["layers"] == language + "layers"  # (what push checks)
+    saved = []
+    for model_type in FAMILIES:
+        dense = _loaded(model_type, tmp_path / model_type / "dense")
+        family_class, layers = type(dense), architecture(dense).layout.layers
+        assert "language_model" in layers, model_type
+        language = layers.rsplit(".", 1)[0] + "."
+        outside = {name: tensor.clone() for name, tensor in dense.state_dict().items()
+                   if not name.startswith(language) and "lm_head" not in name}
+        assert any("vision" in name or "visual" in name for name in outside)
+        removed, operators = [1, 2, 5], {1: random_operator(1), 5: random_operator(2)}
+        expected = skipped_reference(dense, removed, {3: lambda x: x @ operators[1], 6: lambda x: x @ operators[5]},
+                                     batch(), decoder_layers(dense), final_norm(dense))
+        ghosted = prune_layers(dense, removed, operators, operator_kind="ghost")
+        assert isinstance(ghosted, family_class) and ghosted.config.ghost_layout["layers"] == layers
+        with torch.no_grad():
+            torch.testing.assert_close(ghosted(**batch()).logits, expected, rtol=1e-5, atol=1e-5)
+        folder = tmp_path / model_type / "ghosted"
+        save_with_card(ghosted, folder, char_tokenizer())
+        stored = load_file(folder / "model.safetensors")
+        assert all(torch.equal(stored[name], tensor) for name, tensor in outside.items() if name in stored)
+        assert {name for name in outside if "vision" in name or "visual" in name} <= set(stored)
+        assert "vision tower and projector" in (folder / "README.md").read_text()
+        assert verify_folder(folder)["ghost_layout"]["layers"] == layers  # (what push checks)
+        saved.append((folder, ghosted, [batch(), image_inputs(model_type)]))
 
-    fitted = ghost_prune(_loaded(model_type, tmp_path / "again"), char_tokenizer(), texts(), num_layers=2, seq_len=48,
-                         num_sequences=24)
-    assert isinstance(fitted, family_class) and len(fitted.config.removed_layers) == 2
+        fitted = ghost_prune(_loaded(model_type, tmp_path / model_type / "again"), char_tokenizer(), texts(),
+                             num_layers=2, seq_len=48, num_sequences=24)
+        assert isinstance(fitted, family_class) and len(fitted.config.removed_layers) == 2
+    # (1e-6: Qwen3.5's linear-attention layers sum in another order in another process, 6e-8 apart)
+    printed = assert_all_load_with_same_logits(saved, tmp_path, atol=1e-6, auto_class="AutoModelForImageTextToText")
+    assert printed.count("LOADED transformers_modules") == len(FAMILIES)
+    assert printed.count("GhostedForConditionalGeneration 3") == len(FAMILIES)
 
 
 def test_a_pruned_gemma3_answers_an_image_text_prompt_through_the_pipeline_without_ghosted_hf(tmp_path: Path) -> None:
@@ -87,3 +88,19 @@ def test_a_pruned_gemma3_answers_an_image_text_prompt_through_the_pipeline_witho
         tmp_path,
     )
     assert "ANSWER GhostedForConditionalGeneration 'What is <start_of_image> this?" in printed
+
+
+def test_a_multimodal_model_whose_language_decoder_cannot_be_pruned_is_refused_by_name() -> None:
+    """Mllama's language decoder (cross-attention layers reading the image) is no causal LM of its own; Gemma 4's
+    fails the derived check as its text model does: each refused naming why, before anything is loaded or fitted."""
+    from transformers import AutoConfig
+
+    from ghosted_hf.errors import GhostedError
+    from ghosted_hf.model.surgery import check_derived_layout
+
+    with pytest.raises(GhostedError, match=r"'mllama' is a multimodal model whose language decoder "
+                                           r"\('mllama_text_model'\) cannot be pruned"):
+        architecture(AutoConfig.for_model("mllama"))
+    with pytest.raises(GhostedError, match=r"'gemma4_text' has no entry .* failed its check on a small instance"):
+        check_derived_layout(AutoConfig.for_model("gemma4"))
+

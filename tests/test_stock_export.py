@@ -11,7 +11,7 @@ import torch
 from isolated import assert_loads_with_same_logits, run_without_ghosted
 from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, kl_to_dense, texts
 
-from ghosted_hf import GhostedError, ghost_prune, prune_layers, save_with_card, to_stock_model
+from ghosted_hf import GhostedError, export_stock, ghost_prune, prune_layers, save_with_card, to_stock_model
 from ghosted_hf.model.surgery import fold_into_mlp_writers
 
 ARCHS = ["llama", "qwen2", "qwen3"]  # Qwen2: biases on q/k/v; Qwen3: q/k norms, tied embeddings
@@ -171,3 +171,9 @@ def test_export_stock_records_its_own_calibration_and_options() -> None:
     assert prov["refitted_from"]["calibration"] == before and prov["refitted_from"]["operator"] == "ghost"
     summary = summarize(stock.config)
     assert summary.recovery == "folded, imitation of the ghost operators" and "512 tokens" in summary.calibration
+
+
+def test_export_stock_refuses_a_model_that_is_not_ghosted() -> None:
+    """The Python function refuses a dense model itself (not only the CLI): it has no operator to refit."""
+    with pytest.raises(GhostedError, match="export_stock refits a ghosted model's operators; got a LlamaForCausalLM"):
+        export_stock(build("llama"), char_tokenizer(), texts())

@@ -172,6 +172,7 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "qwen3_moe": {"decoder_sparse_step": 2, "mlp_only_layers": [0]},  # dense layers 0, 2, 4; sparse 1, 3, 5
     "qwen3_next": {"decoder_sparse_step": 1, "mlp_only_layers": [2], "full_attention_interval": 2},
     "qwen3_5_text": {"full_attention_interval": 2},
+    "qwen3_5_moe_text": {"full_attention_interval": 2},
     "smollm3": {"no_rope_layer_interval": 2},
     # MLA: one latent per head; head sizes whose products differ from the width (a fold's check names every weight
     # of the stream's width: a coincidence would be a false alarm)
@@ -233,7 +234,9 @@ MULTIMODAL: dict[str, dict] = {
                     image_token_id=IMAGE, video_token_id=IMAGE + 1, vision_start_token_id=IMAGE + 2,
                     vision_end_token_id=IMAGE + 3),
 }
-MULTIMODAL_TEXT = {"gemma3": "gemma3_text", "llama4": "llama4_text", "qwen3_5": "qwen3_5_text"}
+MULTIMODAL["qwen3_5_moe"] = MULTIMODAL["qwen3_5"]
+MULTIMODAL_TEXT = {"gemma3": "gemma3_text", "llama4": "llama4_text", "qwen3_5": "qwen3_5_text",
+                   "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def tiny_multimodal(model_type: str, seed: int = 0) -> PreTrainedModel:
@@ -277,13 +280,13 @@ def image_inputs(model_type: str) -> dict[str, torch.Tensor]:
     elif model_type == "llama4":  # 16 x 16 pixels, 4-pixel patches, shuffled 2 x 2: four patch tokens
         image = torch.tensor([[IMAGE + 1, *[IMAGE] * 4, IMAGE + 2]])
         pixels = {"pixel_values": torch.rand(1, 3, 16, 16, generator=g)}
-    else:  # a 2 x 2 grid of 16-pixel patches (two frames each), merged 2 x 2: one image token
+    else:  # Qwen3.5: a 2 x 2 grid of 16-pixel patches (two frames each), merged 2 x 2: one image token
         image = torch.tensor([[IMAGE + 2, IMAGE, IMAGE + 3]])
         pixels = {"pixel_values": torch.rand(4, 3 * 2 * 16 * 16, generator=g), "image_grid_thw": torch.tensor([[1, 2, 2]])}
     ids = torch.cat([text[:, :3], image, text[:, 3:]], dim=1)
     marks = (ids == IMAGE).long()  # where the image is (Gemma 3's token types, Qwen3.5's multimodal RoPE)
     extra = {"token_type_ids": marks} if model_type == "gemma3" else {"mm_token_type_ids": marks} \
-        if model_type == "qwen3_5" else {}
+        if model_type.startswith("qwen3_5") else {}
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **pixels, **extra}
 
 

@@ -16,6 +16,7 @@ from ..assets import NOTICE_FILE, base_model_info
 from ..errors import GhostedError
 from ..model.provenance import Provenance
 from ..remote.configuration_ghosted import GhostedConfig
+from ..utils.distributed import is_main_process
 from .files import staged_folder
 from .summary import summarize
 
@@ -136,9 +137,7 @@ def save_with_card(model: Any, folder: str | Path, tokenizer: Any = None, repo_i
     summarize(config)  # refuses a model that ghosted_hf did not make
     check_finite(model)
     folder = Path(folder)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if not is_main_process():
         return folder  # under torchrun every process holds the same model: the main one writes it
     with staged_folder(folder) as staging:
         model.save_pretrained(staging)

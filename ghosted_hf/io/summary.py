@@ -83,7 +83,7 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         check_shape(score, (int, float), f"config.json: ghost_provenance.selection.scores.{name}")
     stock, kind = prov.stock_export, made_as(config)
     if kind == "ghosted":
-        text, depth, removed_layers = config.get_text_config(), config.original_num_hidden_layers, config.removed_layers
+        text, depth, removed_layers = config.text_config, config.original_num_hidden_layers, config.removed_layers
         boundaries, storage = config.ghost_boundaries, config.operator_dtype
         check_shape(boundaries, [BOUNDARY], "config.json: ghost_boundaries")
         replaced = check_shape(getattr(config, "ghost_subblocks", []), [SUBBLOCK], "config.json: ghost_subblocks")
@@ -125,7 +125,8 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
         untied_embeddings=bool(stock and stock.get("untied_embeddings")),
         normed=any(b.get("normed") for b in boundaries),
         subblocks=[_subblock(r) for r in replaced],
-        multimodal=base.model_type if (base := config.text_config if kind == "ghosted" else config) is not text else None,
+        multimodal=(config.base_config.model_type if kind == "ghosted" and config.base_config is not None else
+                    config.model_type if kind == "stock" and text is not config else None),
     )
 
 

@@ -90,8 +90,6 @@ def check_folder(folder: str | Path) -> dict[str, Any]:
         raise GhostedError(f"The safetensors index of {folder} names {len(absent)} tensors that its files do not hold "
                            f"(e.g. {absent[:3]}): the index does not belong to these files; re-save the model.")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    if text is not config and isinstance(text.get("text_config"), dict):  # a ghosted multimodal model's decoder
-        text = text["text_config"]
     refuse_non_decoder(config.get("model_type"), config.get("is_encoder_decoder") is True)
     problems = [*_auto_map_problems(config.get("auto_map", {})),
                 *size_field_problems(text, "text_config" if text is not config else "config")]

@@ -191,8 +191,10 @@ def prune_layers(
                 **({"normed": True} if start_of(b) in terms else {})} for b in boundaries]
 
     layout = architecture(model).layout
+    whole = pruned_config(base_config, kept)  # (a multimodal base: with its language decoder's config pruned)
     config = GhostedConfig(
-        text_config=pruned_config(base_config, kept),
+        text_config=language_config(whole),
+        base_config=whole if is_multimodal(base_config) else None,
         ghost_layout=layout.as_config(),
         original_num_hidden_layers=depth,
         removed_layers=removed,
@@ -330,6 +332,8 @@ def check_derived_layout(config: Any, subblocks: bool = False) -> None:
             with torch.random.fork_rng(devices=[]):  # seeded instances; the caller's random state untouched
                 _compare_with_skip_reference(_small_twin(config), subblocks)
             _VERDICTS[key] = None
+            if subblocks:
+                _LAST_TWIN.clear()  # (the sub-block check comes last)
         except Exception as error:  # whatever the family's code raises on its small instance
             reason = " ".join(str(error).split()).split(" Report it")[0].rstrip(".")  # (the check's own advice follows)
             _VERDICTS[key] = reason[:300] or type(error).__name__
@@ -366,9 +370,20 @@ def derivation_verdicts(types: Iterable[str]) -> dict[str, Verdict]:
     return verdicts
 
 
+_LAST_TWIN: dict[str, PreTrainedModel] = {}  # the last small instance built, by model type (its two checks share it)
+
+
 def _small_twin(config: Any) -> PreTrainedModel:
     """A random float32 instance of `config`'s class, a few layers deep and a few dozen wide where the family accepts
-    that (`small_configs`), whose dense forward runs."""
+    that (`small_configs`), whose dense forward runs. The checks leave it as it was (pruning shares its tensors and
+    changes none), so the sub-block check reuses the whole-layer check's."""
+    if config.model_type not in _LAST_TWIN:
+        _LAST_TWIN.clear()
+        _LAST_TWIN[config.model_type] = _build_twin(config)
+    return _LAST_TWIN[config.model_type]
+
+
+def _build_twin(config: Any) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     problems = []
@@ -438,8 +453,9 @@ def _compare_with_skip_reference(twin: PreTrainedModel, subblocks: bool = False)
         raise GhostedError(f"{'replacing sub-blocks' if subblocks else f'removing layers {removed}'} gives logits {gap:.3g} away from the dense instance "
                            "with those layers skipped")
     prompt = inputs["input_ids"][:1]
-    cached = pruned.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    if not torch.equal(cached, pruned.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, pad_token_id=0,
+    # (two new tokens: the second is the first computed from the cache)
+    cached = pruned.generate(input_ids=prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    if not torch.equal(cached, pruned.generate(input_ids=prompt, max_new_tokens=2, do_sample=False, pad_token_id=0,
                                                use_cache=False)):
         raise GhostedError("its generation with the KV cache differs from generation without it")
 
@@ -587,15 +603,16 @@ def to_stock_model(model: GhostedForCausalLM) -> PreTrainedModel:
                 "`ghosted export-stock` (ghosted_hf.export_stock), prune with operator='folded', or save it as a "
                 "ghosted model."
             )
-        layer = boundary["layer"] if boundary["target"] == LAYER_TARGET else model.config.get_text_config().num_hidden_layers
+        layer = boundary["layer"] if boundary["target"] == LAYER_TARGET else model.config.text_config.num_hidden_layers
         folds.append((layer, *found))
-    eye = torch.eye(model.config.get_text_config().hidden_size, dtype=torch.float64)
-    text_config = copy.deepcopy(model.config.text_config)
-    untie = text_config.tie_word_embeddings and any(not torch.equal(q, eye) for _, _, q in folds)
+    eye = torch.eye(model.config.text_config.hidden_size, dtype=torch.float64)
+    multimodal = is_multimodal(model.config)
+    base = copy.deepcopy(model.config.base_config if multimodal else model.config.text_config)
+    untie = base.tie_word_embeddings and any(not torch.equal(q, eye) for _, _, q in folds)
     if untie:
-        text_config.tie_word_embeddings = False
+        base.tie_word_embeddings = False
     with torch.device("meta"):
-        stock = (AutoModelForImageTextToText if is_multimodal(text_config) else AutoModelForCausalLM).from_config(text_config)
+        stock = (AutoModelForImageTextToText if multimodal else AutoModelForCausalLM).from_config(base)
     adopt_tensors(stock, model, lambda name: name)
     for layer, c, q in folds:
         fold_scaled_rotation(stock, layer, c, q)

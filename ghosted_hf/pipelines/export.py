@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 
 from ..errors import GhostedError
 from ..fitting.operators import operator_kind
+from ..model.checkpoint import made_as
 from ..model.provenance import Provenance
 from ..model.surgery import fold_into_mlp_writers, to_stock_model
 from ..options import ExportOptions
@@ -31,6 +32,9 @@ def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSou
     records how much of the operator's correction the fold misses (`relative_residual`,
     ||fold - X W||^2 / ||X W - X||^2). Treat `model` as consumed."""
     options = ExportOptions.build(options, **overrides)
+    if made_as(getattr(model, "config", None)) != "ghosted":
+        raise GhostedError(f"export_stock refits a ghosted model's operators; got a {type(model).__name__}, which has "
+                           "none. Prune it first (ghost_prune), or prune with operator='folded' for a stock checkpoint.")
     kind = operator_kind(options.operator)
     normed = [b["removed"] for b in model.config.ghost_boundaries if b.get("normed")]
     if normed:

@@ -68,6 +68,9 @@ class GhostedConfig(PretrainedConfig):
             Format 1.3: the module paths of the decoder layers (`layers`) and of what reads the last one's output
             (`norm`: the final norm, or the output layer of a family without one) in the family's causal LM, where they are not Llama's `model.layers` and `model.norm` (GPT-2:
             `transformer.h`, `transformer.ln_f`). The ghost tensors are named under these paths.
+        base_config (`dict` or `PretrainedConfig`, *optional*):
+            Format 1.3: a multimodal base's config (Gemma 3's, Llama 4's: vision tower, projector, image tokens)
+            without its text config, which `text_config` is; absent for a text-only base.
         operator_dtype (`str`):
             Storage and compute dtype of the operators, `"float32"` (default, whatever the model dtype) or
             `"bfloat16"`.
@@ -107,6 +110,7 @@ class GhostedConfig(PretrainedConfig):
         ghost_subblocks: list[dict[str, Any]] | None = None,
         ghost_format_version: str = "1.0",  # a config.json written before the field existed is 1.0
         ghost_layout: dict[str, str] | None = None,
+        base_config: dict | PretrainedConfig | None = None,
         **kwargs: Any,
     ) -> None:
         # Set before the parent init (recent versions read it there). Turned into a config object here on every
@@ -120,12 +124,14 @@ class GhostedConfig(PretrainedConfig):
         self.ghost_subblocks = [dict(b) for b in (ghost_subblocks or [])]
         self.ghost_format_version = ghost_format_version
         self.ghost_layout = dict(ghost_layout) if isinstance(ghost_layout, dict) else ghost_layout
+        self.base_config = _base_config_object(base_config, self.text_config)
         tie = kwargs.pop("tie_word_embeddings", None)
         super().__init__(**kwargs)
         if self.original_num_hidden_layers is None:
-            self.original_num_hidden_layers = self.get_text_config().num_hidden_layers + len(self.removed_layers)
+            self.original_num_hidden_layers = self.text_config.num_hidden_layers + len(self.removed_layers)
         # Generation and weight tying read these from the top-level config: keep one source of truth.
-        self.tie_word_embeddings = getattr(self.text_config, "tie_word_embeddings", False) if tie is None else tie
+        tied_by = self.base_config if self.base_config is not None else self.text_config
+        self.tie_word_embeddings = getattr(tied_by, "tie_word_embeddings", False) if tie is None else tie
         # Our own end-of-init marker: the parent's `_post_init_done` only exists from transformers 5.22 on.
         self.__dict__[_READY] = True
 
@@ -135,22 +141,18 @@ class GhostedConfig(PretrainedConfig):
         # Not during __init__, where the parent probes optional fields with hasattr().
         if name.startswith("__") or not self.__dict__.get(_READY):
             raise AttributeError(name)
-        text_config = self.__dict__["text_config"]
-        for source in (text_config, text_config.get_text_config()):  # (a multimodal base: its language decoder's)
+        # A multimodal base's own fields (vision_config, image_token_id, ...) after the language decoder's.
+        for source in (self.__dict__["text_config"], self.__dict__.get("base_config")):
             try:
                 return getattr(source, name)
             except AttributeError:
                 pass
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
-    def get_text_config(self, *args: Any, **kwargs: Any) -> PretrainedConfig:
-        """The language decoder's config: the base's (a multimodal base's text config), as generation reads it."""
-        return self.text_config.get_text_config(*args, **kwargs)
-
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()
         output.pop(_READY, None)  # older versions serialise every instance attribute
-        return output
+        return _without_nested_text(output, self.base_config)
 
     def to_diff_dict(self) -> dict[str, Any]:
         # config.json is written as the difference from a default config, which would drop the version
@@ -158,13 +160,13 @@ class GhostedConfig(PretrainedConfig):
         output = super().to_diff_dict()
         output.pop(_READY, None)
         output["ghost_format_version"] = self.ghost_format_version
-        return output
+        return _without_nested_text(output, self.base_config)
 
     def validate_ghost_layout(self) -> None:
         """Raise a ValueError naming the problem if the pruning metadata contradicts itself."""
         check_format_version(self.ghost_format_version)
         decoder_paths(self)
-        text = self.get_text_config()
+        text = self.text_config
         if self.operator_dtype not in OPERATOR_DTYPES:
             raise ValueError(f"operator_dtype must be one of {OPERATOR_DTYPES}, got {self.operator_dtype!r}.")
         total, removed = self.original_num_hidden_layers, self.removed_layers
@@ -210,6 +212,30 @@ def _text_config_object(text_config: dict | PretrainedConfig | None) -> Pretrain
     return config
 
 
+def _base_config_object(base_config: dict | PretrainedConfig | None, text_config: PretrainedConfig
+                        ) -> PretrainedConfig | None:
+    """A multimodal base's config (vision tower, projector, image tokens) holding `text_config`, the very object, as
+    its language decoder's: the pruned text config is stored once (as `text_config`)."""
+    if base_config is None:
+        return None
+    if not isinstance(base_config, PretrainedConfig):
+        values = {k: v for k, v in dict(base_config).items() if k != "text_config"}
+        base_config = AutoConfig.for_model(values.pop("model_type"), text_config=text_config.to_dict(), **values)
+    base_config.text_config = text_config
+    return base_config
+
+
+def _without_nested_text(output: dict[str, Any], base_config: PretrainedConfig | None) -> dict[str, Any]:
+    """config.json's `base_config` without its text config, which `text_config` holds."""
+    if base_config is None:
+        output.pop("base_config", None)
+    elif isinstance(output.get("base_config"), dict):
+        output["base_config"] = {k: v for k, v in output["base_config"].items() if k != "text_config"}
+    else:
+        output["base_config"] = {k: v for k, v in base_config.to_dict().items() if k != "text_config"}
+    return output
+
+
 def check_format_version(version: Any) -> None:
     """Refuse a checkpoint written in a newer major version of the format (or with no readable version)."""
     major = str(version).split(".")[0]
@@ -225,8 +251,9 @@ def check_format_version(version: Any) -> None:
 
 def required_format_version(boundaries: list[dict[str, Any]], subblocks: list[dict[str, Any]] = (),
                             layout: dict[str, str] | None = None) -> str:
-    """The oldest format version that describes a checkpoint: 1.3 with a layout other than Llama's, 1.2 with replaced
-    sub-blocks, 1.1 where a boundary has a normed term, else 1.0 (which every 1.x reader loads)."""
+    """The oldest format version that describes a checkpoint: 1.3 with a layout other than Llama's (a multimodal
+    base's included), 1.2 with replaced sub-blocks, 1.1 where a boundary has a normed term, else 1.0 (which every 1.x
+    reader loads)."""
     if layout:
         return "1.3"
     if subblocks:
@@ -374,7 +401,6 @@ def check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
     try:
         config = json.loads(Path(locate("config.json")).read_text())
         text = config.get("text_config", {})
-        text = text.get("text_config", text)  # a multimodal base: its language decoder's
     except (OSError, ValueError, TypeError, AttributeError):
         return  # no readable config here: from_pretrained itself reports that
     if not isinstance(text, dict):

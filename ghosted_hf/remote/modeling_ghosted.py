@@ -86,7 +86,8 @@ def operator_sha256(operator: torch.Tensor, dtype: str) -> str:
 def ghost_tensor_key(boundary: dict[str, Any], param: str = GHOST_PARAM, paths: dict[str, str] | None = None) -> str:
     """State-dict key of a boundary's operator (or of its other tensor `param`), or of a replaced sub-block's map,
     in a model whose decoder layers and final norm sit at `paths` (`decoder_paths`; Llama's by default)."""
-    layers, norm = (paths or decoder_paths({}))["layers"], (paths or decoder_paths({}))["norm"]
+    paths = paths or decoder_paths({})
+    layers, norm = paths["layers"], paths["norm"]
     if "block" in boundary:
         return f"{layers}.{boundary['layer']}.{boundary['module']}.{GHOST_MODULE}.{param}"
     if boundary["target"] == LAYER_TARGET:
@@ -379,7 +380,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
     def _install_operators(self, config: GhostedConfig) -> None:
         """An operator before every boundary and a bypass in every replaced sub-block of the pruned base decoder this
         model holds under the family's own module names (`ghost_layout`, Llama's by default)."""
-        text_config = config.get_text_config()  # the language decoder's (a multimodal base's text config)
+        text_config = config.text_config  # the language decoder's (a multimodal base's text config)
         paths = decoder_paths(config)
         layers = _submodule(self, paths["layers"])
         if not isinstance(layers, nn.ModuleList):
@@ -482,7 +483,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
         file beside new shards, an old index) are gone; files a model save never writes (tokenizer, card) stay."""
         # Before the parent writes config.json: the operator dtype and hashes always match the saved tensors.
         self._refresh_ghost_integrity(kwargs.get("state_dict"))
-        multimodal = self.config.get_text_config() is not self.config.text_config
+        multimodal = self.config.base_config is not None
         if self._auto_class is not None:  # the parent adds this class's own entry (and the config's) to auto_map
             module = type(self).__module__.rsplit(".", 1)[-1]
             entries = {"AutoModel": f"{module}.GhostedModel"}
@@ -558,7 +559,7 @@ class GhostedModel(GhostedPreTrainedModel):
         config.validate_ghost_layout()
         # The family's base model, under the name its causal LM gives it (`model`, `transformer`, `backbone`, ...).
         self.base_model_prefix = decoder_paths(config)["layers"].split(".")[0]
-        setattr(self, self.base_model_prefix, AutoModel.from_config(config.text_config))
+        setattr(self, self.base_model_prefix, AutoModel.from_config(_base(config)))
         self._install_operators(config)
         self.post_init()
 
@@ -586,8 +587,8 @@ class GhostedForCausalLM(GhostedPreTrainedModel, GenerationMixin):
     def __init__(self, config: GhostedConfig) -> None:
         super().__init__(config)
         config.validate_ghost_layout()
-        multimodal = config.get_text_config() is not config.text_config
-        base = (AutoModelForImageTextToText if multimodal else AutoModelForCausalLM).from_config(config.text_config)
+        multimodal = config.base_config is not None
+        base = (AutoModelForImageTextToText if multimodal else AutoModelForCausalLM).from_config(_base(config))
         for name, value in vars(base).items():  # what the family's forward reads (vocab_size, logit_scale, ...)
             if not name.startswith("_") and name != "training" and not hasattr(self, name):
                 setattr(self, name, value)
@@ -608,6 +609,11 @@ class GhostedForConditionalGeneration(GhostedForCausalLM):
 
 _SAVES_ORIGINAL_FORMAT = "save_original_format" in inspect.signature(PreTrainedModel.save_pretrained).parameters
 _FAMILY_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _base(config: GhostedConfig) -> Any:
+    """The config the base model is built from: a multimodal base's (holding the language decoder's), or the decoder's."""
+    return config.base_config if config.base_config is not None else config.text_config
 
 
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:
