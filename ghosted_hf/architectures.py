@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from .errors import GhostedError
+from .errors import GhostedError, one_line
+from .remote.configuration_ghosted import DEFAULT_LAYOUT
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")  # where the norms sit around each sub-block
 GAINS = ("weight", "one-plus-weight")  # RMSNorm(x) * w, or RMSNorm(x) * (1 + w) (Gemma)
@@ -71,8 +72,8 @@ class Layout:
     GPT-2's ``transformer.h`` and ``transformer.ln_f``, ...): a ghosted model holds the family's modules under the same
     names, and records a layout other than Llama's in its config (`ghost_layout`)."""
 
-    layers: str = "model.layers"
-    norm: str = "model.norm"
+    layers: str = DEFAULT_LAYOUT["layers"]
+    norm: str = DEFAULT_LAYOUT["norm"]
 
     @property
     def is_default(self) -> bool:
@@ -290,48 +291,41 @@ _ASIDE = re.compile(r"vision|visual|audio|image|speech")  # encoders beside a mu
 def derived_layout(config: PretrainedConfig) -> Layout:
     """Where the causal LM of `config`'s type keeps its decoder layers and final norm, read off a shallow instance
     built on the meta device (nothing allocated), once per model type; a GhostedError naming what was not found."""
-    from transformers import AutoModelForCausalLM
-
     model_type = config.model_type
-    if model_type not in _LAYOUTS and is_multimodal(config):  # its language decoder's family was checked apart
-        from transformers import AutoModelForImageTextToText
-
-        try:
-            with torch.device("meta"):
-                skeleton = AutoModelForImageTextToText.from_config(pruned_config(config, [0, 1, 2]))
-            _LAYOUTS[model_type] = find_layout(skeleton, 3)
-        except GhostedError as error:
-            _LAYOUTS[model_type] = str(error)
-        except Exception as error:  # the family's own classes, whatever they raise
-            _LAYOUTS[model_type] = (f"no {model_type} model could be built from its config to find its language "
-                                    f"decoder ({type(error).__name__}: {' '.join(str(error).split())[:200]})")
     if model_type not in _LAYOUTS:
-        problems = []
         try:
-            for small, problem in small_configs(config, 3):
-                if small is None:
-                    problems.append(problem)
-                    continue
-                try:
-                    with torch.device("meta"):
-                        skeleton = AutoModelForCausalLM.from_config(small)
-                except Exception as error:  # the family's own model class, whatever it raises: try the next sizes
-                    problems.append(f"{type(error).__name__}: {' '.join(str(error).split())[:120]}")
-                    continue
-                _LAYOUTS[model_type] = find_layout(skeleton, small.num_hidden_layers)
-                break
-            else:
-                _LAYOUTS[model_type] = (f"no {model_type} model could be built from its config to find its layers "
-                                        f"({'; '.join(problems)})")
+            _LAYOUTS[model_type] = find_layout(*_shallow_instance(config))
         except GhostedError as error:
             _LAYOUTS[model_type] = str(error)
-        except Exception as error:  # the family's config class, whatever it raises
-            _LAYOUTS[model_type] = (f"its config cannot be read for its layers ({type(error).__name__}: "
-                                    f"{' '.join(str(error).split())[:200]})")
+        except Exception as error:  # the family's own config and model classes, whatever they raise
+            _LAYOUTS[model_type] = (f"no {model_type} model could be built from its config to find its layers "
+                                    f"({type(error).__name__}: {one_line(error, 200)})")
     found = _LAYOUTS[model_type]
     if isinstance(found, str):
         raise GhostedError(found)
     return found
+
+
+def _shallow_instance(config: PretrainedConfig) -> tuple[nn.Module, int]:
+    """(a model of `config`'s type a few layers deep on the meta device, its depth): a multimodal model whole (its
+    language decoder's family is checked apart), else the first of `small_configs` its causal-LM class builds."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if is_multimodal(config):
+        with torch.device("meta"):
+            return AutoModelForImageTextToText.from_config(pruned_config(config, [0, 1, 2])), 3
+    problems = []
+    for small, problem in small_configs(config, 3):
+        if small is None:
+            problems.append(problem)
+            continue
+        try:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(small), small.num_hidden_layers
+        except Exception as error:  # the family's own model class, whatever it raises: try the next sizes
+            problems.append(f"{type(error).__name__}: {one_line(error, 120)}")
+    raise GhostedError(f"no {config.model_type} model could be built from its config to find its layers "
+                       f"({'; '.join(problems)})")
 
 
 # Sizes of the small instances a derived layout is found and checked on (set where the family's config has the field,
@@ -371,7 +365,7 @@ def small_configs(config: PretrainedConfig, depth: int) -> Iterator[tuple[Pretra
         try:
             small = type(config).from_dict({**values, **attempt})
         except Exception as error:  # the family's config validation on these sizes: try the next
-            yield None, f"{type(error).__name__}: {' '.join(str(error).split())[:120]}"
+            yield None, f"{type(error).__name__}: {one_line(error, 120)}"
             continue
         small._attn_implementation = "eager"
         yield small, None
@@ -780,9 +774,6 @@ def derived_families_table(verdicts: Mapping[str, Verdict]) -> str:
 
 
 def _first_clause(reason: str) -> str:
-    """A refusal's reason without the boilerplate around it, short enough for a table cell."""
-    marker = "failed its check on a small instance ("  # (whole layers): or (sub-blocks):
-    reason = reason.split(marker, 1)[1].split("): ", 1)[1] if marker in reason else reason
-    reason = reason.split(". Report it")[0].replace("|", "/")
+    """A refusal's reason, short enough for a table cell."""
+    reason = reason.replace("|", "/")
     return reason if len(reason) <= 160 else reason[:157].rsplit(" ", 1)[0] + " ..."
-

@@ -23,3 +23,9 @@ class MissingDependencyError(GhostedError, ImportError):
 
 class UnknownOptionError(GhostedError, TypeError):
     """A keyword that is not an option (a TypeError, as for any unexpected keyword argument)."""
+
+
+def one_line(error: BaseException, limit: int | None = 300) -> str:
+    """An exception's message on one line, cut at `limit` characters (its type's name where it has none): what a
+    refusal quotes of an error raised by code ghosted_hf does not own (a family's config or forward, a converter)."""
+    return " ".join(str(error).split())[:limit] or type(error).__name__

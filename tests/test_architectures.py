@@ -270,7 +270,8 @@ def test_every_decoder_only_type_is_derived_or_refused_with_a_reason(capsys) -> 
     assert {"llama4_text", "qwen3_5_moe_text", "exaone4", "apertus", "internlm3", "ministral3", "olmo", "stablelm",
             "bitnet", "vaultgemma", "jetmoe", "granitemoeshared", "cohere2_moe", "deepseek_v4", "deepseek_v32",
             "glm4_moe_lite"} <= set(with_subblocks)
-    assert "(sub-blocks)" in refused.get("ergo", "(sub-blocks)")  # its layer reads self_attn.o_proj itself
+    assert "ergo" not in with_subblocks  # its layer reads self_attn.o_proj itself: whole layers only
+    assert "ergo" not in types or "ergo" in derived
     assert len(registered) + len(derived) >= 120
     # Other layouts (GPT-2's transformer.h, GPT-NeoX's and Phi's parallel blocks, Falcon, MPT, LFM2's final
     # embedding_norm), with sub-blocks; state-space and post-norm ones (no MLP, or no final norm) as whole layers.

@@ -8,7 +8,7 @@ import logging
 import sys
 import traceback
 
-from ..errors import GhostedError
+from ..errors import GhostedError, one_line
 from ..options import PruneOptions, add_arguments
 from ..utils.inputs import command_paths
 from .demo import DemoArgs, cmd_demo
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except (GhostedError, OSError) as error:
         # Bad input (ours, or files and Hub ids that do not exist or cannot be read): one line.
-        message = " ".join(str(error).split()) or type(error).__name__
+        message = one_line(error, None)
         print(f"ghosted {command}: error: {message}", file=sys.stderr)
         return 2
     except Exception:

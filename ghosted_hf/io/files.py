@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import GhostedError, MissingFileError
+from ..errors import GhostedError, MissingFileError, one_line
 from ..model.checkpoint import check_folder, index_weight_map, made_as, weight_map
 from ..remote.configuration_ghosted import decoder_paths
 from ..remote.modeling_ghosted import check_sizes_against_weights, ghost_records, ghost_tensor_keys, operator_sha256
@@ -105,7 +105,7 @@ def check_ghosted_layout(folder: Path, config: dict[str, Any], operators: dict[s
         ghosted = GhostedConfig.from_dict(config)
         ghosted.validate_ghost_layout()
     except Exception as error:  # whatever transformers' config classes raise about a field: the file is at fault
-        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        reason = one_line(error)
         raise GhostedError(f"The folder's config.json is inconsistent: {reason}") from None
     try:
         check_sizes_against_weights(str(folder), {})  # the check from_pretrained makes: layers, vocabulary, width

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..architectures import ARCHITECTURES, Layout, checked_shapes, checkpoint_layer, derived_layout, refuse_non_decoder
-from ..errors import GhostedError, MissingFileError
+from ..errors import GhostedError, MissingFileError, one_line
 from ..remote.configuration_ghosted import decoder_paths, size_field_problems
 from ..utils.diskio import read_json_object
 
@@ -171,7 +171,7 @@ def claimed_parameters(config: dict[str, Any], where: Path) -> int | None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(built)
     except Exception as error:  # the family's own config and model classes: whatever they raise, the file is at fault
-        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        reason = one_line(error)
         raise GhostedError(f"{where} does not describe a model transformers can build ({type(error).__name__}: "
                            f"{reason}); the config is damaged.") from None
     return sum(p.numel() for p in model.parameters())

@@ -12,7 +12,7 @@ import torch
 
 from .. import assets
 from ..architectures import is_multimodal
-from ..errors import GhostedError, MissingFileError
+from ..errors import GhostedError, MissingFileError, one_line
 from ..utils.inputs import note_read
 from ..utils.network import HUB_TIMEOUT_S
 from .checkpoint import check_folder
@@ -68,7 +68,7 @@ def load_config(ref: str | None, *, trust_remote_code: bool = False, revision: s
                            "and pass the folder instead.") from None
     except Exception as error:  # transformers' config classes' own errors about a field
         raise GhostedError(f"The config.json of {ref} cannot be read by transformers: "
-                           f"{' '.join(str(error).split())[:300] or type(error).__name__}") from None
+                           f"{one_line(error)}") from None
 
 
 def check_hub_model(ref: str, revision: str | None, timeout: float) -> None:

@@ -16,10 +16,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..architectures import (ARCHITECTURES, Layout, StreamWeight, SubBlock, Verdict, architecture, is_multimodal, language_config, check_declared, check_keeps_one_of,
-                             check_layers_match, decoder, decoder_layers, layer_of, layer_prefix,
-                             layers_to_keep_one_of, pruned_config, small_configs, stream_weights)
-from ..errors import GhostedError, NonFiniteError
+from ..architectures import (ARCHITECTURES, Layout, StreamWeight, SubBlock, Verdict, architecture, check_declared,
+                             check_keeps_one_of, check_layers_match, decoder, decoder_layers, is_multimodal,
+                             language_config, layer_of, layer_prefix, layers_to_keep_one_of, pruned_config,
+                             small_configs, stream_weights)
+from ..errors import GhostedError, NonFiniteError, one_line
+from ..statistics.capture import apply_matrix, input_hook, output_hook
 from ..remote.configuration_ghosted import (LAYER_TARGET, OPERATOR_DTYPES, SUBBLOCK_KINDS, GhostedConfig,
                                             decoder_paths, expected_boundaries, pruned_index, required_format_version)
 from ..remote.modeling_ghosted import (GHOST_MODULE, GHOST_NORMED, GhostedForCausalLM, GhostedForConditionalGeneration,
@@ -296,11 +298,11 @@ def check_runs(model: PreTrainedModel) -> None:
             model.eval()
             first = model(input_ids=ids, use_cache=True)
             # (the cache under the name this family gives it: a KV cache, Mamba's cache_params, RWKV's state)
-            cache = {name: getattr(first, name) for name in ("cache", "past_key_values", "cache_params", "state")
-                     if name in accepted and getattr(first, name, None) is not None}
-            step = model(input_ids=ids[:, -1:], use_cache=True, **dict(list(cache.items())[:1]))
+            name = next((name for name in ("cache", "past_key_values", "cache_params", "state")
+                         if name in accepted and getattr(first, name, None) is not None), None)
+            step = model(input_ids=ids[:, -1:], use_cache=True, **({name: getattr(first, name)} if name else {}))
     except Exception as error:  # whatever the family's forward raises: the pruned structure is at fault
-        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        reason = one_line(error)
         raise GhostedError(f"The pruned model cannot run: one forward and one cached step of a few tokens failed "
                            f"({type(error).__name__}: {reason}); nothing was saved. Keep more of the layers or "
                            "sub-blocks its family needs.") from error
@@ -360,12 +362,12 @@ def derivation_verdicts(types: Iterable[str]) -> dict[str, Verdict]:
             layout = architecture(config).layout
             check_derived_layout(config)
         except GhostedError as error:
-            whole = str(error)
+            whole = _VERDICTS.get((model_type, "whole layers")) or str(error)  # (the check's reason, where it ran)
         if whole is None:
             try:
                 check_derived_layout(config, subblocks=True)
-            except GhostedError as error:
-                sub = str(error)
+            except GhostedError:
+                sub = _VERDICTS[model_type, "sub-blocks"]
         verdicts[model_type] = (layout, whole, sub)
     return verdicts
 
@@ -403,7 +405,7 @@ def _build_twin(config: Any) -> PreTrainedModel:
                 twin(**_twin_inputs(twin))
             return twin
         except Exception as error:  # the family's model on these sizes: try the next
-            problems.append(f"{type(error).__name__}: {' '.join(str(error).split())[:120]}")
+            problems.append(f"{type(error).__name__}: {one_line(error, 120)}")
     raise GhostedError(f"no small instance of its config could be built and run ({'; '.join(problems)})")
 
 
@@ -426,10 +428,12 @@ def _compare_with_skip_reference(twin: PreTrainedModel, subblocks: bool = False)
     inputs = _twin_inputs(twin)
     layers = decoder_layers(twin)
     hooks = [layers[i].register_forward_hook(_passed_through, with_kwargs=True) for i in removed]
-    for b in expected_boundaries(depth, removed):  # on the fed layer's input; after the last layer, on its output
-        fed, mapped = b["removed"][-1] + 1, _mapped(operators[b["removed"][0]])
-        hooks.append(layers[fed].register_forward_pre_hook(mapped, with_kwargs=True) if fed < depth else
-                     layers[b["removed"][0] - 1].register_forward_hook(mapped, with_kwargs=True))
+    # Each operator on the fed layer's input; after the last layer, on the output of the last one kept (found without
+    # the layout's final norm, which this checks).
+    for b in expected_boundaries(depth, removed):
+        fed, apply = b["removed"][-1] + 1, apply_matrix(operators[b["removed"][0]])
+        hooks.append(layers[fed].register_forward_pre_hook(input_hook(apply), with_kwargs=True) if fed < depth else
+                     layers[b["removed"][0] - 1].register_forward_hook(output_hook(apply)))
     maps, outputs = {}, {}
     if subblocks:
         family = architecture(twin)
@@ -469,25 +473,9 @@ def _replaced(matrix: torch.Tensor, outputs: dict, key: tuple) -> Callable:
     """A forward hook giving the module's output as `matrix` applied to its input (and recording how many values
     the module returns, as a replaced sub-block records it)."""
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        mapped = (hidden.float() @ matrix).to(hidden.dtype)
+        mapped = apply_matrix(matrix)(args[0] if args else kwargs["hidden_states"])
         outputs[key] = len(output) if isinstance(output, tuple) else 0
         return (mapped, *([None] * (len(output) - 1))) if isinstance(output, tuple) else mapped
-    return hook
-
-
-def _mapped(operator: torch.Tensor) -> Callable:
-    """A hook mapping the hidden state a layer reads (pre-hook) or gives (forward hook) by `operator`; after the last
-    layer it is found without the layout's final norm, which it checks."""
-    def hook(module: nn.Module, args: tuple, kwargs: dict, *output: Any) -> Any:
-        if output:
-            several = isinstance(output[0], (tuple, list))
-            hidden = output[0][0] if several else output[0]
-            mapped = (hidden.float() @ operator).to(hidden.dtype)
-            return type(output[0])([mapped, *output[0][1:]]) if several else mapped
-        hidden = args[0] if args else kwargs["hidden_states"]
-        mapped = (hidden.float() @ operator).to(hidden.dtype)
-        return ((mapped, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": mapped})
     return hook
 
 

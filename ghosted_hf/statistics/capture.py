@@ -8,8 +8,9 @@ import ctypes
 import ctypes.util
 import itertools
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,6 +68,24 @@ def apply_matrix(matrix: torch.Tensor, normed: torch.Tensor | None = None):
     return apply
 
 
+def input_hook(apply: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """A forward pre-hook (with kwargs) giving a module `apply` of the hidden state it reads."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (apply(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": apply(kwargs["hidden_states"])}
+    return hook
+
+
+def output_hook(apply: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """A forward hook giving `apply` of a module's output hidden state (the first of several outputs)."""
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, (tuple, list)):
+            return type(output)([apply(output[0]), *output[1:]])
+        return apply(output)
+    return hook
+
+
 @contextlib.contextmanager
 def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
     """Within the context, `model` computes the model pruned and patched by `patch`: the removed layers are
@@ -83,22 +102,13 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
              for name in ("num_hidden_layers", *LAYER_FIELDS) if hasattr(config, name)
              and (name not in sparse or sparse[name] is not None)}
     handles = []
-
-    def operator_hook(apply):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if args:
-                return (apply(args[0]), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": apply(kwargs["hidden_states"])}
-        return hook
-
     try:
         for first, fed in patch.fed(depth).items():
             if first in patch.operators:
-                hook = operator_hook(apply_matrix(patch.operators[first], patch.normed.get(first)))
+                hook = input_hook(apply_matrix(patch.operators[first], patch.normed.get(first)))
                 handles.append((layers[fed] if fed < depth else norm).register_forward_pre_hook(hook, with_kwargs=True))
-        for j, matrix in patch.transforms.items():  # the default argument binds this matrix's map, not the last one
-            hook = lambda module, args, output, apply=apply_matrix(matrix): apply(output)
-            handles.append(mlp_of(model, layers[j]).register_forward_hook(hook))
+        for j, matrix in patch.transforms.items():
+            handles.append(mlp_of(model, layers[j]).register_forward_hook(output_hook(apply_matrix(matrix))))
         setattr(inner, leaf, nn.ModuleList([layers[i] for i in kept]))
         for name in saved:
             setattr(config, name, pruned.to_dict()[name] if name in sparse else getattr(pruned, name))
