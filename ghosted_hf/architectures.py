@@ -9,6 +9,7 @@ Adding a family is one `Architecture` entry and one tiny-model test (tests/test_
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.utils import logging as transformers_logging
 
 from .errors import GhostedError, one_line
 from .remote.configuration_ghosted import DEFAULT_LAYOUT
@@ -313,7 +315,7 @@ def _shallow_instance(config: PretrainedConfig) -> tuple[nn.Module, int]:
 
     if is_multimodal(config):
         with torch.device("meta"):
-            return AutoModelForImageTextToText.from_config(pruned_config(config, [0, 1, 2])), 3
+            return AutoModelForImageTextToText.from_config(pruned_config(config, shallow_layers(config, 3))), 3
     problems = []
     for small, problem in small_configs(config, 3):
         if small is None:
@@ -344,15 +346,23 @@ _FAMILY_SIZED = ("head_dim", "num_key_value_heads", "q_lora_rank", "kv_lora_rank
                  "qk_nope_head_dim", "v_head_dim", "rotary_dim", "d_head", "attention_head_dim", "num_heads")
 
 
+def shallow_layers(config: PretrainedConfig, depth: int) -> list[int]:
+    """The first `depth` layers of the language decoder, or, where the rest cannot be removed (`removal_problem`: a
+    hybrid's full-attention layer, Gemma 4's full-attention last layer), the first `depth` - 1 and the earliest later
+    layer that can stay instead."""
+    full = language_config(config).num_hidden_layers
+    first = list(range(min(full, depth)))
+    for kept in (first, *([*first[:-1], j] for j in range(len(first), full))):
+        if removal_problem(config, [i for i in range(full) if i not in kept]) is None:
+            return kept
+    return first
+
+
 def small_configs(config: PretrainedConfig, depth: int) -> Iterator[tuple[PretrainedConfig | None, str | None]]:
-    """(config, None) of `config`'s class `depth` layers deep (a hybrid keeping one of `layers_to_keep_one_of`), a
+    """(config, None) of `config`'s class `depth` layers deep (its `shallow_layers`), a
     few dozen wide, eager attention: with every small size, latent attention's, the family's own head sizes, then its
     own widths; (None, why) for each the family's config class refuses."""
-    depth = min(config.num_hidden_layers, depth)
-    kept, needed = list(range(depth)), layers_to_keep_one_of(config)
-    if needed and not set(needed) & set(kept):
-        kept = [*kept[:-1], needed[0]]
-    values = pruned_config(config, kept).to_dict()
+    values = pruned_config(config, shallow_layers(config, depth)).to_dict()
     values.update({k: i for i, k in enumerate(("pad_token_id", "bos_token_id", "eos_token_id"))  # within 128 tokens
                    if isinstance(values.get(k), int)})
     aliases = config.attribute_map
@@ -588,6 +598,13 @@ def _reindexed_keys(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
     return {type(key)(kept.index(int(key))): entry for key, entry in value.items() if int(key) in kept}
 
 
+def _suffix_count(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
+    """`the last N layers are special` (Gemma 3n/4's num_kv_shared_layers): the kept ones among them stay a suffix."""
+    depth = values.get("num_hidden_layers")
+    return value if not isinstance(value, int) or not isinstance(depth, int) else sum(1 for i in kept
+                                                                                        if i >= depth - value)
+
+
 def _last_index(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
     """`layers up to index N (inclusive) are special`: N becomes the last kept one of them."""
     return value if not isinstance(value, int) or value < 0 else sum(1 for i in kept if i <= value) - 1
@@ -616,7 +633,7 @@ LAYER_FIELDS: dict[str, Rule] = {
     "cross_attention_layers": _reindexed,
     "moe_layers": _reindexed, "full_attn_idxs": _reindexed, "per_layer_config": _reindexed_keys,
     "mlp_only_layers": _mlp_only_layers, "decoder_sparse_step": _sparse_step,
-    "max_window_layers": _prefix_count, "first_k_dense_replace": _prefix_count,
+    "max_window_layers": _prefix_count, "first_k_dense_replace": _prefix_count, "num_kv_shared_layers": _suffix_count,
     "moe_layer_start_index": _prefix_count, "moe_layer_end_index": _last_index,
     "moe_layer_freq": _must_be_one("moe_layer_freq"), "moe_layer_interval": _must_be_one("moe_layer_interval"),
     # Used only to derive the explicit lists above when they are absent; a pruned config always has the lists.
@@ -665,16 +682,77 @@ def layers_to_keep_one_of(config: PretrainedConfig) -> list[int]:
     return full if full and any(kind not in SOFTMAX_LAYER_TYPES for kind in types) else []
 
 
-def check_keeps_one_of(config: PretrainedConfig, removed: Iterable[int]) -> None:
-    """Refuse, before any fitting, a removal that takes every layer of `layers_to_keep_one_of`."""
+def kv_sources(config: PretrainedConfig) -> dict[int, int]:
+    """Layer -> the earlier layer whose keys and values it reuses instead of computing its own (Gemma 3n/4: the last
+    `num_kv_shared_layers` layers read those of the last earlier layer of their attention type)."""
+    depth, shared = config.num_hidden_layers, getattr(config, "num_kv_shared_layers", 0) or 0
+    types = list(getattr(config, "layer_types", None) or [])
+    if not shared or len(types) != depth:
+        return {}
+    first = depth - shared
+    return {i: max(j for j in range(first) if types[j] == types[i])
+            for i in range(first, depth) if types[i] in types[:first]}
+
+
+def removal_problem(config: PretrainedConfig, removed: Iterable[int]) -> str | None:
+    """Why removing `removed` cannot give the dense model with those layers skipped, read off the config alone (None
+    where it can): a hybrid left without a full-attention layer, a kept layer reusing a removed layer's keys and
+    values, or a pruned config that its own class rewrites (Gemma 4 makes its last layer full attention)."""
+    config = language_config(config)
+    removed = set(removed)
     needed = layers_to_keep_one_of(config)
-    if needed and set(needed) <= set(removed):
-        raise GhostedError(f"Removing layers {sorted(removed)} leaves this {config.model_type} hybrid without a "
-                           f"full-attention layer, and it builds its attention masks from one: keep at least one of "
-                           f"layers {needed}.")
+    if needed and set(needed) <= removed:
+        return (f"leaves this {config.model_type} hybrid without a full-attention layer, and it builds its attention "
+                f"masks from one: keep at least one of layers {needed}")
+    sources = kv_sources(config)
+    lost = sorted({source for layer, source in sources.items() if layer not in removed and source in removed})
+    if lost:
+        readers = sorted(layer for layer, source in sources.items() if source in lost and layer not in removed)
+        return (f"removes layers {lost}, whose keys and values kept layers {readers} reuse: keep them, or remove their "
+                "readers too")
+    kept = [i for i in range(config.num_hidden_layers) if i not in removed]
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # (a config class's warning that it rewrites a field, once per try)
+    try:
+        pruned = pruned_config(config, kept).to_dict()
+    except Exception as error:  # the family's config class refuses the pruned fields
+        return f"gives a config that {type(config).__name__} refuses ({type(error).__name__}: {one_line(error, 160)})"
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    dense = config.to_dict()
+    for field, rule in LAYER_FIELDS.items():
+        asked = _plain(rule(dense[field], kept, dense)) if field in dense else None
+        if field in dense and _plain(pruned.get(field)) != asked:
+            return (f"gives a config whose {field} {type(config).__name__} rewrites ({_difference(asked, pruned.get(field))}), "
+                    "so a kept layer would be built unlike its dense self: choose other layers")
+    return None
+
+
+def _plain(value: Any) -> Any:
+    """A config value as its JSON file holds it (tuples as lists, keys as strings)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _difference(asked: Any, got: Any) -> str:
+    """The first entry where two per-layer values differ, in words."""
+    if isinstance(asked, list) and isinstance(got, list) and len(asked) == len(got):
+        i = next(i for i, (a, b) in enumerate(zip(asked, got)) if a != b)
+        return f"pruned layer {i}: {asked[i]!r} -> {got[i]!r}"
+    return f"{asked!r} -> {got!r}"
+
+
+def check_removal(config: PretrainedConfig, removed: Iterable[int]) -> None:
+    """Refuse, before any fitting, a removal that `removal_problem` finds a problem with."""
+    problem = removal_problem(config, removed)
+    if problem:
+        raise GhostedError(f"Removing layers {sorted(removed)} {problem}.")
 
 
 _INDEX_ATTRIBUTE = re.compile(r"(^|_)(idx|index|layer_id|layer_number|layer_num)$")
+# Attributes a layer is given by its position that change what it hands others, never its own output: Gemma 4 marks the
+# last layer of each attention type to store its keys and values for a draft model (`kv_sources` covers the layers
+# that read them).
+_ROLE_ATTRIBUTES = ("store_full_length_kv",)
 
 
 def _signature(layer: nn.Module, skip: Iterable[str] = ()) -> list[tuple]:
@@ -686,7 +764,8 @@ def _signature(layer: nn.Module, skip: Iterable[str] = ()) -> list[tuple]:
             continue
         shapes = tuple((n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False))
         plain = tuple(sorted((k, v) for k, v in vars(module).items()
-                             if not k.startswith("_") and k != "training" and not _INDEX_ATTRIBUTE.search(k)
+                             if not k.startswith("_") and k not in ("training", *_ROLE_ATTRIBUTES)
+                             and not _INDEX_ATTRIBUTE.search(k)
                              and isinstance(v, (int, float, str, bool))))  # (None: unset, as a runtime state)
         signature.append((name, type(module).__name__, shapes, plain))
     return signature

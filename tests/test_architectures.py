@@ -209,6 +209,37 @@ def test_index_encoded_fields_re_index() -> None:
                                                                             for i in (0, 3, 4, 5)]
 
 
+def test_layers_keep_what_their_family_builds_from_their_position() -> None:
+    """Gemma 4 (derived): the last two layers reuse layers 2's and 3's keys and values, each layer adds its own block
+    of the per-layer input embeddings, and the config makes the last layer full attention. A removal that takes a
+    source whose reader stays, or leaves a sliding layer last, is refused in one line before anything is fitted; any
+    other equals the skip reference with the per-layer blocks of the kept layers, and the criteria choose among those
+    only."""
+    dense = tiny_family("gemma4_text")
+    with pytest.raises(GhostedError, match=r"Removing layers \[2\] removes layers \[2\], whose keys and values kept "
+                                           r"layers \[4\] reuse: keep them, or remove their readers too"):
+        prune_layers(dense, [2])
+    with pytest.raises(GhostedError, match=r"Removing layers \[5\] gives a config whose layer_types Gemma4TextConfig "
+                                           r"rewrites \(pruned layer 4: 'sliding_attention' -> 'full_attention'\)"):
+        prune_layers(dense, [5])
+    for removed in ([1], [4], [4, 5], [0, 1]):
+        operators, normed = recovery(removed)
+        expected = skipped_reference_logits(dense, removed, operators, normed, batch())
+        pruned = prune_layers(dense, removed, operators, normed=normed, operator_kind="ghost")
+        with torch.no_grad():
+            torch.testing.assert_close(pruned(**batch()).logits, expected, rtol=1e-5, atol=1e-5)
+        kept = [i for i in range(LAYERS) if i not in removed]
+        assert pruned.config.text_config.num_kv_shared_layers == sum(i >= 4 for i in kept), removed
+        per_layer = pruned.get_submodule("model.embed_tokens_per_layer").weight
+        blocks = dense.model.embed_tokens_per_layer.weight.unflatten(1, (LAYERS, 8))[:, kept].flatten(1)
+        assert torch.equal(per_layer, blocks)
+    for chosen in ("ghost-aware", "shortgpt", "lorp"):
+        removed = ghost_prune(tiny_family("gemma4_text"), char_tokenizer(), texts(), criterion=chosen, num_layers=2,
+                              seq_len=48, num_sequences=24).config.removed_layers
+        readers_go_with_their_source = all(source not in removed or reader in removed for source, reader in ((2, 4), (3, 5)))
+        assert len(removed) == 2 and readers_go_with_their_source and (5 not in removed or 4 in removed), (chosen, removed)
+
+
 def test_families_that_cannot_be_pruned_are_refused_by_name() -> None:
     """NanoChat runs its one final norm before the layers too, so a boundary before it would map the embeddings as
     well: its derived layout fails the check against the skip reference (which maps the last kept layer's output)."""

@@ -604,7 +604,7 @@ def test_nothing_that_cannot_run_is_returned_or_saved(monkeypatch) -> None:
         ghost_prune(build("llama"), char_tokenizer(), texts(), unit="subblock", criterion="manual",
                     subblocks=[f"{i}.attention" for i in range(6)], seq_len=48, num_sequences=24)
     # the last guard: with the rule switched off, the forward check still refuses the hybrid
-    monkeypatch.setattr(surgery, "check_keeps_one_of", lambda config, removed: None)
+    monkeypatch.setattr(surgery, "check_removal", lambda config, removed: None)
     with pytest.raises(GhostedError, match="The pruned model cannot run: one forward and one cached step of a few "
                                            "tokens failed .*get_mask_sizes"):
         prune_layers(tiny_family("qwen3_5_text"), [1, 3, 5])

@@ -186,6 +186,10 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "gpt_oss": {"layer_types": ["sliding_attention", "full_attention"] * 3},
     "cohere": {"logit_scale": 0.5},
     "cohere2": {"logit_scale": 0.5, "sliding_window_pattern": 2},
+    # per-layer input embeddings (one block of 8 per layer), its last two layers reusing layers 2's and 3's keys and
+    # values, wider full-attention heads
+    "gemma4_text": {"vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 2,
+                    "layer_types": ["sliding_attention", "full_attention"] * 3, "global_head_dim": 16},
 }
 
 
@@ -235,8 +239,14 @@ MULTIMODAL: dict[str, dict] = {
                     vision_end_token_id=IMAGE + 3),
 }
 MULTIMODAL["qwen3_5_moe"] = MULTIMODAL["qwen3_5"]
+MULTIMODAL["gemma4"] = dict(vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=2, head_dim=8, patch_size=4,
+                                               pooling_kernel_size=2, position_embedding_size=64),
+                            audio_config=None, image_token_id=IMAGE, boi_token_id=IMAGE + 1, eoi_token_id=IMAGE + 2,
+                            video_token_id=IMAGE + 3, audio_token_id=IMAGE + 4, boa_token_id=IMAGE + 5,
+                            eoa_token_index=IMAGE + 6)
 MULTIMODAL_TEXT = {"gemma3": "gemma3_text", "llama4": "llama4_text", "qwen3_5": "qwen3_5_text",
-                   "qwen3_5_moe": "qwen3_5_moe_text"}
+                   "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text"}
 
 
 def tiny_multimodal(model_type: str, seed: int = 0) -> PreTrainedModel:
@@ -277,6 +287,10 @@ def image_inputs(model_type: str) -> dict[str, torch.Tensor]:
     if model_type == "gemma3":  # four image tokens between the begin and end markers
         image = torch.tensor([[IMAGE + 1, *[IMAGE] * 4, IMAGE + 2]])
         pixels = {"pixel_values": torch.rand(1, 3, 32, 32, generator=g)}
+    elif model_type == "gemma4":  # 4 x 4 patches of 4 x 4 pixels with their (x, y), pooled 2 x 2: four image tokens
+        image = torch.tensor([[IMAGE + 1, *[IMAGE] * 4, IMAGE + 2]])
+        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1).reshape(1, 16, 2)
+        pixels = {"pixel_values": torch.rand(1, 16, 3 * 4 * 4, generator=g), "image_position_ids": grid}
     elif model_type == "llama4":  # 16 x 16 pixels, 4-pixel patches, shuffled 2 x 2: four patch tokens
         image = torch.tensor([[IMAGE + 1, *[IMAGE] * 4, IMAGE + 2]])
         pixels = {"pixel_values": torch.rand(1, 3, 16, 16, generator=g)}

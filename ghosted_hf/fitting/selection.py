@@ -7,7 +7,7 @@ registered with `@register`; nothing outside its class compares its name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -29,11 +29,28 @@ class SelectionRequest:
     ridge: float = 1e-6
     layers: tuple[int, ...] = ()  # explicit indices, for criteria that take them
     operator: str = "ghost"  # the operator kind that will recover the boundary
-    keep_one_of: tuple[int, ...] = ()  # layers of which one must stay (a hybrid's full-attention layers)
+    # why a removal cannot be built (the family's rules: a hybrid's full-attention layer, shared keys and values), or
+    # None where it can
+    problem: Callable[[list[int]], str | None] = field(default=lambda removed: None, compare=False)
 
     def allows(self, removed: Iterable[int]) -> bool:
-        """Whether a removal keeps one of `keep_one_of`."""
-        return not self.keep_one_of or not set(self.keep_one_of) <= set(removed)
+        """Whether a removal can be built."""
+        return self.problem(sorted(removed)) is None
+
+    def first_allowed(self, ranked: list[int]) -> list[int]:
+        """The first `num_layers` of `ranked` (best first) where they can be removed together; else the best one swap
+        of the worst chosen for a better-ranked rest (a needed layer kept). Refused in one line where none can."""
+        chosen, rest = ranked[: self.num_layers], ranked[self.num_layers:]
+        if self.allows(chosen):
+            return sorted(chosen)
+        for out in reversed(chosen):
+            for other in rest:
+                swapped = [other if i == out else i for i in chosen]
+                if self.allows(swapped):
+                    return sorted(swapped)
+        raise GhostedError(f"No removal of {self.num_layers} layers near the criterion's choice {sorted(chosen)} can be "
+                           f"built: removing them {self.problem(sorted(chosen))}. Name the layers (criterion "
+                           "'manual').")
 
 
 @dataclass
@@ -173,9 +190,7 @@ class ShortGPT(Criterion):
         layers = range(request.first, request.depth)
         scores = {candidate_name(i, i + 1): 1.0 - stats.mean_cosine(i, i + 1) for i in layers}
         ranked = sorted(layers, key=lambda i: (scores[candidate_name(i, i + 1)], i))
-        if not request.allows(ranked[: request.num_layers]):  # keep the needed layer it would remove last
-            ranked.remove(next(i for i in reversed(ranked[: request.num_layers]) if i in request.keep_one_of))
-        return Selection(sorted(ranked[: request.num_layers]), self.name, scores, "lower")
+        return Selection(request.first_allowed(ranked), self.name, scores, "lower")
 
 
 @register
@@ -199,7 +214,8 @@ class Locality(Criterion):
             for b in range(a + 1, len(layers)):
                 affinity[a, b] = affinity[b, a] = max(stats.mean_cosine(i + 1, layers[b] + 1), 0.0)
         chosen, redundancy = locality_choice(affinity, request.num_layers)
-        return Selection(sorted(layers[k] for k in chosen), self.name,
+        rows = chosen + sorted((k for k in range(len(layers)) if k not in chosen), key=lambda k: -redundancy[k])
+        return Selection(request.first_allowed([layers[k] for k in rows]), self.name,
                          {candidate_name(i, i + 1): round(float(r), 6) for i, r in zip(layers, redundancy)}, "higher")
 
 

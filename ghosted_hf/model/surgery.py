@@ -17,9 +17,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..architectures import (ARCHITECTURES, Layout, StreamWeight, SubBlock, Verdict, architecture, check_declared,
-                             check_keeps_one_of, check_layers_match, decoder, decoder_layers, is_multimodal,
-                             language_config, layer_of, layer_prefix, layers_to_keep_one_of, pruned_config,
-                             small_configs, stream_weights)
+                             check_layers_match, check_removal, decoder, decoder_layers, is_multimodal,
+                             language_config, layer_of, layer_prefix, pruned_config, removal_problem, small_configs,
+                             stream_weights)
 from ..errors import GhostedError, NonFiniteError, one_line
 from ..statistics.capture import apply_matrix, input_hook, output_hook
 from ..remote.configuration_ghosted import (LAYER_TARGET, OPERATOR_DTYPES, SUBBLOCK_KINDS, GhostedConfig,
@@ -94,10 +94,11 @@ def _take_tensor(pruned: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def adopt_tensors(target: nn.Module, source: nn.Module, source_name: Callable[[str], str],
-                  skip: tuple[str, ...] = ()) -> None:
+                  skip: tuple[str, ...] = (), kept: tuple[int, list[int]] | None = None) -> None:
     """Fill every parameter and buffer of meta-built `target` (except ghost operators, and names starting with one
-    of `skip`) with the tensor of `source` named `source_name(name)`, then re-tie shared weights."""
-    for name, _ in [*target.named_parameters(remove_duplicate=False), *target.named_buffers(remove_duplicate=False)]:
+    of `skip`) with the tensor of `source` named `source_name(name)`, then re-tie shared weights. With `kept` (the
+    source's layer count, the layers kept), a tensor holding one block per layer keeps the kept layers' blocks."""
+    for name, meta in [*target.named_parameters(remove_duplicate=False), *target.named_buffers(remove_duplicate=False)]:
         if f".{GHOST_MODULE}." in name or name.startswith(skip):
             continue
         try:
@@ -109,8 +110,29 @@ def adopt_tensors(target: nn.Module, source: nn.Module, source_name: Callable[[s
                 f"The kept weight {source_name(name)} is on the meta device (not loaded, or offloaded to disk): layer "
                 "surgery needs every kept weight in memory. Load the model with real weights, without disk offload."
             )
+        if tensor.shape != meta.shape:
+            blocks = _per_layer_blocks(tensor, meta.shape, *kept) if kept else None
+            if blocks is None:
+                raise GhostedError(f"{source_name(name)} has shape {tuple(tensor.shape)}, and the pruned model's "
+                                   f"{name} {tuple(meta.shape)}: a size that depends on the layer count is not carried "
+                                   "over. Report it with the model's config.json.")
+            tensor = nn.Parameter(blocks, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else blocks
         _take_tensor(target, name, tensor)
     target.tie_weights()
+
+
+def _per_layer_blocks(tensor: torch.Tensor, shape: torch.Size, depth: int, kept: list[int]) -> torch.Tensor | None:
+    """The kept layers' blocks of a tensor holding one block per decoder layer along one dimension (Gemma 3n/4's
+    per-layer input embeddings and their projection); None where `tensor` is no such thing."""
+    differ = [d for d, (a, b) in enumerate(zip(tensor.shape, shape)) if a != b]
+    if len(tensor.shape) != len(shape) or len(differ) != 1 or not kept:
+        return None
+    axis = differ[0]
+    size = shape[axis] // len(kept)
+    if shape[axis] != size * len(kept) or tensor.shape[axis] != size * depth:
+        return None
+    index = torch.cat([torch.arange(i * size, (i + 1) * size) for i in kept]).to(tensor.device)
+    return tensor.detach().index_select(axis, index)
 
 
 def _check_dense_model(model: PreTrainedModel) -> None:
@@ -178,7 +200,7 @@ def prune_layers(
     if isinstance(remove, Iterable) and not isinstance(remove, (str, bytes)):
         remove = list(remove)
     removed = [] if subblocks and remove == [] else validate_removal(remove, depth)
-    check_keeps_one_of(text, removed)
+    check_removal(text, removed)
     kept = [i for i in range(depth) if i not in set(removed)]
     if kept and {i for i, block in (subblocks or {}) if block == "attention"} >= set(kept):
         raise GhostedError("Replacing the attention of every kept layer leaves no token mixing (each position would "
@@ -217,7 +239,7 @@ def prune_layers(
         by_layer.setdefault(record["layer"], []).append(record["module"])
     check_layers_match([dense_layers[i] for i in kept], decoder_layers(pruned), kept, by_layer)
 
-    adopt_tensors(pruned, model, lambda name: _dense_name(name, kept, layout))
+    adopt_tensors(pruned, model, lambda name: _dense_name(name, kept, layout), kept=(depth, kept))
 
     paths = decoder_paths(config)
     for boundary in records:
@@ -419,9 +441,8 @@ def _compare_with_skip_reference(twin: PreTrainedModel, subblocks: bool = False)
     """Prune `twin` (whole layers, or with `subblocks` two sub-blocks) and compare it with its dense self with the
     removed layers skipped, or the sub-blocks' outputs replaced, by hooks (the definition)."""
     depth, width = twin.config.num_hidden_layers, twin.config.hidden_size
-    needed = set(layers_to_keep_one_of(twin.config))
     removed = [] if subblocks else next(sorted(set(r)) for r in ([1, depth - 1], [depth - 1], [1])  # middle, last
-                                        if len(set(r)) < depth and not (needed and needed <= set(r)))
+                                        if len(set(r)) < depth and removal_problem(twin.config, r) is None)
     generator = torch.Generator().manual_seed(1)
     operators = {b["removed"][0]: torch.eye(width) + 0.05 * torch.randn(width, width, generator=generator)
                  for b in expected_boundaries(depth, removed)}

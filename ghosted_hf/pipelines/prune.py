@@ -5,6 +5,7 @@ Orchestration only: statistics live in statistics/, fits and criteria in fitting
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import math
@@ -16,7 +17,7 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..architectures import architecture, check_keeps_one_of, decoder_layers, language_config, layers_to_keep_one_of
+from ..architectures import architecture, check_removal, decoder_layers, language_config, removal_problem
 from ..assets import base_model_info
 from ..errors import GhostedError
 from ..fitting import subblocks
@@ -74,7 +75,6 @@ def ghost_prune(
     calibrator.check_agreement(options)
     chosen, request = criterion(options.criterion), selection_request(calibration_pass.config, options)
     selection = chosen.select(calibrator.ensure(chosen.statistics(request), f"selection by {chosen.name!r}"), request)
-    check_keeps_one_of(language_config(calibration_pass.config), selection.removed)  # a criterion that chooses anywhere (locality)
     fits = fit_operators(calibrator, selection.removed, options)
     dense = calibration_pass.model_for_build(selection.removed)
     dense_parameters = count_parameters(dense)
@@ -181,7 +181,7 @@ def selection_request(config: PretrainedConfig, options: PruneOptions) -> Select
     return SelectionRequest(depth=config.num_hidden_layers, num_layers=options.num_layers,
                             first=operator_kind(options.operator).first_removable, ridge=options.ridge,
                             layers=tuple(options.layers or ()), operator=options.operator,
-                            keep_one_of=tuple(layers_to_keep_one_of(config)))
+                            problem=functools.partial(removal_problem, config))
 
 
 def statistics_plan(config: PretrainedConfig, options: PruneOptions) -> StatisticsPlan:
@@ -307,7 +307,7 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
                                f"{options.num_layers}.")
         return
     removed = validate_removal(options.layers, depth)
-    check_keeps_one_of(language_config(config), removed)
+    check_removal(config, removed)
     if removed[0] < kind.first_removable:
         raise GhostedError(f"Operator kind {kind.name!r} cannot remove layers below {kind.first_removable} "
                            f"(it folds into the kept layer before the boundary); got layers {removed}.")

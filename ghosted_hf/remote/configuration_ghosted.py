@@ -138,8 +138,9 @@ class GhostedConfig(PretrainedConfig):
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: expose the base decoder's fields (hidden_size, vocab_size, ...)
         # so that generic tools (generate, PEFT, lm-eval) can read them from `model.config`.
-        # Not during __init__, where the parent probes optional fields with hasattr().
-        if name.startswith("__") or not self.__dict__.get(_READY):
+        # Not during __init__, where the parent probes optional fields with hasattr(); never a private attribute
+        # (a heterogeneous text config's `_heterogeneity_spec` would make this config claim per-layer configs).
+        if name.startswith("_") or not self.__dict__.get(_READY):
             raise AttributeError(name)
         # A multimodal base's own fields (vision_config, image_token_id, ...) after the language decoder's.
         for source in (self.__dict__["text_config"], self.__dict__.get("base_config")):
@@ -147,6 +148,8 @@ class GhostedConfig(PretrainedConfig):
                 return getattr(source, name)
             except AttributeError:
                 pass
+            except RuntimeError as error:  # a size that differs by layer (Gemma 4's head_dim): no one value here
+                raise AttributeError(f"{name}: {error}") from error
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def to_dict(self) -> dict[str, Any]:
