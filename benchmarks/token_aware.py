@@ -27,7 +27,7 @@ from ghosted_hf.evaluate import perplexity
 from ghosted_hf.fitting.operators import solve_ghost
 from ghosted_hf.model.loading import NO_HUB_KERNELS
 from ghosted_hf.options import PruneOptions
-from ghosted_hf.remote.configuration_ghosted import expected_boundaries
+from ghosted_hf.remote.format_ghosted import expected_boundaries
 from ghosted_hf.text.tokens import tokenize_texts
 
 SINK_RATIO = 20.0  # massive activations sit two to three decades above the median; 20x separates them

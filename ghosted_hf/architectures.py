@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 from transformers.utils import logging as transformers_logging
 
 from .errors import GhostedError, one_line
-from .remote.configuration_ghosted import DEFAULT_LAYOUT
+from .remote.format_ghosted import DEFAULT_LAYOUT
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")  # where the norms sit around each sub-block
 GAINS = ("weight", "one-plus-weight")  # RMSNorm(x) * w, or RMSNorm(x) * (1 + w) (Gemma)

@@ -73,7 +73,7 @@ def packaged_model_dir(name: str = DEFAULT_MODEL) -> Path:
                            f"{model_info.sha256}; reinstall: {model_info.install}")
     logger.warning("Converting the packaged %s GGUF to safetensors in %s (once, ~20 s).", name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    from .remote.modeling_ghosted import scratch_folder, staged_folder
+    from .remote.staging_ghosted import scratch_folder, staged_folder
 
     staging = scratch_folder(target.parent, f".{target.name}.converting-")
     try:

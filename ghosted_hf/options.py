@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from .errors import GhostedError, UnknownOptionError
 from .fitting.operators import OPERATOR_KINDS, Folded
 from .fitting.selection import CRITERIA
-from .remote.configuration_ghosted import OPERATOR_DTYPES
+from .remote.format_ghosted import OPERATOR_DTYPES
 
 FITTINGS = ("sequential", "independent")
 UNITS = ("layer", "subblock", "mixed")

@@ -11,7 +11,8 @@ PACKAGE = Path(__file__).parents[1] / "ghosted_hf"
 LAYERS = {
     0: {"errors", "architectures", "utils.__init__", "utils.registry", "utils.hadamard", "utils.network", "utils.diskio",
         "utils.inputs", "utils.memory",
-        "utils.hashing", "remote.configuration_ghosted", "remote.modeling_ghosted"},
+        "utils.hashing", "remote.format_ghosted", "remote.staging_ghosted", "remote.integrity_ghosted",
+        "remote.configuration_ghosted", "remote.modeling_ghosted"},
     1: {"text.__init__", "text.documents", "text.tokens", "assets", "utils.distributed", "model.checkpoint",
         "model.provenance"},
     2: {"statistics.declarations", "statistics.plan", "statistics.store", "statistics.origin", "statistics.capture",

@@ -22,7 +22,7 @@ from ghosted_hf import GhostedError, ghost_prune, prune_layers, save_with_card, 
 from ghosted_hf.architectures import ARCHITECTURES, LAYER_FIELDS, architecture, decoder_layers, lora_target_parameters
 from ghosted_hf.io.summary import summarize
 from ghosted_hf.pipelines.healing import heal
-from ghosted_hf.remote.configuration_ghosted import expected_boundaries
+from ghosted_hf.remote.format_ghosted import expected_boundaries
 from ghosted_hf.remote.modeling_ghosted import rms_normalized
 from ghosted_hf.statistics import collect_statistics, least_squares
 from ghosted_hf.statistics.layerwise import LayerwisePass

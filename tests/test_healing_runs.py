@@ -243,9 +243,9 @@ def test_sharded_healing_gives_the_model_of_one_process_and_resumes(sharding: st
     config, only_sharded_writes = SHARDED[sharding]
     (tmp_path / "accelerate.yaml").write_text(config.format(folder=tmp_path))
     (tmp_path / "zero3.json").write_text(json.dumps(ZERO3))
-    # DeepSpeed on CPU JIT-compiles a shared-memory kernel under a file lock in ~/.cache/torch_extensions; a run
-    # killed while compiling leaves the lock behind and every later run waits on it forever, so each test compiles
-    # in its own folder
+    # DeepSpeed JIT-compiles its kernels under a file lock in ~/.cache/torch_extensions, which a run killed while
+    # compiling leaves behind for every later run to wait on forever: whatever it compiles (fsdp_on_cpu spares it the
+    # shared-memory kernel), it compiles in this test's own folder
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(TESTS / "fsdp_on_cpu"), os.environ.get("PYTHONPATH", "")]),
            "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
 

@@ -13,6 +13,7 @@ from tiny import batch, build, char_tokenizer, random_operator, texts
 from transformers import AutoModelForCausalLM
 
 from ghosted_hf import ghost_prune, prune_layers, save_with_card
+from ghosted_hf.io.files import REMOTE_FILES
 
 
 def ghosted(seed: int = 1):
@@ -77,8 +78,7 @@ def test_save_with_card_leaves_nothing_of_an_earlier_save(tmp_path: Path) -> Non
     (folder / "selection_scores.png").write_bytes(b"old plot")
     save_with_card(ghosted(seed=9), folder)  # no tokenizer this time, and a model with no selection scores
     names = {p.name for p in folder.iterdir()}
-    assert names == {"README.md", "config.json", "configuration_ghosted.py", "generation_config.json",
-                     "model.safetensors", "modeling_ghosted.py"}
+    assert names == {"README.md", "config.json", "generation_config.json", "model.safetensors", *REMOTE_FILES}
 
 
 def test_train_mode_calibration_gives_the_eval_mode_operators() -> None:
@@ -206,7 +206,7 @@ def test_saved_folders_are_readable_as_any_folder_the_user_makes_and_links_stay_
 def test_the_remote_codes_operator_hash_is_the_packages_tensor_hash(dtype: str) -> None:
     """The remote files keep their own copy of the tensor hash (they import nothing of ghosted_hf): both must give
     the digest every checkpoint records."""
-    from ghosted_hf.remote.modeling_ghosted import operator_sha256
+    from ghosted_hf.remote.format_ghosted import operator_sha256
     from ghosted_hf.utils.hashing import tensor_sha256
 
     operator = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))

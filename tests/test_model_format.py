@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import ghosted_hf
 from ghosted_hf import GhostedForCausalLM, prune_layers
+from ghosted_hf.io.files import REMOTE_FILES
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 REMOVALS = {
@@ -185,14 +186,16 @@ def test_remote_code_load_without_ghosted_hf(arch: str, tmp_path: Path) -> None:
     ghosted = prune_layers(build(arch), [0, 3, 5], {0: random_operator(1), 3: random_operator(2), 5: random_operator(5)})
     folder = _save(ghosted, tmp_path / "model")
     files = sorted(p.name for p in folder.iterdir())
-    assert files == ["config.json", "configuration_ghosted.py", "generation_config.json", "model.safetensors", "modeling_ghosted.py"]
+    assert files == sorted(["config.json", "generation_config.json", "model.safetensors", *REMOTE_FILES])
+    assert set(REMOTE_FILES) == {"configuration_ghosted.py", "format_ghosted.py", "integrity_ghosted.py",
+                                 "modeling_ghosted.py", "staging_ghosted.py"}
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"] == {
         "AutoConfig": "configuration_ghosted.GhostedConfig",
         "AutoModel": "modeling_ghosted.GhostedModel",
         "AutoModelForCausalLM": "modeling_ghosted.GhostedForCausalLM",
     }
-    for source in ("configuration_ghosted.py", "modeling_ghosted.py"):
+    for source in REMOTE_FILES:
         imports = [l for l in (folder / source).read_text().splitlines() if l.startswith(("import ", "from "))]
         allowed = {"__future__", "torch", "transformers", ""} | set(sys.stdlib_module_names)
         assert all(l.split()[1].split(".")[0] in allowed for l in imports), imports

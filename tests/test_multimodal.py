@@ -17,7 +17,7 @@ from ghosted_hf import ghost_prune, prune_layers, save_with_card
 from ghosted_hf.architectures import architecture, decoder_layers, final_norm
 from ghosted_hf.io.files import verify_folder
 from ghosted_hf.model.loading import load_model
-from ghosted_hf.remote.configuration_ghosted import expected_boundaries
+from ghosted_hf.remote.format_ghosted import expected_boundaries
 from ghosted_hf.statistics.capture import apply_matrix
 
 FAMILIES = ["gemma3", "llama4", "qwen3_5", "qwen3_5_moe", "gemma4"]

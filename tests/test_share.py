@@ -20,7 +20,7 @@ from ghosted_hf import ghost_prune
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.io.card import build_card, save_with_card
 from ghosted_hf.io.hub import push_to_hub
-from ghosted_hf.remote.modeling_ghosted import ghost_tensor_key
+from ghosted_hf.remote.format_ghosted import ghost_tensor_key
 
 EVALUATION = [{"task_type": "text-generation", "dataset_type": "wikipedia", "dataset_name": "Wikipedia (held-out articles)",
                "metric_type": "perplexity", "metric_value": 12.5}]
@@ -164,6 +164,10 @@ def test_push_errors(ghosted, tmp_path: Path, monkeypatch) -> None:
     ghosted.save_pretrained(tmp_path / "nocard")
     with pytest.raises(ValueError, match=r"lacks \['README.md'\]"):
         push_to_hub(tmp_path / "nocard", "tester/x", token="t")
+    save_with_card(ghosted, tmp_path / "partial")
+    (tmp_path / "partial" / "format_ghosted.py").unlink()  # modeling_ghosted.py and configuration_ghosted.py import it
+    with pytest.raises(ValueError, match=r"lacks \['format_ghosted.py'\]"):
+        push_to_hub(tmp_path / "partial", "tester/x", token="t")
     with FakeHub() as hub:
         hub.repos["tester/taken"] = {"private": False, "commits": [],
                                      "branches": {"main": {"config.json": json.dumps({"model_type": "bert"}).encode()}}}

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ..architectures import architecture, decoder_layers
 from ..errors import GhostedError
-from ..remote.configuration_ghosted import SUBBLOCK_KINDS
+from ..remote.format_ghosted import SUBBLOCK_KINDS
 from ..remote.modeling_ghosted import SubBlockBypass
 from .operators import ridge_epsilon
 

@@ -12,14 +12,15 @@ from typing import Any
 
 from ..errors import GhostedError, MissingFileError, one_line
 from ..model.checkpoint import check_folder, index_weight_map, made_as, weight_map
-from ..remote.configuration_ghosted import decoder_paths
-from ..remote.modeling_ghosted import check_sizes_against_weights, ghost_records, ghost_tensor_keys, operator_sha256
-from ..remote.modeling_ghosted import staged_folder as remote_staged_folder
+from ..remote.format_ghosted import decoder_paths
+from ..remote.format_ghosted import check_sizes_against_weights, ghost_records, ghost_tensor_keys, operator_sha256
+from ..remote.staging_ghosted import staged_folder as remote_staged_folder
 from ..utils.inputs import check_apart, check_write, note_output
 
 logger = logging.getLogger(__name__)
 
-REMOTE_FILES = ("configuration_ghosted.py", "modeling_ghosted.py")  # copied next to the weights
+# The remote code, copied next to the weights (transformers copies the files modeling_ghosted.py imports with it)
+REMOTE_FILES = tuple(sorted(path.name for path in (Path(__file__).parents[1] / "remote").glob("*_ghosted.py")))
 
 
 def check_output(output: str | os.PathLike | None, inputs: tuple[str | os.PathLike | None, ...] = (), *,

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,13 +45,28 @@ def check_ghosted_folder(folder: Path) -> dict[str, Any]:
     if made_as(config) != "ghosted":
         raise GhostedError(f"{folder} holds a {config.get('model_type')!r} model, not a ghosted one; push it with "
                            "huggingface_hub directly.")
-    missing = [f for f in (*REMOTE_FILES, "README.md") if not (folder / f).is_file()]
-    if missing:
-        raise GhostedError(f"{folder} lacks {missing}; save it with ghosted_hf.save_with_card(model, folder).")
     if "auto_map" not in config:
         raise GhostedError(f"{folder}/config.json has no auto_map: it would not load with trust_remote_code.")
     check_shape(config["auto_map"], {"AutoConfig": str, "AutoModelForCausalLM": str}, f"{folder}/config.json: auto_map")
+    missing = [f for f in (*remote_code_files(folder, config["auto_map"]), "README.md") if not (folder / f).is_file()]
+    if missing:
+        raise GhostedError(f"{folder} lacks {missing}; save it with ghosted_hf.save_with_card(model, folder).")
     return config
+
+
+def remote_code_files(folder: Path, auto_map: dict[str, Any]) -> list[str]:
+    """The code files loading `folder` with trust_remote_code needs: those its auto_map names and, from each, those
+    it imports relatively (as transformers fetches them); a folder saved by an older ghosted_hf has fewer."""
+    needed, queue = set(), [f"{entry.split('.')[0]}.py" for entry in auto_map.values() if isinstance(entry, str)]
+    while queue:
+        name = queue.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        if (folder / name).is_file():
+            queue += [f"{module}.py" for module in re.findall(r"^\s*from\s+\.(\w+)\s+import", (folder / name).read_text(),
+                                                               flags=re.M)]
+    return sorted(needed)
 
 
 # Files a saved ghosted model holds besides its weights: what save_with_card writes (the tokenizer's files too).

@@ -13,7 +13,8 @@ from ..errors import GhostedError
 from ..fitting.selection import candidate_layers
 from ..model.checkpoint import made_as
 from ..model.provenance import BOUNDARY, SUBBLOCK, Provenance
-from ..remote.configuration_ghosted import LAYER_TARGET, GhostedConfig
+from ..remote.configuration_ghosted import GhostedConfig
+from ..remote.format_ghosted import LAYER_TARGET
 from ..utils.diskio import check_shape
 
 SHOWN_FIGURES = ("relative_residual", "residual_vs_target", "pruned_residual_vs_target", "condition_number",

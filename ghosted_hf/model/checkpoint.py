@@ -12,7 +12,7 @@ from typing import Any
 
 from ..architectures import ARCHITECTURES, Layout, checked_shapes, checkpoint_layer, derived_layout, refuse_non_decoder
 from ..errors import GhostedError, MissingFileError, one_line
-from ..remote.configuration_ghosted import decoder_paths, size_field_problems
+from ..remote.format_ghosted import decoder_paths, size_field_problems
 from ..utils.diskio import read_json_object
 
 INDEX_SUFFIX = ".safetensors.index.json"

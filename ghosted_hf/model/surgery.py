@@ -22,10 +22,10 @@ from ..architectures import (ARCHITECTURES, Layout, StreamWeight, SubBlock, Verd
                              stream_weights)
 from ..errors import GhostedError, NonFiniteError, one_line
 from ..statistics.capture import apply_matrix, input_hook, output_hook
-from ..remote.configuration_ghosted import (LAYER_TARGET, OPERATOR_DTYPES, SUBBLOCK_KINDS, GhostedConfig,
-                                            decoder_paths, expected_boundaries, pruned_index, required_format_version)
-from ..remote.modeling_ghosted import (GHOST_MODULE, GHOST_NORMED, GhostedForCausalLM, GhostedForConditionalGeneration,
-                                      ghost_tensor_key)
+from ..remote.configuration_ghosted import GhostedConfig
+from ..remote.format_ghosted import LAYER_TARGET, OPERATOR_DTYPES, SUBBLOCK_KINDS, decoder_paths, expected_boundaries, pruned_index, required_format_version
+from ..remote.format_ghosted import GHOST_MODULE, GHOST_NORMED, ghost_tensor_key
+from ..remote.modeling_ghosted import GhostedForCausalLM, GhostedForConditionalGeneration
 from .provenance import Provenance
 
 logger = logging.getLogger(__name__)

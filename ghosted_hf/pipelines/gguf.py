@@ -37,8 +37,10 @@ from ..errors import GhostedError
 from ..model.checkpoint import made_as
 from ..model.provenance import Provenance
 from ..model.surgery import adopt_tensors
-from ..remote.configuration_ghosted import LAYER_TARGET, NORMED_EPS
-from ..remote.modeling_ghosted import GHOST_NORMED, GhostedForCausalLM, ghost_tensor_key, scratch_folder
+from ..remote.format_ghosted import LAYER_TARGET, NORMED_EPS
+from ..remote.format_ghosted import GHOST_NORMED, ghost_tensor_key
+from ..remote.modeling_ghosted import GhostedForCausalLM
+from ..remote.staging_ghosted import scratch_folder
 from ..utils.diskio import atomic_write
 from ..utils.network import check_timeout
 

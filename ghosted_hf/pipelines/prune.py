@@ -27,7 +27,7 @@ from ..model.provenance import Provenance
 from ..model.surgery import (check_derived_layout, count_parameters, fold_into_mlp_writers, prune_layers, to_stock_model,
                              validate_removal)
 from ..options import ExportOptions, PruneOptions, budget_share
-from ..remote.configuration_ghosted import expected_boundaries
+from ..remote.format_ghosted import expected_boundaries
 from ..remote.modeling_ghosted import GhostedForCausalLM
 from ..statistics import (CalibrationPass, CalibrationStatistics, Calibrator, Patch, ShardSpec, StatisticsPlan,
                           as_calibration_pass, check_same_model)

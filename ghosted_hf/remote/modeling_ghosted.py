@@ -1,8 +1,9 @@
 """Ghosted Layers causal LM (arXiv 2605.15491): a pruned decoder-only causal LM (any family transformers ships) whose
 residual stream is mapped by a closed-form C x C operator at each pruning boundary.
 
-This file is copied next to the weights and loaded with ``trust_remote_code=True``: it imports only torch,
-transformers and the standard library, and only defines the model.
+This file is copied next to the weights (with the files it imports: the format's names, the integrity checks, the
+staged folder write) and loaded with ``trust_remote_code=True``: it imports only torch, transformers, the standard
+library and those files, and only defines the model.
 
 Weight layout (``model.safetensors``): the base decoder keeps its standard names
 (``model.layers.{i}.self_attn.q_proj.weight``, ``model.norm.weight``, ``lm_head.weight``); each operator is
@@ -17,17 +18,9 @@ in the KV cache. config.json records each tensor's sha256 and the format version
 
 from __future__ import annotations
 
-import contextlib
-import fnmatch
-import glob
-import hashlib
 import inspect
 import logging
 import os
-import shutil
-import socket
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +29,11 @@ from torch import nn
 from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationMixin, LlamaForCausalLM,
                           PreTrainedModel)
 
-from .configuration_ghosted import (LAYER_TARGET, NORMED_EPS, OPERATOR_DTYPES, GhostedConfig, check_sizes_against_weights,
-                                    decoder_paths, required_format_version)
+from .configuration_ghosted import GhostedConfig
+from .format_ghosted import (GHOST_MODULE, LAYER_TARGET, NORMED_EPS, check_sizes_against_weights, decoder_paths,
+                             ghost_records, ghost_tensor_keys)
+from .integrity_ghosted import check_loaded, operator_value_problems, refresh_integrity
+from .staging_ghosted import carry_over, staged_folder
 
 try:  # transformers >= 4.56: a cache is a list of layers
     from transformers.cache_utils import DynamicLayer
@@ -65,179 +61,12 @@ if _lacking:
         f"(no {', '.join(_lacking)}): pip install -U transformers"
     )
 
-GHOST_MODULE = "ghost"
-GHOST_PARAM = "operator"
-GHOST_NORMED = "normed"
-
 # How this transformers declares tied weights, read off its own Llama: a {tied: source} dict (5.x) or a list
 # of tied names (4.x).
 if isinstance(getattr(LlamaForCausalLM, "_tied_weights_keys", None), dict):
     TIED_WEIGHTS_KEYS: Any = {"lm_head.weight": "model.embed_tokens.weight"}
 else:
     TIED_WEIGHTS_KEYS = ["lm_head.weight"]
-
-
-def operator_sha256(operator: torch.Tensor, dtype: str) -> str:
-    """Hex sha256 of an operator's raw bytes in its storage dtype `dtype` (CPU, C-contiguous; bf16 as bytes)."""
-    tensor = operator.detach().to(device="cpu", dtype=getattr(torch, dtype)).contiguous()
-    return hashlib.sha256(tensor.view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def ghost_tensor_key(boundary: dict[str, Any], param: str = GHOST_PARAM, paths: dict[str, str] | None = None) -> str:
-    """State-dict key of a boundary's operator (or of its other tensor `param`), or of a replaced sub-block's map,
-    in a model whose decoder layers and final norm sit at `paths` (`decoder_paths`; Llama's by default)."""
-    paths = paths or decoder_paths({})
-    layers, norm = paths["layers"], paths["norm"]
-    if "block" in boundary:
-        return f"{layers}.{boundary['layer']}.{boundary['module']}.{GHOST_MODULE}.{param}"
-    if boundary["target"] == LAYER_TARGET:
-        return f"{layers}.{boundary['layer']}.{GHOST_MODULE}.{param}"
-    return f"{norm}.{GHOST_MODULE}.{param}"
-
-
-def ghost_tensor_keys(boundary: dict[str, Any], paths: dict[str, str] | None = None) -> dict[str, str]:
-    """{the config field holding its sha256: state-dict key} of every tensor of a boundary."""
-    keys = {"sha256": ghost_tensor_key(boundary, paths=paths)}
-    if boundary.get("normed"):
-        keys["normed_sha256"] = ghost_tensor_key(boundary, GHOST_NORMED, paths)
-    return keys
-
-
-def ghost_records(config: GhostedConfig) -> list[dict[str, Any]]:
-    """Every record that owns ghost tensors: the boundaries, then the replaced sub-blocks."""
-    return [*config.ghost_boundaries, *getattr(config, "ghost_subblocks", [])]
-
-
-# What `save_pretrained` writes; files of an earlier save matching these never survive into a new one.
-MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "config.json",
-               "generation_config.json", "*.py")
-
-
-def process_tag() -> str:
-    """Who made a scratch path: the host and process, so that a later write can tell a leftover of a killed process
-    from the work of a running one."""
-    return f"{socket.gethostname()}~{os.getpid()}"
-
-
-def process_gone(owner: str) -> bool:
-    """Whether the process a `process_tag` names has ended (only ever true for a process of this host)."""
-    host, _, pid = owner.rpartition("~")
-    if host != socket.gethostname() or not pid.isdigit():
-        return False  # another machine's (a shared disk), or not ours: never touched
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # alive, another user's
-        return False
-    return False
-
-
-def scratch_folder(parent: Path, stem: str) -> Path:
-    """A new folder `parent/<stem><host>~<pid>-XXXX`, readable as any folder the caller makes (the umask's
-    permissions, not mkdtemp's 0700: the folder becomes the saved model). Leftovers of `stem` whose process is
-    gone are removed first."""
-    parent.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(parent, stem)
-    path = Path(tempfile.mkdtemp(dir=parent, prefix=f"{stem}{process_tag()}-"))
-    os.chmod(path, 0o777 & ~_umask())
-    return path
-
-
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
-def readable_as_made(folder: Path) -> None:
-    """Give what a save wrote the permissions a file the caller makes gets (safetensors writes its files 0600 and
-    mkdtemp makes 0700 folders; a serving container or another user must be able to read a saved model)."""
-    umask = _umask()
-    for root, folders, files in os.walk(folder):
-        os.chmod(root, 0o777 & ~umask)
-        for name in files:
-            if not os.path.islink(os.path.join(root, name)):
-                os.chmod(os.path.join(root, name), 0o666 & ~umask)
-
-
-def remove_leftovers(parent: Path, stem: str, restore_to: Path | None = None) -> None:
-    """Remove what a killed process left under `parent` with `stem` (its owner tag names a process of this host that
-    is gone), and say so. With `restore_to` missing, a leftover is the previous folder a kill caught between its two
-    renames: it is moved back instead of removed."""
-    for entry in sorted(parent.glob(glob.escape(stem) + "*")):
-        if not process_gone(entry.name[len(stem):].rpartition("-")[0]):
-            continue
-        if restore_to is not None and not os.path.lexists(restore_to):
-            os.rename(entry, restore_to)
-            logger.warning("Restored %s from %s, which a killed save left.", restore_to, entry.name)
-            continue
-        # with the scratch paths of a save into it (a model saved into a staging folder stages beside it)
-        for item in (entry, *parent.glob(f".{glob.escape(entry.name)}.*")):
-            if item.is_dir() and not item.is_symlink():
-                shutil.rmtree(item, ignore_errors=True)
-            else:
-                item.unlink(missing_ok=True)
-            logger.warning("Removed %s, left by a killed process.", item)
-
-
-def replace_folder(staging: Path, target: Path) -> None:
-    """Move the complete folder `staging` to `target`. The previous `target` is renamed aside first and removed
-    only once the new folder is in place, so it is never partly overwritten."""
-    backup = None
-    if target.exists():
-        backup = scratch_folder(target.parent, f".{target.name}.previous-")
-        os.rmdir(backup)
-        os.rename(target, backup)
-    try:
-        os.rename(staging, target)
-    except BaseException:
-        if backup is not None:
-            os.rename(backup, target)
-        raise
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def staged_folder(target: Path) -> Iterator[Path]:
-    """Yield an empty sibling folder of `target` to write a whole folder into; on success it replaces `target`, on
-    any error it is removed and `target` is left as it was. A symlinked `target` is written where it points (the
-    link keeps naming the saved folder); leftovers of killed saves to `target` are cleaned up first."""
-    target = target.resolve() if target.is_symlink() else target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(target.parent, f".{target.name}.previous-", restore_to=target)
-    staging = scratch_folder(target.parent, f".{target.name}.saving-")
-    try:
-        yield staging
-        readable_as_made(staging)
-        replace_folder(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _carry_over(folder: Path, staging: Path) -> None:
-    """Copy the files of `folder` that a model save does not write (tokenizer, card, ...) into `staging`."""
-    for item in folder.iterdir():
-        if any(fnmatch.fnmatch(item.name, pattern) for pattern in MODEL_FILES):
-            continue
-        if item.is_dir():
-            shutil.copytree(item, staging / item.name)
-        else:
-            shutil.copy2(item, staging / item.name)
-
-
-def _mismatch_key(entry: Any) -> str:
-    # `output_loading_info` lists a shape mismatch as (key, checkpoint shape, model shape) in 5.x, as the bare
-    # key in 4.x.
-    return entry if isinstance(entry, str) else entry[0]
-
-
-def _describe_mismatch(entry: Any) -> str:
-    if not isinstance(entry, str) and len(entry) == 3:
-        key, saved, expected = entry
-        return f"{key} (checkpoint {tuple(saved)}, config {tuple(expected)})"
-    return f"{_mismatch_key(entry)} (checkpoint shape differs from the config's)"
 
 
 def rms_normalized(x: torch.Tensor) -> torch.Tensor:
@@ -329,17 +158,6 @@ class SubBlockBypass(nn.Module):
         return f"{self.block} replaced by a linear map"
 
 
-def _offloaded_value(model: nn.Module, name: str) -> torch.Tensor | None:
-    """The value of the offloaded ghost tensor `name`, through the weights map accelerate's hook on its module
-    reads from (None when there is no such map)."""
-    module_name, _, param = name.rpartition(".")
-    weights = getattr(getattr(model.get_submodule(module_name), "_hf_hook", None), "weights_map", None)
-    try:
-        return weights[param] if weights is not None else None
-    except KeyError:
-        return None
-
-
 def apply_ghost_operator(parent: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook of a layer (or the final norm): map its input hidden state with its `ghost` child.
 
@@ -418,71 +236,14 @@ class GhostedPreTrainedModel(PreTrainedModel):
         """What is wrong with the operators' values: non-finite in the storage dtype, not the bytes whose
         sha256 config.json records, or (with `require_hashes`, as for a loaded checkpoint) no sha256 recorded
         at all. Empty when they are sound."""
-        problems = []
-        storage = self.config.operator_dtype
-        paths = decoder_paths(self.config)
-        recorded = {key: b.get(field) for b in ghost_records(self.config)
-                    for field, key in ghost_tensor_keys(b, paths).items()}
-        for name, operator in self.ghost_operators().items():
-            if operator.device.type == "meta":  # offloaded (device_map with disk or CPU offload): read it back
-                operator = _offloaded_value(self, name)
-                if operator is None:
-                    problems.append(f"operator {name} is offloaded where it cannot be read back to verify it")
-                    continue
-            # In the storage dtype: a value finite in a wider checkpoint dtype (1e300) may not be once stored.
-            stored = operator.detach().to(getattr(torch, storage))
-            if not (torch.isfinite(operator).all() and torch.isfinite(stored).all()):
-                problems.append(f"operator {name} holds NaN or Inf values (as {storage})")
-            elif not recorded.get(name):
-                if require_hashes:
-                    problems.append(f"operator {name} has no sha256 in config.json, so it cannot be verified "
-                                    "(re-save the model with save_pretrained, or pass verify_operator_hashes=False "
-                                    "to load it unverified)")
-            elif operator_sha256(stored, storage) != recorded[name]:
-                problems.append(
-                    f"operator {name} does not match the sha256 recorded for it in config.json "
-                    "(the tensor was altered, or config.json comes from another save)"
-                )
-        return problems
-
-    def _refresh_ghost_integrity(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """Make `config.operator_dtype` and each boundary's `sha256` describe the tensors about to be saved."""
-        operators = self.ghost_operators()
-        if state_dict is not None:
-            operators = {name: state_dict.get(name, operator) for name, operator in operators.items()}
-        dtypes = {str(op.dtype).removeprefix("torch.") for op in operators.values()}
-        if len(dtypes) > 1 or not dtypes <= set(OPERATOR_DTYPES):
-            found = ", ".join(f"{name}: {str(op.dtype).removeprefix('torch.')}" for name, op in operators.items())
-            raise ValueError(
-                f"Cannot save ghost operators as {found}: they must all be one of {', '.join(OPERATOR_DTYPES)}. "
-                "Cast them back first, e.g. `for op in model.ghost_operators().values(): op.data = op.data.float()`."
-            )
-        if dtypes:
-            self.config.operator_dtype = dtypes.pop()
-        def hashed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            records = [dict(record) for record in records]
-            for record in records:
-                for field, name in ghost_tensor_keys(record, decoder_paths(self.config)).items():
-                    operator = operators[name]
-                    if operator.device.type == "meta":  # offloaded: hash the value its hook reads back
-                        operator = _offloaded_value(self, name)
-                        if operator is None:
-                            raise ValueError(f"Cannot save {name}: it is offloaded where it cannot be read back. "
-                                             "Load the model without offloading the operators to save it.")
-                    record[field] = operator_sha256(operator, self.config.operator_dtype)
-            return records
-
-        self.config.ghost_boundaries = hashed(self.config.ghost_boundaries)
-        self.config.ghost_subblocks = hashed(self.config.ghost_subblocks)
-        self.config.ghost_format_version = required_format_version(self.config.ghost_boundaries,
-                                                                   self.config.ghost_subblocks, self.config.ghost_layout)
+        return operator_value_problems(self, require_hashes)
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any):
         """`PreTrainedModel.save_pretrained`, all or nothing: the files are written into a sibling folder that then
         replaces `save_directory`. Files of an earlier save that this one does not write again (a single weights
         file beside new shards, an old index) are gone; files a model save never writes (tokenizer, card) stay."""
         # Before the parent writes config.json: the operator dtype and hashes always match the saved tensors.
-        self._refresh_ghost_integrity(kwargs.get("state_dict"))
+        refresh_integrity(self, kwargs.get("state_dict"))
         multimodal = self.config.base_config is not None
         if self._auto_class is not None:  # the parent adds this class's own entry (and the config's) to auto_map
             module = type(self).__module__.rsplit(".", 1)[-1]
@@ -500,7 +261,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
             return super().save_pretrained(save_directory, *args, **kwargs)
         with staged_folder(target) as staging:
             if target.is_dir():
-                _carry_over(target, staging)
+                carry_over(target, staging)
             return super().save_pretrained(staging, *args, **kwargs)
 
     @classmethod
@@ -514,39 +275,7 @@ class GhostedPreTrainedModel(PreTrainedModel):
         model, info = super().from_pretrained(
             *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
         )
-        problems = []
-        missing = sorted(info.get("missing_keys", ()))  # a base weight too: it would be left randomly initialised
-        if [k for k in missing if f".{GHOST_MODULE}." in k]:
-            problems.append(f"operator tensors missing from the checkpoint: {[k for k in missing if f'.{GHOST_MODULE}.' in k]}")
-        if [k for k in missing if f".{GHOST_MODULE}." not in k]:
-            problems.append(f"weights missing from the checkpoint: {[k for k in missing if f'.{GHOST_MODULE}.' not in k]}")
-        unexpected = sorted(k for k in info.get("unexpected_keys", ()) if f".{GHOST_MODULE}." in k)
-        if unexpected:
-            problems.append(f"operator tensors in the checkpoint that the config has no boundary for: {unexpected}")
-        mismatched = [
-            _describe_mismatch(entry)
-            for entry in info.get("mismatched_keys", ())
-            if f".{GHOST_MODULE}." in _mismatch_key(entry) or not ignore_mismatched
-        ]
-        if mismatched:
-            problems.append(f"tensors of the wrong shape: {mismatched}")
-        problems += model.operator_value_problems(require_hashes=verify)
-        if problems:
-            base_missing = [k for k in missing if f".{GHOST_MODULE}." not in k]
-            stored = info.get("unexpected_keys", ())
-            # The same layers stored in another layout (experts one by one where the model fuses them, other
-            # module names): a conversion this transformers applies to the family's own models, not to a nested one.
-            relayout = bool(base_missing) and all(
-                any(u.startswith(".".join(k.split(".")[:3]) + ".") for u in stored) for k in base_missing)
-            raise ValueError(
-                "This ghosted checkpoint does not match its config.json: "
-                + "; ".join(problems)
-                + (". The checkpoint holds these modules in the layout the family's checkpoints use, which this "
-                   "transformers converts for the family's own models only: load it with a transformers that "
-                   "converts nested models too (4.57, or 5.10 and later)" if relayout else
-                   ". Re-export it with save_pretrained from the model that produced it; an operator is never "
-                   "replaced by identity or random values.")
-            )
+        check_loaded(model, info, verify, ignore_mismatched)
         return (model, info) if want_info else model
 
 

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from safetensors import SafetensorError
 
 from ..errors import GhostedError
-from ..remote.modeling_ghosted import process_tag, remove_leftovers
+from ..remote.staging_ghosted import process_tag, remove_leftovers
 from .inputs import check_write
 
 

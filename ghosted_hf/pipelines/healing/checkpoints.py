@@ -16,7 +16,7 @@ from torch import nn
 
 from ...errors import GhostedError, MissingFileError
 from ...utils.inputs import note_read, relation
-from ...remote.modeling_ghosted import process_gone, process_tag, scratch_folder
+from ...remote.staging_ghosted import process_gone, process_tag, scratch_folder
 from ...statistics.origin import config_sha256, model_fingerprint
 from ...text.tokens import TrainingSequences
 from ...utils.diskio import atomic_write_text, read_json_object

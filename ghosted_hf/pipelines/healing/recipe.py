@@ -20,7 +20,7 @@ from ...architectures import lora_target_parameters, lora_targets
 from ...errors import GhostedError
 from ...model.loading import DTYPES, load_model, resolve
 from ...model.provenance import Provenance
-from ...remote.modeling_ghosted import GHOST_MODULE
+from ...remote.format_ghosted import GHOST_MODULE
 from ...text.documents import read_documents
 from ...text.tokens import TrainingSequences, training_sequences
 from ...utils.distributed import check_agreement, is_main_process
