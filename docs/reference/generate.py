@@ -14,6 +14,7 @@ import inspect
 import sys
 import typing
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).parent
 
@@ -79,11 +80,71 @@ def cli_page() -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- docs/architectures.md
+
+def _layout(entry: Any) -> str:
+    from ghosted_hf.architectures import centered_norm
+
+    norm = ("LayerNorm" if centered_norm(entry.name) else "RMSNorm (1 + w)" if entry.gain == "one-plus-weight"
+            else "RMSNorm")
+    extras = [part for part, has in (("mixture of experts", entry.moe), ("linear-attention layers", entry.hybrid))
+              if has]
+    return ", ".join([f"{entry.norm_placement}-norm {norm}", *extras])
+
+
+def _stock_export(entry: Any) -> str:
+    from ghosted_hf.errors import GhostedError
+
+    try:
+        entry.refuse_fold("folded")
+    except GhostedError as error:
+        return "refused: " + str(error).split("(", 1)[1].split(")", 1)[0]
+    return "exact (checked per family)"
+
+
+def supported_architectures_table() -> str:
+    """The registry's table of docs/architectures.md (tests/test_docs.py keeps the page equal to it)."""
+    from ghosted_hf.architectures import ENTRIES, reads_layer_by_layer
+    from ghosted_hf.assets import PACKAGED_MODELS
+
+    rows = ["| `model_type` | layout | stock export (`folded`, `folded-tied`, `replaceme-ls`) | `export-gguf` | "
+            "layer-by-layer calibration | tested with |", "|---|---|---|---|---|---|"]
+    real = {model.family: model.name for model in PACKAGED_MODELS.values()}
+    for entry in ENTRIES:
+        packaged = next((real[t] for t in entry.model_types if t in real), None)
+        tested = f"real weights ({packaged}) and tiny random ones" if packaged else "tiny random weights"
+        layerwise = "yes" if reads_layer_by_layer(entry.name) else "full-model pass only (experts fused on load)"
+        rows.append(f"| {', '.join(f'`{t}`' for t in entry.model_types)} | {_layout(entry)} | {_stock_export(entry)} "
+                    f"| {'yes' if entry.gguf_architecture else 'refused'} | {layerwise} | {tested} |")
+    return "\n".join(rows) + "\n"
+
+
+def derived_families_table(verdicts: dict[str, Any]) -> str:
+    """The markdown tables of docs/architectures.md's derived families (where their layers and final norm are, what
+    passed) and refused types (why), from each type's verdict (`model.surgery.derivation_verdicts`)."""
+    rows = ["| `model_type` | decoder layers | read after the last layer | whole layers | sub-blocks |",
+            "|---|---|---|---|---|"]
+    refused = ["| `model_type` | refused because |", "|---|---|"]
+    for model_type, (layout, whole, sub) in sorted(verdicts.items()):
+        if whole is None and layout is not None:
+            rows.append(f"| `{model_type}` | `{layout.layers}` | `{layout.norm}` | yes | "
+                        f"{'yes' if sub is None else 'refused: ' + _first_clause(sub)} |")
+        else:
+            refused.append(f"| `{model_type}` | {_first_clause(whole or 'no layout')} |")
+    return "\n".join(rows) + "\n\nRefused, each with its reason:\n\n" + "\n".join(refused) + "\n"
+
+
+def _first_clause(reason: str) -> str:
+    """A refusal's reason, short enough for a table cell."""
+    reason = reason.replace("|", "/")
+    return reason if len(reason) <= 160 else reason[:157].rsplit(" ", 1)[0] + " ..."
+
+
 def architectures_page(check: bool = False) -> str:
     """docs/architectures.md with its generated tables replaced: the registry's, and (when writing, not checking: it
     runs the derivation check on every decoder-only type, about two minutes; the test of that check keeps it
     current) the derived families'."""
-    from ghosted_hf.architectures import decoder_only_types, derived_families_table, supported_architectures_table
+    from ghosted_hf.architectures import decoder_only_types
 
     text = (HERE.parent / "architectures.md").read_text()
     text = _replaced(text, "supported_architectures_table", supported_architectures_table())
