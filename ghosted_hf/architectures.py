@@ -8,6 +8,7 @@ Adding a family is one `Architecture` entry and one tiny-model test (tests/test_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -256,7 +257,8 @@ def centered_norm(model_type: str) -> bool:
     instance of its default config (a rotation of the stream does not keep the mean)."""
     from transformers import AutoConfig
 
-    model, _ = _shallow_instance(AutoConfig.for_model(model_type))
+    with quiet_transformers():
+        model, _ = _shallow_instance(AutoConfig.for_model(model_type))
     norm = model.get_submodule(architecture(model.config).layout.norm)
     name = type(norm).__name__.lower()
     return isinstance(norm, nn.LayerNorm) or ("layernorm" in name and "rms" not in name)
@@ -291,7 +293,8 @@ def derived_layout(config: PretrainedConfig) -> Layout:
     model_type = config.model_type
     if model_type not in _LAYOUTS:
         try:
-            _LAYOUTS[model_type] = find_layout(*_shallow_instance(config))
+            with quiet_transformers():
+                _LAYOUTS[model_type] = find_layout(*_shallow_instance(config))
         except GhostedError as error:
             _LAYOUTS[model_type] = str(error)
         except Exception as error:  # the family's own config and model classes, whatever they raise
@@ -301,6 +304,18 @@ def derived_layout(config: PretrainedConfig) -> Layout:
     if isinstance(found, str):
         raise GhostedError(found)
     return found
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings off while ghosted_hf builds the small configs and instances it probes a family with
+    (their token ids outside a tiny vocabulary, a field the family's class rewrites): about the probe, not the model."""
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
 
 
 def _shallow_instance(config: PretrainedConfig) -> tuple[nn.Module, int]:
@@ -596,8 +611,9 @@ def _reindexed_keys(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
 def _suffix_count(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
     """`the last N layers are special` (Gemma 3n/4's num_kv_shared_layers): the kept ones among them stay a suffix."""
     depth = values.get("num_hidden_layers")
-    return value if not isinstance(value, int) or not isinstance(depth, int) else sum(1 for i in kept
-                                                                                        if i >= depth - value)
+    if not isinstance(value, int) or not isinstance(depth, int):
+        return value
+    return sum(1 for i in kept if i >= depth - value)
 
 
 def _last_index(value: Any, kept: list[int], values: dict[str, Any]) -> Any:
@@ -706,19 +722,17 @@ def removal_problem(config: PretrainedConfig, removed: Iterable[int]) -> str | N
         return (f"removes layers {lost}, whose keys and values kept layers {readers} reuse: keep them, or remove their "
                 "readers too")
     kept = [i for i in range(config.num_hidden_layers) if i not in removed]
-    verbosity = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()  # (a config class's warning that it rewrites a field, once per try)
     try:
-        pruned = pruned_config(config, kept).to_dict()
+        with quiet_transformers():  # (a config class's warning that it rewrites a field, once per try)
+            pruned = pruned_config(config, kept).to_dict()
     except Exception as error:  # the family's config class refuses the pruned fields
         return f"gives a config that {type(config).__name__} refuses ({type(error).__name__}: {one_line(error, 160)})"
-    finally:
-        transformers_logging.set_verbosity(verbosity)
     dense = config.to_dict()
     for field, rule in LAYER_FIELDS.items():
         asked = _plain(rule(dense[field], kept, dense)) if field in dense else None
         if field in dense and _plain(pruned.get(field)) != asked:
-            return (f"gives a config whose {field} {type(config).__name__} rewrites ({_difference(asked, pruned.get(field))}), "
+            return (f"gives a config whose {field} {type(config).__name__} rewrites "
+                    f"({_difference(asked, pruned.get(field))}), "
                     "so a kept layer would be built unlike its dense self: choose other layers")
     return None
 

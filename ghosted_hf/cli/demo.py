@@ -26,12 +26,21 @@ class DemoArgs(OutputArgs):
                                       "ghosted-demo-output/<model>-ghosted).")
     eval_windows: int = option(16, "Held-out 512-token windows for perplexity.")
 
+    # Flags of the shared options whose default here is another (with what it means): the packaged model's own demo
+    # removal, as the README states it, unless --num-layers is given.
+    cli_defaults = {"num_layers": (None, "None: the packaged model's own ({}), else {}.".format(
+        ", ".join(f"{name} {model.demo_layers}" for name, model in assets.PACKAGED_MODELS.items()),
+        PruneOptions.num_layers))}
+
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """`ghosted demo`: the main job on the packaged model and corpus."""
     from ..pipelines.demo import demo_output, format_rows, run_demo
 
-    run, options = from_namespace(DemoArgs, args), from_namespace(PruneOptions, args)
+    run = from_namespace(DemoArgs, args)
+    if args.num_layers is None:
+        args.num_layers = assets.demo_layers(run.model) or PruneOptions.num_layers
+    options = from_namespace(PruneOptions, args)
     own = run.output is None  # the demo's own default folder: a second run replaces what the first saved there
     run.output = run.output or demo_output(run.model)
     check_output(run.output, (run.model,), overwrite=run.overwrite or own)

@@ -48,8 +48,8 @@ class SelectionRequest:
                 swapped = [other if i == out else i for i in chosen]
                 if self.allows(swapped):
                     return sorted(swapped)
-        raise GhostedError(f"No removal of {self.num_layers} layers near the criterion's choice {sorted(chosen)} can be "
-                           f"built: removing them {self.problem(sorted(chosen))}. Name the layers (criterion "
+        raise GhostedError(f"No removal of {self.num_layers} layers near the criterion's choice {sorted(chosen)} can "
+                           f"be built: removing them {self.problem(sorted(chosen))}. Name the layers (criterion "
                            "'manual').")
 
 

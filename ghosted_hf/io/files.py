@@ -12,8 +12,8 @@ from typing import Any
 
 from ..errors import GhostedError, MissingFileError, one_line
 from ..model.checkpoint import check_folder, index_weight_map, made_as, weight_map
-from ..remote.format_ghosted import decoder_paths
-from ..remote.format_ghosted import check_sizes_against_weights, ghost_records, ghost_tensor_keys, operator_sha256
+from ..remote.format_ghosted import (check_sizes_against_weights, decoder_paths, ghost_records, ghost_tensor_keys,
+                                     operator_sha256)
 from ..remote.staging_ghosted import staged_folder as remote_staged_folder
 from ..utils.inputs import check_apart, check_write, note_output
 

@@ -18,13 +18,14 @@ from transformers import PreTrainedModel
 
 from ..architectures import (ARCHITECTURES, Layout, StreamWeight, SubBlock, Verdict, architecture, check_declared,
                              check_layers_match, check_removal, decoder, decoder_layers, is_multimodal,
-                             language_config, layer_of, layer_prefix, pruned_config, removal_problem, small_configs,
-                             stream_weights)
+                             language_config, layer_of, layer_prefix, pruned_config, quiet_transformers,
+                             removal_problem, small_configs, stream_weights)
 from ..errors import GhostedError, NonFiniteError, one_line
 from ..statistics.capture import apply_matrix, input_hook, output_hook
 from ..remote.configuration_ghosted import GhostedConfig
-from ..remote.format_ghosted import LAYER_TARGET, OPERATOR_DTYPES, SUBBLOCK_KINDS, decoder_paths, expected_boundaries, pruned_index, required_format_version
-from ..remote.format_ghosted import GHOST_MODULE, GHOST_NORMED, ghost_tensor_key
+from ..remote.format_ghosted import (GHOST_MODULE, GHOST_NORMED, LAYER_TARGET, OPERATOR_DTYPES, SUBBLOCK_KINDS,
+                                     decoder_paths, expected_boundaries, ghost_tensor_key, pruned_index,
+                                     required_format_version)
 from ..remote.modeling_ghosted import GhostedForCausalLM, GhostedForConditionalGeneration
 from .provenance import Provenance
 
@@ -353,7 +354,8 @@ def check_derived_layout(config: Any, subblocks: bool = False) -> None:
     if key not in _VERDICTS:
         _VERDICTS[key] = "being checked"  # the check's own prune_layers passes through here
         try:
-            with torch.random.fork_rng(devices=[]):  # seeded instances; the caller's random state untouched
+            # seeded instances, the caller's random state untouched; transformers' warnings about the probe off
+            with torch.random.fork_rng(devices=[]), quiet_transformers():
                 _compare_with_skip_reference(_small_twin(config), subblocks)
             _VERDICTS[key] = None
             if subblocks:

@@ -71,8 +71,9 @@ def sample(model: torch.nn.Module, tokenizer, max_new_tokens: int = 24) -> str:
 
 def run_demo(output: str | Path, options: PruneOptions | None = None, model: str | None = None,
              eval_windows: int = 16, eval_seq_len: int = 512) -> list[Row]:
-    """Prune `model` (a packaged model's name, a folder or Hub id; default: SmolLM2-135M) with `options`, save it to `output`, and
-    measure dense, plainly pruned and ghosted models on the held-out Wikipedia articles."""
+    """Prune `model` (a packaged model's name, a folder or Hub id; default: SmolLM2-135M) with `options` (default: the
+    packaged model's demo removal), save it to `output`, and measure dense, plainly pruned and ghosted models on the
+    held-out Wikipedia articles."""
     folder = loading.resolve(model)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
@@ -81,6 +82,8 @@ def run_demo(output: str | Path, options: PruneOptions | None = None, model: str
                                                     **loading.NO_HUB_KERNELS).eval()
 
     held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), eval_seq_len, eval_windows, batch_size=4)
+    if options is None and assets.demo_layers(model):
+        options = PruneOptions(num_layers=assets.demo_layers(model))
     ghosted = ghost_prune(load(), tokenizer, assets.wikipedia_split("calibration"), options)
     save_with_card(ghosted, output, tokenizer)
     # The plainly pruned model as the stock checkpoint `--operator none` saves: no identity operators counted.

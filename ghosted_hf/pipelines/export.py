@@ -17,8 +17,7 @@ from ..model.checkpoint import made_as
 from ..model.provenance import Provenance
 from ..model.surgery import fold_into_mlp_writers, to_stock_model
 from ..options import ExportOptions
-from ..remote.format_ghosted import LAYER_TARGET, decoder_paths
-from ..remote.format_ghosted import ghost_tensor_key
+from ..remote.format_ghosted import LAYER_TARGET, decoder_paths, ghost_tensor_key
 from ..remote.modeling_ghosted import GhostedForCausalLM
 from ..statistics import (CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, CalibrationStatistics, StatisticsPlan,
                           collect_statistics)

@@ -37,8 +37,7 @@ from ..errors import GhostedError
 from ..model.checkpoint import made_as
 from ..model.provenance import Provenance
 from ..model.surgery import adopt_tensors
-from ..remote.format_ghosted import LAYER_TARGET, NORMED_EPS
-from ..remote.format_ghosted import GHOST_NORMED, ghost_tensor_key
+from ..remote.format_ghosted import GHOST_NORMED, LAYER_TARGET, NORMED_EPS, ghost_tensor_key
 from ..remote.modeling_ghosted import GhostedForCausalLM
 from ..remote.staging_ghosted import scratch_folder
 from ..utils.diskio import atomic_write
