@@ -22,6 +22,28 @@ def dense_folder(tmp_path: Path) -> Path:
     return tmp_path / "dense"
 
 
+@pytest.fixture
+def fake_demo(monkeypatch, tmp_path: Path) -> list[tuple]:
+    """`ghosted demo` with its pass replaced (the real-model tests run it): each run records (model, the options'
+    num_layers) and saves a config.json only; run in tmp_path."""
+    import json
+
+    import ghosted_hf.pipelines.demo
+
+    runs: list[tuple] = []
+
+    def fake_run(output, options, model=None, eval_windows=16):
+        runs.append((model, options.num_layers))
+        Path(output).mkdir(parents=True, exist_ok=True)
+        (Path(output) / "config.json").write_text(json.dumps({"removed_layers": [1]}))
+        return []
+
+    monkeypatch.setattr(ghosted_hf.pipelines.demo, "run_demo", fake_run)
+    monkeypatch.setattr(ghosted_hf.pipelines.demo, "format_rows", lambda rows, removed, tokens: "table")
+    monkeypatch.chdir(tmp_path)
+    return runs
+
+
 def _gpu_tests_run() -> bool:
     import torch
 

@@ -393,22 +393,10 @@ def test_what_a_run_reports_is_what_it_did(dense_folder: Path, tmp_path: Path, c
     assert "tokens for a" not in caplog.text  # no warning about too little text it never needed
 
 
-def test_a_second_demo_run_replaces_its_own_default_output(dense_folder: Path, tmp_path: Path, monkeypatch,
+def test_a_second_demo_run_replaces_its_own_default_output(dense_folder: Path, tmp_path: Path, fake_demo,
                                                            capsys) -> None:
     """The demo's default folder is its own: run twice, the second replaces the first instead of stopping with an
     error about an --output the user never passed; an --output the user names is still protected."""
-    import json
-
-    import ghosted_hf.pipelines.demo
-
-    def fake_run(output, options, model=None, eval_windows=16):  # the pass itself is the demo test's job
-        Path(output).mkdir(parents=True, exist_ok=True)
-        (Path(output) / "config.json").write_text(json.dumps({"removed_layers": [1]}))
-        return []
-
-    monkeypatch.setattr(ghosted_hf.pipelines.demo, "run_demo", fake_run)
-    monkeypatch.setattr(ghosted_hf.pipelines.demo, "format_rows", lambda rows, removed, tokens: "table")
-    monkeypatch.chdir(tmp_path)
     for _ in range(2):
         assert main(["demo", "--model", str(dense_folder)]) == 0
     out = capsys.readouterr().out

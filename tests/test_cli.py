@@ -240,24 +240,12 @@ def test_heal_bad_input_is_one_line_naming_the_value(dense_folder: Path, tmp_pat
         assert not (tmp_path / "out").exists(), name
 
 
-def test_the_demo_removes_what_each_packaged_model_declares(dense_folder: Path, tmp_path: Path, monkeypatch) -> None:
+def test_the_demo_removes_what_each_packaged_model_declares(dense_folder: Path, fake_demo) -> None:
     """`ghosted demo --model gemma3-270m` removes Gemma 3's 4 of 18 layers (the README's numbers), the default model
     its 8 of 30; --num-layers wins, and a folder gets the options' default."""
-    import ghosted_hf.pipelines.demo
     from ghosted_hf.cli import main
 
-    asked = []
-
-    def fake_run(output, options, model=None, eval_windows=16):  # the pass itself is the real-model tests' job
-        asked.append((model, options.num_layers))
-        Path(output).mkdir(parents=True, exist_ok=True)
-        (Path(output) / "config.json").write_text(json.dumps({"removed_layers": [1]}))
-        return []
-
-    monkeypatch.setattr(ghosted_hf.pipelines.demo, "run_demo", fake_run)
-    monkeypatch.setattr(ghosted_hf.pipelines.demo, "format_rows", lambda rows, removed, tokens: "table")
-    monkeypatch.chdir(tmp_path)
     for argv in (["--model", "gemma3-270m"], [], ["--model", "gemma3-270m", "--num-layers", "6"],
                  ["--model", str(dense_folder)]):
         assert main(["demo", *argv]) == 0
-    assert asked == [("gemma3-270m", 4), (None, 8), ("gemma3-270m", 6), (str(dense_folder), PruneOptions().num_layers)]
+    assert fake_demo == [("gemma3-270m", 4), (None, 8), ("gemma3-270m", 6), (str(dense_folder), PruneOptions().num_layers)]

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import shutil
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +56,8 @@ def check_ghosted_folder(folder: Path) -> dict[str, Any]:
 def remote_code_files(folder: Path, auto_map: dict[str, Any]) -> list[str]:
     """The code files loading `folder` with trust_remote_code needs: those its auto_map names and, from each, those
     it imports relatively (as transformers fetches them); a folder saved by an older ghosted_hf has fewer."""
+    from transformers.dynamic_module_utils import get_relative_imports
+
     needed, queue = set(), [f"{entry.split('.')[0]}.py" for entry in auto_map.values() if isinstance(entry, str)]
     while queue:
         name = queue.pop()
@@ -64,8 +65,7 @@ def remote_code_files(folder: Path, auto_map: dict[str, Any]) -> list[str]:
             continue
         needed.add(name)
         if (folder / name).is_file():
-            queue += [f"{module}.py" for module in re.findall(r"^\s*from\s+\.(\w+)\s+import", (folder / name).read_text(),
-                                                               flags=re.M)]
+            queue += [f"{module}.py" for module in get_relative_imports(folder / name)]
     return sorted(needed)
 
 
