@@ -10,6 +10,15 @@ import pytest
 
 _skipped: list[str] = []
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # The pytest-xdist workers (pyproject's addopts start one per core) and the processes they start share the
+    # cores: more threads than cores make torch's OpenMP threads wait on each other.
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    import torch
+
+    torch.set_num_threads(_threads)
+
 
 @pytest.fixture
 def dense_folder(tmp_path: Path) -> Path:
@@ -51,11 +60,14 @@ def _gpu_tests_run() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every compat, distributed or real-model test is slow too: `pytest -m "not slow"` leaves them all out.
+    """Every compat, distributed or real-model test is slow too: `pytest -m "not slow"` leaves them all out, and
+    the slow ones run first.
     The gpu tests (tests/test_gpu.py) are deselected where no CUDA device can run them, and the header says so."""
     for item in items:
         if any(item.get_closest_marker(name) for name in ("compat", "distributed", "real_model")):
             item.add_marker(pytest.mark.slow)
+    # The slow tests first (in their order), so that no long test starts last while the other worker has nothing left.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not _gpu_tests_run():
         gpu = [item for item in items if item.get_closest_marker("gpu")]
         if gpu:
