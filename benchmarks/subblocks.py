@@ -47,6 +47,7 @@ from ghosted_hf.model.loading import NO_HUB_KERNELS
 from ghosted_hf.options import PruneOptions, budget_share
 from ghosted_hf.pipelines.healing import heal, merge
 from ghosted_hf.pipelines.prune import decoder_parameters
+from ghosted_hf.statistics import Calibrator, FullModelPass
 from ghosted_hf.text.tokens import tokenize_texts
 
 CALIBRATION = dict(seq_len=512, num_sequences=32, batch_size=4)
@@ -102,17 +103,17 @@ def main() -> None:
     if cache.is_file():
         stored = json.loads(cache.read_text())
     else:
-        batches = tokenize_texts(tokenizer, calibration, **CALIBRATION).batches
-        sums = sb.collect(dense, batches, sb.all_subblocks(dense.config.num_hidden_layers, whole_layers=True),
-                          "every candidate")
-        fits = {ref: sb.fit_map(ref, s, options.ridge) for ref, s in sums.items()}
+        data = tokenize_texts(tokenizer, calibration, **CALIBRATION)
+        calibrator = Calibrator(FullModelPass(dense), data)
+        candidates = sb.all_subblocks(dense.config.num_hidden_layers, whole_layers=True)
+        fits = sb.candidate_fits(calibrator, candidates, options.ridge)
+        scored = calibrator.first_batches(-(-options.damage_sequences // options.batch_size))
         stored = {"residual": {ref.name: fit.figures["relative_residual"] for ref, fit in fits.items()},
-                  "damage": sb.damages(dense, batches[:-(-options.damage_sequences // options.batch_size)], fits),
+                  "damage": {ref.name: value for ref, value in sb.damages(scored, fits).items()},
                   "seconds": time.perf_counter() - started}
-        stored["damage"] = {ref.name: value for ref, value in stored["damage"].items()}
         cache.parent.mkdir(exist_ok=True)
         cache.write_text(json.dumps(stored, indent=1))
-        del sums, fits
+        del calibrator, fits
     residual = {sb.parse_subblock(name, sb.CANDIDATE_KINDS): value for name, value in stored["residual"].items()}
     damage = {sb.parse_subblock(name, sb.CANDIDATE_KINDS): value for name, value in stored["damage"].items()}
     saved = {ref: sb.subblock_parameters(dense, ref) - width * width for ref in residual}

@@ -14,12 +14,14 @@ from transformers import AutoModelForCausalLM
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.statistics import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET,
                                    ROTATED_ABS, CalibrationStatistics, Patch, StatisticsPlan, collect_statistics,
-                                   least_squares, mlp_terms, normed_terms, similarity)
+                                   least_squares, mlp_terms, next_token_loss, normed_terms, similarity,
+                                   subblock_terms)
 from ghosted_hf.statistics.declarations import STATISTICS, parse_key
 from ghosted_hf.text.tokens import batch_sequences
 
 PLAN = (least_squares(0, 3) | least_squares(2, 6) | similarity(1, 2) | similarity(2, 6)
-        | StatisticsPlan.of(ABS(2), ABS(6), ROTATED_ABS(2)) | mlp_terms(2, 4) | normed_terms(2, 6))
+        | StatisticsPlan.of(ABS(2), ABS(6), ROTATED_ABS(2)) | mlp_terms(2, 4) | normed_terms(2, 6)
+        | subblock_terms("attention", 1) | subblock_terms("mlp", 3) | next_token_loss(LAYERS))
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -35,12 +37,21 @@ def in_memory(model, seqs: list[list[int]]) -> dict[str, torch.Tensor]:
         for i in range(LAYERS)]
     hooks.append(model.model.norm.register_forward_pre_hook(lambda m, a: inputs[LAYERS].append(a[0][0])))
     hooks.append(model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: mlp_out.append(o[0])))
+    blocks: dict[str, list[torch.Tensor]] = {"attention_in": [], "attention_out": [], "mlp_in": [], "mlp_out": []}
+    hooks += [model.model.layers[1].self_attn.register_forward_pre_hook(
+                  lambda m, a, k: blocks["attention_in"].append(k["hidden_states"][0]), with_kwargs=True),
+              model.model.layers[1].self_attn.register_forward_hook(lambda m, a, o: blocks["attention_out"].append(o[0][0])),
+              model.model.layers[3].mlp.register_forward_pre_hook(lambda m, a: blocks["mlp_in"].append(a[0][0])),
+              model.model.layers[3].mlp.register_forward_hook(lambda m, a, o: blocks["mlp_out"].append(o[0]))]
+    loss = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
         for seq in seqs:
-            model(torch.tensor([seq]))
+            ids = torch.tensor([seq])
+            loss += torch.nn.functional.cross_entropy(model(ids).logits[0, :-1].double(), ids[0, 1:], reduction="sum")
     for h in hooks:
         h.remove()
     x = {i: torch.cat(v).double() for i, v in inputs.items()}
+    b = {k: torch.cat(v).double() for k, v in blocks.items()}
     m = torch.cat(mlp_out).double()
     cos = lambda a, b: torch.nn.functional.cosine_similarity(a, b, dim=1)
     n = x[2] / (x[2].square().mean(1, keepdim=True) + 1e-6).sqrt()  # n(x) = x / rms(x)
@@ -49,6 +60,11 @@ def in_memory(model, seqs: list[list[int]]) -> dict[str, torch.Tensor]:
         "gram.0": x[0].T @ x[0], "gram.2": x[2].T @ x[2], "cross.0.3": x[0].T @ x[3], "cross.2.6": x[2].T @ x[6],
         "energy.2.6": x[6].square().sum().reshape(1), "cos.1.2": cos(x[1], x[2]).sum().reshape(1),
         "abs.6": x[6].abs().sum(0), "mlp_gram.2": m.T @ m, "mlp_source.2": m.T @ x[2], "mlp_target.2.4": m.T @ x[4],
+        "attn_in.1": b["attention_in"].T @ b["attention_in"], "attn_out.1": b["attention_out"].square().sum().reshape(1),
+        "attn_in_out.1": b["attention_in"].T @ b["attention_out"], "mlp_in_out.3": b["mlp_in"].T @ b["mlp_out"],
+        "mlp_in.3": b["mlp_in"].T @ b["mlp_in"], "mlp_out.3": b["mlp_out"].square().sum().reshape(1),
+        f"loss.{LAYERS}": loss.reshape(1),
+        f"labels.{LAYERS}": torch.tensor([sum(len(seq) - 1 for seq in seqs)], dtype=torch.float64),
     }
 
 

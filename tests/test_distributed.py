@@ -22,6 +22,7 @@ pytestmark = pytest.mark.distributed
 OPTIONS = dict(num_layers=2, seq_len=32, num_sequences=14, batch_size=2)  # 7 batches: shares of 4 and 3
 CASES = {"ghost-aware": dict(OPTIONS), "shortgpt-sequential": dict(OPTIONS, criterion="shortgpt", num_layers=3,
                                                                      fitting="sequential")}
+MIXED = dict(unit="mixed", remove="30%", seq_len=32, num_sequences=14, batch_size=2)
 
 
 def free_port() -> int:
@@ -42,7 +43,14 @@ def dispatched(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def outcome(ghosted: torch.nn.Module) -> tuple:
-    return (ghosted.config.removed_layers, {k: v.detach().clone() for k, v in ghosted.ghost_operators().items()},
+    """(removed layers and replaced sub-blocks, every operator and map, the batches of each pass)."""
+    from ghosted_hf.architectures import decoder_layers
+
+    maps = {f"{r['original_layer']}.{r['block']}": decoder_layers(ghosted)[r["layer"]].get_submodule(r["module"])
+            for r in getattr(ghosted.config, "ghost_subblocks", [])}
+    return ((ghosted.config.removed_layers, sorted(maps)),
+            {**{k: v.detach().clone() for k, v in ghosted.ghost_operators().items()},
+             **{k: m.ghost.operator.detach().clone() for k, m in maps.items()}},
             [p["batches"] for p in ghosted.config.ghost_provenance["cost"]["passes"]])
 
 
@@ -62,6 +70,8 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     # A model dispatched with a device_map inside the rank (accelerate hooks on every layer) changes nothing.
     results["ghost-aware-dispatched"] = outcome(ghost_prune(dispatched(build("llama")), char_tokenizer(), texts(),
                                                             **CASES["ghost-aware"]))
+    # Sub-blocks and whole layers chosen by their measured damage and fitted down the network: the same choice and maps.
+    results["mixed"] = outcome(ghost_prune(build("llama"), char_tokenizer(), texts(), **MIXED))
     from ghosted_hf.architectures import ARCHITECTURES
 
     for model_type in sorted(ARCHITECTURES):  # every family of the registry, a normed fit included
@@ -100,7 +110,7 @@ def test_two_gloo_processes_equal_one(tmp_path: Path) -> None:
     ranks = [torch.load(tmp_path / "two" / f"rank{r}.pt") for r in range(2)]
     # The dispatched model, in 1 and in 2 processes, gives what the plain model gives in 1 process; so does every
     # family of the architecture registry.
-    families = [name for name in single if name not in CASES and name != "ghost-aware-dispatched"]
+    families = [name for name in single if name not in CASES and name not in ("ghost-aware-dispatched", "mixed")]
     assert len(families) >= 39
     for name, reference in [*((n, n) for n in [*CASES, *families]), ("ghost-aware-dispatched", "ghost-aware")]:
         removed, operators, batches = single[reference]
@@ -111,6 +121,12 @@ def test_two_gloo_processes_equal_one(tmp_path: Path) -> None:
                 assert float((result[name][1][key] - operator).abs().max()) <= 1e-6, (name, rank, key)
         assert [b for b in ranks[0][name][2]] == [4] * len(batches) and ranks[1][name][2] == [3] * len(batches)
     assert len(single["shortgpt-sequential"][2]) >= 2  # the sequential passes were reduced too
+    (removed, replaced), maps, _ = single["mixed"]
+    assert replaced and maps
+    for rank, result in enumerate(ranks):
+        assert result["mixed"][0] == (removed, replaced), rank
+        for key, value in maps.items():
+            assert float((result["mixed"][1][key] - value).abs().max()) <= 1e-6, (rank, key)
 
 
 def test_statistics_of_a_model_loaded_with_a_device_map(tmp_path: Path) -> None:

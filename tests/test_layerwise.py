@@ -12,12 +12,13 @@ from tiny import LAYERS, PAD, build, char_tokenizer, sequences, texts
 from ghosted_hf.errors import GhostedError
 from ghosted_hf.pipelines.prune import ghost_prune
 from ghosted_hf.statistics import (ABS, ROTATED_ABS, StatisticsPlan, collect_statistics, least_squares, mlp_terms,
-                                   similarity)
+                                   next_token_loss, similarity, subblock_terms)
 from ghosted_hf.statistics.layerwise import LayerwisePass, parse_memory
 from ghosted_hf.text.tokens import batch_sequences
 
 PLAN = (least_squares(0, 3) | least_squares(2, 6) | least_squares(1, 5) | similarity(1, 2) | similarity(2, 6)
-        | StatisticsPlan.of(ABS(2), ABS(6), ROTATED_ABS(2)) | mlp_terms(2, 4))
+        | StatisticsPlan.of(ABS(2), ABS(6), ROTATED_ABS(2)) | mlp_terms(2, 4) | subblock_terms("attention", 1)
+        | subblock_terms("mlp", 3) | next_token_loss(LAYERS))
 
 
 def close(got, expected) -> None:
@@ -77,6 +78,40 @@ def test_ghost_prune_layerwise_equals_in_memory(fitting: str, operator: str, tmp
         assert float((got.ghost_operators()[name] - operator).abs().max()) <= 1e-6, name
     passes = got.config.ghost_provenance["cost"]["passes"]
     assert any(p["sequential"] for p in passes) == (fitting == "sequential")
+
+
+@pytest.mark.slow
+def test_subblocks_and_whole_layers_layer_by_layer_equal_in_memory(tmp_path: Path) -> None:
+    """unit 'mixed' at a budget: each candidate's sums, each damage (a loss off the streamed model's own head) and
+    each sequential fit (sub-blocks replaced by their served module as the layer runs) streamed layer by layer give
+    the in-memory choice and maps, with one decoder layer in memory at a time."""
+    from test_distributed import outcome
+
+    model = build("llama")
+    model.save_pretrained(tmp_path / "model")
+    layer_params = sum(p.numel() for p in model.model.layers[0].parameters())
+    options = dict(unit="mixed", remove="30%", seq_len=32, num_sequences=6, batch_size=3)
+    (expected_choice, expected_maps, _) = outcome(ghost_prune(model, char_tokenizer(), texts(), **options))
+    del model
+    gc.collect()
+    lazy = LayerwisePass(tmp_path / "model")
+    resident = []
+    lazy.observer = lambda i: len(resident) < 2 * LAYERS and (gc.collect(), resident.append(sum(  # (a sample: slow)
+        o.numel() for o in gc.get_objects() if type(o) is torch.nn.Parameter and o.device.type != "meta")))
+    choice, maps, _ = outcome(ghost_prune(lazy, char_tokenizer(), texts(), **options))
+    assert choice == expected_choice and expected_choice[1] and set(maps) == set(expected_maps)
+    for key, value in expected_maps.items():
+        assert float((maps[key] - value).abs().max()) <= 1e-6, key
+    assert set(resident) == {layer_params}, set(resident)
+
+
+def test_a_parameter_budget_is_counted_layer_by_layer(tmp_path: Path) -> None:
+    build("llama").save_pretrained(tmp_path / "model")
+    options = dict(remove="30%", seq_len=32, num_sequences=10, batch_size=3)
+    expected = ghost_prune(build("llama"), char_tokenizer(), texts(), **options).config.removed_layers
+    assert len(expected) == 2
+    assert ghost_prune(LayerwisePass(tmp_path / "model"), char_tokenizer(), texts(), **options).config.removed_layers \
+        == expected
 
 
 def test_max_memory_sizes() -> None:

@@ -18,6 +18,8 @@ from ghosted_hf.fitting import subblocks as sb
 from ghosted_hf.pipelines.prune import decoder_parameters
 from ghosted_hf.remote.configuration_ghosted import GhostedConfig
 from ghosted_hf.remote.modeling_ghosted import SubBlockBypass
+from ghosted_hf.statistics import Patch
+from ghosted_hf.statistics.capture import bypassed, patched_stream
 
 CALIBRATION = dict(num_sequences=8, seq_len=64, batch_size=4)
 FAMILIES = sorted(ARCHITECTURES)
@@ -116,33 +118,27 @@ def test_maps_are_least_squares_fits_down_the_network() -> None:
     # the first on the dense model, the second on the model whose first sub-block is already its map
     h, y = captured(dense, "1.mlp", batches)
     torch.testing.assert_close(first, torch.linalg.lstsq(h, y).solution, atol=2e-3, rtol=2e-3)
-    sb.install(dense, sb.SubBlockFit(sb.parse_subblock("1.mlp"), first, 0))
-    h, y = captured(dense, "3.attention", batches)
+    with bypassed(dense, {(1, "mlp"): (first, 0)}):
+        h, y = captured(dense, "3.attention", batches)
     torch.testing.assert_close(second, torch.linalg.lstsq(h, y).solution, atol=2e-3, rtol=2e-3)
     fitted_on = [r["fit"]["fitted_on"] for r in model.config.ghost_subblocks]
-    assert fitted_on == ["dense model", "model with the sub-blocks before it replaced"]
+    assert fitted_on == ["dense model", "model with the ones before it replaced"]
 
 
-def captured_layer(model, layer: int, batches) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input, what the layer added) of a whole decoder layer over the real tokens, float64."""
-    inputs, outputs = [], []
-
-    def hook(module, args, kwargs, output):
-        h = args[0] if args else kwargs["hidden_states"]
-        inputs.append(h.reshape(-1, HIDDEN).double())
-        outputs.append((output[0] if isinstance(output, tuple) else output).reshape(-1, HIDDEN).double())
-
-    handle = decoder_layers(model)[layer].register_forward_hook(hook, with_kwargs=True)
+def stream(model, layer: int, batches) -> torch.Tensor:
+    """The input of decoder layer `layer` over the real tokens, float64."""
+    rows = []
+    handle = decoder_layers(model)[layer].register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append((args[0] if args else kwargs["hidden_states"]).reshape(-1, HIDDEN)),
+        with_kwargs=True)
     with torch.no_grad():
         for batch in batches:
             model(**batch, use_cache=False)
     handle.remove()
-    keep = torch.cat([b["attention_mask"].flatten().bool() for b in batches])
-    h = torch.cat(inputs)[keep]
-    return h, torch.cat(outputs)[keep] - h
+    return torch.cat(rows)[torch.cat([b["attention_mask"].flatten().bool() for b in batches])].double()
 
 
-def test_mixed_fits_whole_layers_and_sub_blocks_down_the_network(tmp_path) -> None:
+def test_mixed_fits_whole_layers_as_boundaries_and_sub_blocks_down_the_network(tmp_path) -> None:
     from ghosted_hf.text.tokens import tokenize_texts
 
     dense = build("llama")
@@ -153,26 +149,27 @@ def test_mixed_fits_whole_layers_and_sub_blocks_down_the_network(tmp_path) -> No
     assert [b["removed"] for b in model.config.ghost_boundaries] == [[2, 3]]
     first, last = (model.get_parameter(f"model.layers.{r['layer']}.{r['module']}.ghost.operator").double()
                    for r in model.config.ghost_subblocks)
-    # each fit on the model with everything before it replaced; the run's operator is the product of its layers' I + A
-    sb.install(dense, sb.SubBlockFit(sb.parse_subblock("0.mlp"), first, 0))
-    steps = []
-    for layer in (2, 3):
-        h, y = captured_layer(dense, layer, batches)
-        a = torch.linalg.lstsq(h, y).solution
-        steps.append(torch.eye(HIDDEN, dtype=torch.float64) + a)
-        sb.install(dense, sb.SubBlockFit(sb.SubBlockRef(layer, sb.LAYER), a, 0))
-    names = [n for n, _ in model.named_parameters() if n.endswith("ghost.operator") and "attn" not in n
-             and "mlp" not in n]
-    assert len(names) == 1
-    torch.testing.assert_close(model.get_parameter(names[0]).double(), steps[0] @ steps[1], atol=3e-3, rtol=3e-3)
-    h, y = captured(dense, "4.attention", batches)  # ill-conditioned here (cond ~4e3): the residual, not the map
+    (boundary,) = [n for n, _ in model.named_parameters() if n.endswith("ghost.operator") and "attn" not in n
+                   and "mlp" not in n]
+    # the run of layers 2-3 is one boundary, fitted as the Ghost kind fits sequentially: the stream of the model with
+    # 0.mlp replaced mapped onto the dense model's input of layer 4
+    with bypassed(dense, {(0, "mlp"): (first, 0)}):
+        x2 = stream(dense, 2, batches)
+    x4 = stream(dense, 4, batches)
+    w = torch.eye(HIDDEN, dtype=torch.float64) + torch.linalg.lstsq(x2, x4 - x2).solution
+    torch.testing.assert_close(model.get_parameter(boundary).double(), w, atol=3e-3, rtol=3e-3)
+    # the last sub-block fitted on the model with everything before it in place (layer 4 is the pruned model's 2)
+    patch = Patch((2, 3), operators={2: w.float()}, subblocks={(0, "mlp"): (first, 0)})
+    with patched_stream(dense, patch):
+        h, y = captured(dense, "2.attention", batches)  # ill-conditioned here (cond ~4e3): the residual, not the map
     best = (h @ torch.linalg.lstsq(h, y).solution - y).norm()
     assert (h @ last - y).norm() <= 1.01 * best
     # the saved model is the model the fits were made on
-    sb.install(dense, sb.SubBlockFit(sb.parse_subblock("4.attention"), last, model.config.ghost_subblocks[1]["outputs"]))
     ids = batches[0]["input_ids"]
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, dense(ids).logits, atol=2e-3, rtol=2e-3)
+    outputs = model.config.ghost_subblocks[1]["outputs"]
+    with torch.no_grad(), patched_stream(dense, Patch((2, 3), operators={2: w.float()},
+                                                      subblocks={(0, "mlp"): (first, 0), (4, "attention"): (last, outputs)})):
+        torch.testing.assert_close(model(ids).logits, dense(ids, use_cache=False).logits, atol=2e-3, rtol=2e-3)
     check_cache_and_reload(model, tmp_path, ["0.mlp", "4.attention"])
 
 
@@ -368,3 +365,26 @@ def test_a_sub_block_model_heals_merges_and_reloads(tmp_path) -> None:
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, merged(ids).logits)
     assert [r["block"] for r in reloaded.config.ghost_subblocks] == ["attention", "mlp"]
+
+
+def test_each_damage_pass_starts_at_its_candidate_and_equals_a_whole_forward() -> None:
+    from ghosted_hf.options import PruneOptions
+    from ghosted_hf.statistics import Calibrator, FullModelPass, next_token_loss
+    from ghosted_hf.text.tokens import tokenize_texts
+
+    dense = build("llama")
+    depth = dense.config.num_hidden_layers
+    data = tokenize_texts(char_tokenizer(), texts(), 64, 8, 4)
+    calibrator = Calibrator(FullModelPass(dense), data)
+    candidates = sb.all_subblocks(depth, whole_layers=True)
+    fits = sb.candidate_fits(calibrator, candidates, PruneOptions().ridge)
+    calls = []
+    handle = decoder_layers(dense)[0].register_forward_hook(lambda *args: calls.append(1))
+    damage = sb.damages(calibrator, fits)
+    handle.remove()
+    # layer 0 runs in the dense model's loss pass, while its inputs are stored, and in the passes of its own sub-blocks
+    assert len(calls) == 4 * len(data.batches)
+    dense_loss = sb.mean_loss(calibrator.collect(next_token_loss(depth), "dense"), depth)
+    for ref, fit in fits.items():  # each as a whole forward of the model with the candidate in place
+        whole = sb.mean_loss(calibrator.collect(next_token_loss(depth), ref.name, sb.patch_of([fit])), depth)
+        assert abs(whole - dense_loss - damage[ref]) < 1e-5, ref

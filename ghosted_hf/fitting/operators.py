@@ -75,11 +75,16 @@ def ridge_epsilon(gram: torch.Tensor, ridge: float) -> float:
     return ridge * float(torch.diagonal(gram).mean())
 
 
-def solve_ghost(gram: torch.Tensor, cross: torch.Tensor, ridge: float) -> tuple[torch.Tensor, float]:
-    """M of ``(G + eps I) M = X^T (Y - X) = cross - G`` by a linear solve (never an explicit inverse)."""
+def ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float) -> tuple[torch.Tensor, float]:
+    """(A, eps) of ``(G + eps I) A = rhs`` by a linear solve (never an explicit inverse): every fit here."""
     eps = ridge_epsilon(gram, ridge)
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    return torch.linalg.solve(gram + eps * eye, cross - gram), eps
+    return torch.linalg.solve(gram + eps * eye, rhs), eps
+
+
+def solve_ghost(gram: torch.Tensor, cross: torch.Tensor, ridge: float) -> tuple[torch.Tensor, float]:
+    """M of ``(G + eps I) M = X^T (Y - X) = cross - G``."""
+    return ridge_solve(gram, cross - gram, ridge)
 
 
 def squared_residual(gram: torch.Tensor, cross: torch.Tensor, energy: float, w: torch.Tensor) -> float:

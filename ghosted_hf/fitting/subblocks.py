@@ -11,8 +11,7 @@ most: benchmarks/results/subblock_probe.md), so it is recorded but does not rank
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +19,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..architectures import architecture, decoder_layers
+from ..architectures import decoder_layers
 from ..errors import GhostedError
-from ..remote.format_ghosted import SUBBLOCK_KINDS
-from ..remote.modeling_ghosted import SubBlockBypass
-from .operators import ridge_epsilon
+from ..remote.format_ghosted import SUBBLOCK_KINDS, expected_boundaries
+from ..statistics import (LABELS, LOSS, SUBBLOCK_SUMS, CalibrationStatistics, Calibrator, Patch, StatisticsPlan,
+                          least_squares, next_token_loss, subblock_terms)
+from ..statistics.capture import subblock_slot
+from .operators import operator_kind, ridge_solve, squared_residual
 
 Batch = Mapping[str, torch.Tensor]
 LAYER = "layer"  # a whole decoder layer as a candidate (saved as a removed layer and its boundary's operator)
@@ -83,10 +84,7 @@ def validate_subblocks(names: Iterable[str], depth: int, layers: Iterable[int] =
 def slot(model: nn.Module, ref: SubBlockRef) -> tuple[nn.Module, str]:
     """(the decoder layer, the attribute that holds the sub-block), by the architecture registry's names; for a whole
     layer, (the layer list, its index)."""
-    if ref.block == LAYER:
-        return decoder_layers(model), str(ref.layer)
-    layer = decoder_layers(model)[ref.layer]
-    return layer, getattr(architecture(model), ref.block).attribute(layer)
+    return (decoder_layers(model), str(ref.layer)) if ref.block == LAYER else subblock_slot(model, ref.layer, ref.block)
 
 
 def subblock_parameters(model: nn.Module, ref: SubBlockRef) -> int:
@@ -101,205 +99,81 @@ def all_subblocks(depth: int, whole_layers: bool = False) -> list[SubBlockRef]:
 
 
 @dataclass
-class Sums:
-    """Float64 sums over the calibration tokens of one sub-block: h^T h, h^T y and ||y||^2 for its input h and output
-    y, and how many values the module returned (0: a bare tensor)."""
-
-    gram: torch.Tensor | None = None
-    cross: torch.Tensor | None = None
-    energy: float = 0.0
-    tokens: int = 0
-    outputs: int = 0
-
-    def add(self, h: torch.Tensor, y: torch.Tensor) -> None:
-        h, y = h.double(), y.double()
-        gram, cross = h.T @ h, h.T @ y
-        self.gram = gram if self.gram is None else self.gram + gram
-        self.cross = cross if self.cross is None else self.cross + cross
-        self.energy += float((y * y).sum())
-        self.tokens += h.shape[0]
-
-
-class _Stop(Exception):
-    """Raised once a pass has what it needs: the rest of the model is not run."""
-
-
-def _input(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
-
-
-class _Resume(nn.Module):
-    """Stands in for a decoder layer before the one a pass resumes at: passes the stream through, and the last of them
-    returns the stored input of the resumed layer (the embeddings, masks and positions are still the model's own)."""
-
-    def __init__(self, state: torch.Tensor | None) -> None:
-        super().__init__()
-        self.state = state
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return hidden_states if self.state is None else self.state.to(hidden_states.device)
-
-
-def _run(model: nn.Module, batch: Batch, start: int, state: torch.Tensor | None) -> Any:
-    """One forward of `batch` started at decoder layer `start` from `state` (its input, as stored by `layer_inputs`), so
-    a pass over a deep sub-block does not rerun the layers before it; None where a hook stopped it."""
-    device = model.get_input_embeddings().weight.device
-    layers = decoder_layers(model)
-    saved = [layers[j] for j in range(start)]
-    try:
-        for j in range(start):
-            layers[j] = _Resume(state if j == start - 1 else None)
-        with torch.no_grad():
-            return model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False)
-    except _Stop:
-        return None
-    finally:
-        for j, layer in enumerate(saved):
-            layers[j] = layer
-
-
-def layer_inputs(model: nn.Module, batches: list[Batch], layers: Iterable[int], start: int = 0,
-                 states: list[torch.Tensor | None] | None = None) -> dict[int, list[torch.Tensor]]:
-    """{layer: its input for every batch} on `model` as it is, from one pass resumed at `start` (from `states`)."""
-    layers = sorted(set(layers))
-    found: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
-
-    def keep(i: int):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            found[i].append(_input(args, kwargs).detach())
-            if i == layers[-1]:
-                raise _Stop
-        return hook
-
-    handles = [decoder_layers(model)[i].register_forward_pre_hook(keep(i), with_kwargs=True) for i in layers]
-    try:
-        for b, batch in enumerate(batches):
-            _run(model, batch, start, None if states is None else states[b])
-    finally:
-        for handle in handles:
-            handle.remove()
-    return found
-
-
-def collect(model: nn.Module, batches: Iterable[Batch], refs: Iterable[SubBlockRef], what: str, start: int = 0,
-            states: list[torch.Tensor | None] | None = None) -> dict[SubBlockRef, Sums]:
-    """The sums of every sub-block `refs` over the real (unpadded) tokens of `batches`, on `model` as it is (with the
-    replacements installed so far: the sequential fit's patched stream), resumed at layer `start` from `states`."""
-    refs = sorted(refs)
-    sums = {ref: Sums() for ref in refs}
-    keep: list[torch.Tensor] = []
-
-    def hook(ref: SubBlockRef):
-        def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            h, y = _input(args, kwargs), output[0] if isinstance(output, tuple) else output
-            if ref.block == LAYER:  # what the layer added to the residual stream
-                y = y - h
-            rows = keep[0].to(h.device)
-            sums[ref].add(h.reshape(-1, h.shape[-1])[rows], y.reshape(-1, y.shape[-1])[rows])
-            sums[ref].outputs = len(output) if isinstance(output, tuple) else 0
-            if ref == refs[-1]:
-                raise _Stop
-        return record
-
-    hooks = [getattr(*slot(model, ref)).register_forward_hook(hook(ref), with_kwargs=True) for ref in refs]
-    try:
-        for b, batch in enumerate(tqdm(list(batches), desc=what, leave=False)):
-            keep[:] = [batch["attention_mask"].flatten().bool()]
-            _run(model, batch, start, None if states is None else states[b])
-    finally:
-        for handle in hooks:
-            handle.remove()
-    for ref, total in sums.items():
-        if total.gram is None or not torch.isfinite(total.gram).all() or not torch.isfinite(total.cross).all():
-            raise GhostedError(f"The {ref.block} of layer {ref.layer} gave NaN or Inf activations on the calibration "
-                               "text (or was never run): load the model in float32 or check its weights.")
-    return sums
-
-
-@dataclass
 class SubBlockFit:
-    """A sub-block's map A (float64, C x C: y ~ h @ A) and the figures recorded in config.json."""
+    """A candidate's fit: for a sub-block its map A (float64, C x C: y ~ h @ A) and how many values the sub-block
+    returns, for a whole layer (or a run of them, `end` the layer its boundary feeds) its boundary's operator W; and
+    the figures recorded in config.json."""
 
     ref: SubBlockRef
     map: torch.Tensor
-    outputs: int
+    outputs: int = 0
     figures: dict[str, Any] = field(default_factory=dict)
+    end: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.end is None:
+            self.end = self.ref.layer + 1
 
 
-def fit_map(ref: SubBlockRef, sums: Sums, ridge: float) -> SubBlockFit:
-    """Ridge least squares h @ A ~ y in float64 (eps relative to the mean diagonal of h^T h, as every fit here)."""
-    gram = sums.gram
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    a = torch.linalg.solve(gram + ridge_epsilon(gram, ridge) * eye, sums.cross)
-    residual = float(((gram @ a) * a).sum() - 2 * (a * sums.cross).sum()) + sums.energy
-    relative = max(residual, 0.0) / sums.energy if sums.energy > 0 else 0.0
-    return SubBlockFit(ref, a, sums.outputs, {"relative_residual": round(relative, 6), "tokens": sums.tokens})
+def candidate_statistics(ref: SubBlockRef, end: int | None = None) -> StatisticsPlan:
+    """What a candidate's fit reads: a sub-block's own input and output sums, a whole layer's (or a run's, to `end`)
+    boundary sums, as the Ghost kind fits a boundary."""
+    if ref.block == LAYER:
+        return least_squares(ref.layer, end if end is not None else ref.layer + 1)
+    return subblock_terms(ref.block, ref.layer)
 
 
-@contextmanager
-def replaced(model: nn.Module, fits: Iterable[SubBlockFit]) -> Iterator[None]:
-    """Within the context, each fitted sub-block of `model` is its map (the modules are put back after)."""
-    saved = []
-    try:
-        for fit in fits:
-            install(model, fit)
-            saved.append(fit)
-        yield
-    finally:
-        for fit in saved:
-            layer, name = slot(model, fit.ref)
-            setattr(layer, name, getattr(layer, name).original)
+def fit_candidate(stats: CalibrationStatistics, ref: SubBlockRef, ridge: float, outputs: int = 0,
+                  end: int | None = None) -> SubBlockFit:
+    """A sub-block's ridge least-squares map h @ A ~ y, or a whole layer's (a run's) boundary operator by the Ghost kind:
+    the operators module's solvers, with its residual figures."""
+    if ref.block == LAYER:
+        boundary = operator_kind("ghost").fit(stats, ref.layer, end or ref.layer + 1, ridge)
+        return SubBlockFit(ref, boundary.operator, 0, boundary.figures, end)
+    gram, cross, energy = (stats[statistic(ref.layer)] for statistic in SUBBLOCK_SUMS[ref.block])
+    a, _ = ridge_solve(gram, cross, ridge)
+    relative = max(squared_residual(gram, cross, float(energy), a), 0.0) / float(energy) if float(energy) > 0 else 0.0
+    return SubBlockFit(ref, a, outputs, {"relative_residual": round(relative, 6), "tokens": stats.tokens})
 
 
-class _LayerMap(nn.Module):
-    """A whole layer while it is fitted and scored: the stream plus the map of it (h + h A); the saved model removes
-    the layer and applies I + A (with the rest of its run) at the boundary instead."""
-
-    def __init__(self, operator: torch.Tensor) -> None:
-        super().__init__()
-        self.operator = nn.Parameter(operator, requires_grad=False)
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return hidden_states + hidden_states @ self.operator.to(hidden_states.dtype)
+def patch_of(fits: Iterable[SubBlockFit]) -> Patch:
+    """The model with `fits` in place: whole layers removed with their boundary's operator, sub-blocks replaced."""
+    whole = [f for f in fits if f.ref.block == LAYER]
+    return Patch(tuple(i for f in whole for i in range(f.ref.layer, f.end)),
+                 operators={f.ref.layer: f.map.float() for f in whole},
+                 subblocks={(f.ref.layer, f.ref.block): (f.map, f.outputs) for f in fits if f.ref.block != LAYER})
 
 
-def install(model: nn.Module, fit: SubBlockFit) -> None:
-    """Put `fit`'s map in its sub-block's place in `model` (the module is kept as `.original` for `replaced`)."""
-    layer, name = slot(model, fit.ref)
-    original = getattr(layer, name)
-    value = fit.map.to(device=next(original.parameters()).device, dtype=torch.float32)
-    if fit.ref.block == LAYER:
-        bypass = _LayerMap(value)
-    else:
-        bypass = SubBlockBypass(fit.map.shape[0], torch.float32, fit.ref.block, fit.ref.layer, fit.outputs)
-        bypass.ghost.operator.data = value
-    object.__setattr__(bypass, "original", original)  # not a child: its weights stay out of the bypass
-    setattr(layer, name, bypass)
+def _outputs(calibrator: Calibrator, refs: Iterable[SubBlockRef]) -> dict[SubBlockRef, int]:
+    """How many values each sub-block among `refs` returns (a whole layer: 0)."""
+    counts = calibrator.subblock_outputs((r.layer, r.block) for r in refs if r.block != LAYER)
+    return {ref: counts.get((ref.layer, ref.block), 0) for ref in refs}
 
 
-def calibration_loss(model: nn.Module, batches: list[Batch], start: int = 0,
-                     states: list[torch.Tensor] | None = None) -> float:
-    """Mean next-token cross-entropy over the real tokens of `batches` (resumed at layer `start` from `states`)."""
-    total, count = 0.0, 0
-    for b, batch in enumerate(batches):
-        logits = _run(model, batch, start, None if states is None else states[b]).logits[:, :-1].float()
-        ids, mask = batch["input_ids"].to(logits.device), batch["attention_mask"].to(logits.device)
-        labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-        total, count = total + float(loss), count + int((labels != -100).sum())
-    return total / count
+def candidate_fits(calibrator: Calibrator, candidates: list[SubBlockRef], ridge: float) -> dict[SubBlockRef, SubBlockFit]:
+    """Every candidate fitted on the dense model, from one pass for all their statistics."""
+    plan = StatisticsPlan.union(candidate_statistics(ref) for ref in candidates)
+    stats = calibrator.ensure(plan, "statistics of every candidate")
+    outputs = _outputs(calibrator, candidates)
+    return {ref: fit_candidate(stats, ref, ridge, outputs[ref]) for ref in candidates}
 
 
-def damages(model: nn.Module, batches: list[Batch], fits: Mapping[SubBlockRef, SubBlockFit]) -> dict[SubBlockRef, float]:
-    """The calibration loss's rise with each sub-block alone replaced by its map (what the replacement does downstream,
-    measured rather than predicted from the fit's residual). Each pass starts at the sub-block's layer, from the dense
-    model's stored input there."""
-    inputs = layer_inputs(model, batches, {ref.layer for ref in fits})
-    dense = calibration_loss(model, batches)
-    result = {}
-    for ref, fit in tqdm(sorted(fits.items()), desc="damage of each replacement", leave=False):
-        with replaced(model, [fit]):
-            result[ref] = calibration_loss(model, batches, ref.layer, inputs[ref.layer]) - dense
+def mean_loss(stats: CalibrationStatistics, depth: int) -> float:
+    """The mean next-token loss of a `next_token_loss(depth)` pass."""
+    return float(stats[LOSS(depth)]) / float(stats[LABELS(depth)])
+
+
+def damages(calibrator: Calibrator, fits: Mapping[SubBlockRef, SubBlockFit]) -> dict[SubBlockRef, float]:
+    """The calibration loss's rise with each candidate alone replaced by its fit (what the replacement does
+    downstream, measured rather than predicted from the fit's residual): one patched pass per candidate, whose
+    sums every process all-reduces."""
+    depth = calibrator.depth
+    plan, first = next_token_loss(depth), len(calibrator.passes)
+    dense = mean_loss(calibrator.collect(plan, "loss of the dense model"), depth)
+    with calibrator.calibration_pass.remembering_inputs(calibrator.my_batches()):  # each pass starts at its candidate
+        result = {ref: mean_loss(calibrator.collect(plan, f"damage of {ref.name}", patch_of([fit])), depth) - dense
+                  for ref, fit in tqdm(sorted(fits.items()), desc="damage of each replacement", leave=False)}
+    calibrator.merge_passes(first, "damage of each replacement")
     return result
 
 
@@ -322,31 +196,18 @@ def choose_to_budget(damage: Mapping[SubBlockRef, float], saved: Mapping[SubBloc
     return sorted(chosen)
 
 
-def fit_sequentially(model: nn.Module, batches: list[Batch], refs: list[SubBlockRef], ridge: float) -> list[SubBlockFit]:
-    """Fit each sub-block down the network on the model with the ones before it already replaced, and leave them all
-    installed in `model` (consumed: it becomes the model the ghosted one is built from). The stream is stepped from
-    one replaced layer's input to the next, so the passes cost about one forward plus one layer per sub-block."""
+def fit_sequentially(calibrator: Calibrator, refs: list[SubBlockRef], ridge: float) -> list[SubBlockFit]:
+    """Fit each chosen sub-block (each run of whole layers, as one boundary) down the network on the model with the ones
+    before it in place (`Patch`): a sub-block maps what it reads to what it returns there, a boundary maps the patched
+    stream onto the dense model's, as the Ghost kind fits sequentially."""
+    whole = [r.layer for r in refs if r.block == LAYER]
+    steps = sorted([(r, r.layer + 1) for r in refs if r.block != LAYER]
+                   + [(SubBlockRef(b["removed"][0], LAYER), b["removed"][-1] + 1)
+                      for b in expected_boundaries(calibrator.depth, whole)])
     fits: list[SubBlockFit] = []
-    start, states = 0, None
-    for k, ref in enumerate(sorted(refs)):
-        if ref.layer != start:
-            states, start = layer_inputs(model, batches, [ref.layer], start, states)[ref.layer], ref.layer
-        sums = collect(model, batches, [ref], f"fitting {ref.name} ({k + 1}/{len(refs)})", start, states)[ref]
-        fit = fit_map(ref, sums, ridge)
-        fit.figures["fitted_on"] = "dense model" if k == 0 else "model with the sub-blocks before it replaced"
-        install(model, fit)
-        fits.append(fit)
+    for k, (ref, end) in enumerate(steps):
+        plan, purpose = candidate_statistics(ref, end), f"sequential fit {k + 1}/{len(steps)}"
+        stats = calibrator.collect(plan, purpose, patch_of(fits)) if fits else calibrator.ensure(plan, purpose)
+        fits.append(fit_candidate(stats, ref, ridge, _outputs(calibrator, [ref])[ref], end))
+        fits[-1].figures["fitted_on"] = "dense model" if k == 0 else "model with the ones before it replaced"
     return fits
-
-
-def layer_operators(fits: Iterable[SubBlockFit]) -> dict[int, torch.Tensor]:
-    """{first layer of a run of consecutive whole layers: its boundary's operator} from the layers' fitted maps: the
-    product of their (I + A) in network order, which is what the fitted model applied to the stream (x @ W)."""
-    runs: dict[int, torch.Tensor] = {}
-    first = last = None
-    for fit in sorted((f for f in fits if f.ref.block == LAYER), key=lambda f: f.ref):
-        step = torch.eye(fit.map.shape[0], dtype=torch.float64) + fit.map.double().cpu()
-        first = first if last is not None and fit.ref.layer == last + 1 else fit.ref.layer
-        runs[first] = runs[first] @ step if first in runs else step
-        last = fit.ref.layer
-    return runs

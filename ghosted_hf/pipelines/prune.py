@@ -91,58 +91,47 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
     the sub-blocks (and whole layers) that meet the budget with the least damage -> their maps fitted down the network
     -> the model, a whole layers' run of maps its boundary's operator."""
     unit = f"unit={options.unit!r}"
-    model = dense_in_memory(calibration_pass, unit)
     text = language_config(calibration_pass.config)
     depth, width = text.num_hidden_layers, text.hidden_size
     if calibration is None or tokenizer is None:
         raise GhostedError(f"{unit} fits each map on calibration text: pass a tokenizer and calibration text.")
     data = calibration_tokens(tokenizer, calibration, options, calibration_pass.config, calibration_pass.vocab_size)
-    calibrator = Calibrator(calibration_pass, data)
-    if calibrator.world > 1:
-        raise GhostedError(f"{unit} runs in one process: launch it without torch.distributed.")
-    dense_parameters = count_parameters(model)
+    calibrator = Calibrator(calibration_pass, data, device=options.stats_device)
+    calibrator.check_agreement(options)
+    counted = calibration_pass.model_for_build(range(depth))  # layer by layer: no decoder layer read, freed below
+    dense_parameters = count_parameters(counted)
+    saved = {ref: subblocks.subblock_parameters(counted, ref) - width * width
+             for ref in subblocks.all_subblocks(depth, whole_layers=True)}  # net of its map
+    budget = parameter_budget(counted, options) if options.criterion != "manual" else 0
+    del counted
     if options.criterion == "manual":
         chosen = subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
         selection = Selection([], "manual", {}, "n/a")
     else:
         candidates = subblocks.all_subblocks(depth, whole_layers=options.unit == "mixed")
-        sums = subblocks.collect(model, data.batches, candidates, "statistics of every candidate")
-        fits = {ref: subblocks.fit_map(ref, total, options.ridge) for ref, total in sums.items()}
-        scored = data.batches[:max(1, -(-options.damage_sequences // options.batch_size))]
-        damage = subblocks.damages(model, scored, fits)
-        saved = {ref: subblocks.subblock_parameters(model, ref) - width * width for ref in damage}
-        chosen = subblocks.choose_to_budget(damage, saved, parameter_budget(model, options))
+        fits = subblocks.candidate_fits(calibrator, candidates, options.ridge)
+        scored = calibrator.first_batches(max(1, -(-options.damage_sequences // options.batch_size)))
+        damage = subblocks.damages(scored, fits)
+        chosen = subblocks.choose_to_budget(damage, saved, budget)
         selection = Selection([], "ghost-aware", {ref.name: round(value, 6) for ref, value in damage.items()}, "lower")
-        calibrator.passes += [{"purpose": "statistics of every sub-block", "batches": len(data.batches)},
-                              {"purpose": "damage of each replacement", "batches": len(scored) * (len(fits) + 1)}]
-    fitted = subblocks.fit_sequentially(model, data.batches, chosen, options.ridge)
-    calibrator.passes.append({"purpose": "sequential fits", "batches": len(data.batches) * len(fitted)})
-    whole = [f for f in fitted if f.ref.block == subblocks.LAYER]
-    maps = [f for f in fitted if f.ref.block != subblocks.LAYER]
-    selection.removed, selection.subblocks = [f.ref.layer for f in whole], [f.ref.name for f in maps]
-    ghosted = prune_layers(model, selection.removed, subblocks.layer_operators(whole), operator_kind="ghost",
+    first = len(calibrator.passes)
+    fitted = subblocks.fit_sequentially(calibrator, chosen, options.ridge)
+    calibrator.merge_passes(first, "sequential fits")
+    whole, maps = ([f for f in fitted if (f.ref.block == subblocks.LAYER) == layer] for layer in (True, False))
+    selection.removed, selection.subblocks = [i for f in whole for i in range(f.ref.layer, f.end)], [f.ref.name for f in maps]
+    model = calibration_pass.model_for_build(selection.removed)
+    ghosted = prune_layers(model, selection.removed, {f.ref.layer: f.map for f in whole}, operator_kind="ghost",
                            subblocks={(f.ref.layer, f.ref.block): (f.map, f.outputs) for f in maps},
                            operator_dtype=getattr(torch, options.operator_dtype))
     for fit, record in zip(maps, ghosted.config.ghost_subblocks):
         record["fit"] = fit.figures
-    for boundary in ghosted.config.ghost_boundaries:  # one map per removed layer, multiplied: the worst one's residual
-        run = [f.figures for f in whole if f.ref.layer in boundary["removed"]]
-        boundary["fit"] = {"relative_residual": max(f["relative_residual"] for f in run),
-                           "fitted_on": run[0]["fitted_on"], "layer_residuals": [f["relative_residual"] for f in run]}
+    for fit, record in zip(whole, ghosted.config.ghost_boundaries):
+        record.update(operator="ghost", fit=fit.figures)
     provenance(ghosted, calibration_pass.config._name_or_path, dense_parameters, selection, calibrator, options,
                time.perf_counter() - started).with_changes(
         operator=SUBBLOCK_RECOVERY, fitting="sequential" if len(fitted) > 1 else "single").save_to(ghosted.config)
     logger.info("Replaced sub-blocks %s (%s).", selection.subblocks, options.criterion)
     return ghosted
-
-
-def dense_in_memory(calibration_pass: CalibrationPass, what: str) -> PreTrainedModel:
-    """The dense model of an in-memory pass (layer-by-layer passes have none to count or edit)."""
-    model = getattr(calibration_pass, "model", None)
-    if model is None:
-        raise GhostedError(f"{what} needs the model in memory; a layer-by-layer pass over a folder cannot give it: "
-                           "load the model, or remove a number of whole layers (num_layers).")
-    return model
 
 
 def decoder_parameters(model: PreTrainedModel) -> int:
@@ -162,9 +151,9 @@ def resolve_budget(calibration_pass: CalibrationPass, options: PruneOptions) -> 
     it (every layer of a family has the same count but MoE's dense first layers: their mean is used)."""
     if options.unit != "layer" or (options.remove is None and options.num_parameters is None):
         return options
-    model = dense_in_memory(calibration_pass, "A parameter budget")
     text = language_config(calibration_pass.config)
     depth, width = text.num_hidden_layers, text.hidden_size
+    model = calibration_pass.model_for_build(range(depth))  # (layer by layer: no decoder layer read, only counted)
     kind, budget = operator_kind(options.operator), parameter_budget(model, options)
     added = 0 if kind.stock else kind.regressors * width * width
     num_layers = max(1, math.ceil((budget + added) / (decoder_parameters(model) / depth)))
@@ -294,7 +283,6 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
         check_derived_layout(config)
     if options.unit != "layer":
         check_derived_layout(config, subblocks=True)
-    if options.unit != "layer":
         if options.subblocks or options.layers:
             subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
         return

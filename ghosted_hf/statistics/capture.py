@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import itertools
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,19 +17,23 @@ from torch import nn
 
 from ..architectures import LAYER_FIELDS, architecture, decoder, decoder_layers, final_norm, pruned_config
 from ..errors import GhostedError, NonFiniteError
-from ..remote.modeling_ghosted import rms_normalized
+from ..remote.modeling_ghosted import SubBlockBypass, rms_normalized
+from .declarations import LOSS_ROLE, SUBBLOCK_ROLES, token_loss
 
 
 @dataclass(frozen=True)
 class Patch:
     """The model pruned of `removed` (dense numbering) with each boundary's operator `operators[first removed
-    layer]` applied to the stream it feeds (plus its normed term `normed[first removed layer]`), and the MLP
-    output of layer j multiplied by `transforms[j]` (the transforms that fold into the MLP's output weights)."""
+    layer]` applied to the stream it feeds (plus its normed term `normed[first removed layer]`), the MLP
+    output of layer j multiplied by `transforms[j]` (the transforms that fold into the MLP's output weights), and
+    sub-block `kind` of layer j replaced by the served module, a `SubBlockBypass` with the map and output count
+    `subblocks[(j, kind)]`."""
 
-    removed: tuple[int, ...]
+    removed: tuple[int, ...] = ()
     operators: Mapping[int, torch.Tensor] = field(default_factory=dict)
     transforms: Mapping[int, torch.Tensor] = field(default_factory=dict)
     normed: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     def fed(self, depth: int) -> dict[int, int]:
         """First removed layer of each boundary -> the index it feeds (depth: the final norm)."""
@@ -44,6 +48,37 @@ class Patch:
         return i - sum(1 for r in self.removed if r < i)
 
 
+def first_change(patch: Patch) -> int:
+    """The first dense layer `patch` changes: the stream entering it is still the dense model's."""
+    return min((*patch.removed, *patch.transforms, *(j for j, _ in patch.subblocks)), default=0)
+
+
+class _Resumed(nn.Module):
+    """Stands in for a decoder layer before the one a pass resumes at: passes the stream on, and the last of them
+    returns `state`, the stored dense input of the layer resumed at (masks and positions stay the model's own)."""
+
+    def __init__(self, state: torch.Tensor | None) -> None:
+        super().__init__()
+        self.state = state
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden_states if self.state is None else self.state.to(hidden_states.device)
+
+
+@contextlib.contextmanager
+def resumed(model: nn.Module, start: int, state: torch.Tensor) -> Iterator[None]:
+    """Within the context, `model` skips its first `start` decoder layers and feeds layer `start` with `state`."""
+    layers = decoder_layers(model)
+    saved = [layers[j] for j in range(start)]
+    try:
+        for j in range(start):
+            layers[j] = _Resumed(state if j == start - 1 else None)
+        yield
+    finally:
+        for j, layer in enumerate(saved):
+            layers[j] = layer
+
+
 class _StopForward(Exception):
     """Raised by the hook on the deepest needed hidden state: the rest of the model is not run."""
 
@@ -51,6 +86,31 @@ class _StopForward(Exception):
 def mlp_of(model: nn.Module, layer: nn.Module) -> nn.Module:
     """The MLP sub-block of a decoder layer of `model` (the architecture registry's name for it)."""
     return architecture(model).mlp.module(layer)
+
+
+def subblock_slot(model: nn.Module, layer: int, kind: str) -> tuple[nn.Module, str]:
+    """(decoder layer `layer` of `model`, the attribute that holds its sub-block `kind`), by the registry's names."""
+    module = decoder_layers(model)[layer]
+    return module, getattr(architecture(model), kind).attribute(module)
+
+
+@contextlib.contextmanager
+def bypassed(model: nn.Module, subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]]) -> Iterator[None]:
+    """Within the context, sub-block `kind` of layer j is a `SubBlockBypass` (the module a ghosted model serves)
+    applying the map of `subblocks[(j, kind)]` (in float32, as saved); the sub-blocks are put back on exit."""
+    saved = []
+    try:
+        for (j, kind), (matrix, outputs) in sorted(subblocks.items()):
+            layer, name = subblock_slot(model, j, kind)
+            original = getattr(layer, name)
+            bypass = SubBlockBypass(matrix.shape[0], torch.float32, kind, j, outputs)
+            bypass.ghost.operator.data = matrix.to(device=next(original.parameters()).device, dtype=torch.float32)
+            setattr(layer, name, bypass)
+            saved.append((layer, name, original))
+        yield
+    finally:
+        for layer, name, original in reversed(saved):
+            setattr(layer, name, original)
 
 
 def input_device(model: nn.Module) -> torch.device:
@@ -90,7 +150,8 @@ def output_hook(apply: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
 def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
     """Within the context, `model` computes the model pruned and patched by `patch`: the removed layers are
     left out of its layer list (and of its per-layer config), each operator is a pre-hook on what its boundary
-    feeds, each transform a hook on an MLP's output. Everything is restored on exit."""
+    feeds, each transform a hook on an MLP's output, each replaced sub-block the served module. Everything is
+    restored on exit."""
     inner, layers, norm = decoder(model), decoder_layers(model), final_norm(model)
     depth, config, leaf = len(layers), inner.config, architecture(model).layout.layers.rpartition(".")[2]
     kept = [i for i in range(depth) if i not in set(patch.removed)]
@@ -112,7 +173,8 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
         setattr(inner, leaf, nn.ModuleList([layers[i] for i in kept]))
         for name in saved:
             setattr(config, name, pruned.to_dict()[name] if name in sparse else getattr(pruned, name))
-        yield
+        with bypassed(model, {(patch.position(j), kind): value for (j, kind), value in patch.subblocks.items()}):
+            yield
     finally:
         setattr(inner, leaf, layers)
         for name, value in saved.items():
@@ -121,20 +183,49 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
             handle.remove()
 
 
+def subblock_place(read: tuple[str, int]) -> str:
+    """Where a sub-block read sits, in words (for the non-finite error)."""
+    role, j = read
+    return f"the {role.removesuffix('_in').removesuffix('_out')} {'input' if role.endswith('_in') else 'output'} of layer {j}"
+
+
+def watch_subblocks(model: nn.Module, reads: Iterable[tuple[str, int]],
+                    record: Callable[[tuple[str, int], torch.Tensor], None],
+                    outputs: dict[tuple[int, str], int] | None = None) -> list[Any]:
+    """Hooks (their handles) that give `record(read, value)` what each sub-block read among `reads` sees: the hidden
+    state a sub-block is given, or the first value it returns (the module at its slot now: a bypass if installed);
+    `outputs[(layer, kind)]` is set to how many values it returned (0: a bare tensor)."""
+    handles = []
+    for role, j in sorted(r for r in reads if r[0] in SUBBLOCK_ROLES):
+        kind, reading = role.removesuffix("_in").removesuffix("_out"), role.endswith("_in")
+        module = getattr(*subblock_slot(model, j, kind))
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any = None, read=(role, j), reading=reading,
+                 kind=kind):
+            value = (args[0] if args else kwargs["hidden_states"]) if reading else output
+            if outputs is not None and not reading:
+                outputs[(read[1], kind)] = len(output) if isinstance(output, (tuple, list)) else 0
+            record(read, value[0] if isinstance(value, (tuple, list)) else value)
+        register = module.register_forward_pre_hook if reading else module.register_forward_hook
+        handles.append(register(hook, with_kwargs=True))
+    return handles
+
+
 def capture_hidden_states(
     model: nn.Module,
     batch: Mapping[str, torch.Tensor],
-    inputs: set[int],
-    mlp_layers: set[int],
+    reads: set[tuple[str, int]],
     keep: torch.Tensor,
     device: torch.device,
 ) -> dict[tuple[str, int], torch.Tensor]:
-    """Run `model` on `batch` up to the deepest requested point; return the kept tokens (N, C) of the input of
-    each layer in `inputs` (key ("input", i); i == the layer count: the final norm's) and of the MLP output of
-    each layer in `mlp_layers` (key ("mlp", j)). Every hidden state on the way is checked to be finite."""
+    """Run `model` on `batch` as far as `reads` need; return the kept tokens (N, C) of each: ("input", i) the input
+    of layer i (i == the layer count: the final norm's), (role, j) for a sub-block role of `declarations` what sub-block
+    j reads or returns, ("loss", depth) each token's (next-token loss, has a next token). Every hidden state on the
+    way is checked to be finite."""
     layers, norm = decoder_layers(model), final_norm(model)
     depth = len(layers)
-    deepest = max(inputs | {j + 1 for j in mlp_layers})
+    loss = any(role == LOSS_ROLE for role, _ in reads)
+    deepest = depth if loss else max(i if role == "input" else i + 1 for role, i in reads)
     captured: dict[tuple[str, int], torch.Tensor] = {}
 
     def rows(hidden: torch.Tensor, where: str) -> torch.Tensor:
@@ -153,36 +244,49 @@ def capture_hidden_states(
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             kept = rows(args[0] if args else kwargs["hidden_states"], where)
-            if i in inputs:
+            if ("input", i) in reads:
                 captured[("input", i)] = kept.to(device)
-            if i == deepest:
+            if i == deepest and not loss:
                 raise _StopForward
         return hook
 
-    def mlp_hook(j: int):
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            captured[("mlp", j)] = rows(output, f"the MLP output of layer {j}").to(device)
-        return hook
+    def record(read: tuple[str, int], value: torch.Tensor) -> None:
+        captured[read] = rows(value, subblock_place(read)).to(device)
 
     handles = []
     try:
         # Registered after any patch's hooks: what is captured is what the next module receives.
         for i in range(deepest + 1):
             handles.append((layers[i] if i < depth else norm).register_forward_pre_hook(pre_hook(i), with_kwargs=True))
-        for j in mlp_layers:
-            handles.append(mlp_of(model, layers[j]).register_forward_hook(mlp_hook(j)))
+        handles += watch_subblocks(model, reads, record)
         first = input_device(model)
         with torch.no_grad():
             try:
-                model(**{k: v.to(first) for k, v in batch.items()}, use_cache=False)
+                output = model(**{k: v.to(first) for k, v in batch.items()}, use_cache=False)
             except _StopForward as stop:
                 # The traceback's frames hold this batch's activations in reference cycles (the hook closures and
                 # transformers' wrappers) that only the cyclic GC frees, seldom: free them now.
                 traceback.clear_frames(stop.__traceback__)
+                output = None
+            if loss:
+                captured[token_loss(depth)] = token_losses(output.logits, batch, keep).to(device)
     finally:
         for handle in handles:
             handle.remove()
     return captured
+
+
+def token_losses(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
+    """(N, 2) float64 for the kept tokens: (cross-entropy of the next token, 1) where the next token is real, else
+    (0, 0); the mean loss is the first column's sum over the second's."""
+    ids, mask = batch["input_ids"].to(logits.device), batch["attention_mask"].to(logits.device).bool()
+    labeled = torch.zeros_like(mask)
+    labeled[:, :-1] = mask[:, 1:] & mask[:, :-1]
+    losses = torch.zeros(mask.shape, dtype=torch.float64, device=logits.device)
+    losses[:, :-1] = torch.nn.functional.cross_entropy(logits[:, :-1].double().flatten(0, 1), ids[:, 1:].flatten(),
+                                                       reduction="none").view(ids.shape[0], -1)
+    both = torch.stack([losses * labeled, labeled.double()], dim=-1)
+    return both[keep.to(logits.device)]
 
 
 try:

@@ -5,7 +5,9 @@ outside this module spells a statistic's name.
 Index convention (dense numbering): `i` in 0..depth-1 is the hidden state entering decoder layer `i`, `i == depth`
 the one entering the final norm; a boundary removing layers s..e-1 maps X_s to X_e. Hidden states are read by role:
 `source(i)` (the stream a fit maps from; under sequential fitting, from the model pruned and patched so far),
-`target(i)` (always the dense model) and `mlp(j)` (the MLP output of layer j, on the source side).
+`target(i)` (always the dense model), `mlp(j)` (the MLP output of layer j), `block_input(kind, j)` (what sub-block
+`kind` of layer j reads: its norm's output) and `token_loss()` (each token's next-token loss and whether it has a next
+token), all on the source side.
 """
 
 from __future__ import annotations
@@ -37,6 +39,26 @@ def target(i: int) -> Read:
 def mlp(j: int) -> Read:
     """Read the MLP output of layer j (source side)."""
     return ("mlp", j)
+
+
+SUBBLOCK_ROLES = ("attention_in", "attention_out", "mlp_in", "mlp")  # read inside layer j: ready at X_{j+1}
+LOSS_ROLE = "loss"  # read off the logits: ready after the last layer
+
+
+def block_input(kind: str, j: int) -> Read:
+    """Read what sub-block `kind` ("attention" or "mlp") of layer j is given (source side)."""
+    return (f"{kind}_in", j)
+
+
+def block_output(kind: str, j: int) -> Read:
+    """Read what sub-block `kind` of layer j returns (source side)."""
+    return mlp(j) if kind == "mlp" else (f"{kind}_out", j)
+
+
+def token_loss(depth: int) -> Read:
+    """Read each real token's (next-token cross-entropy, 1) where a next token exists, else (0, 0), from the logits
+    of a model of `depth` layers (source side)."""
+    return (LOSS_ROLE, depth)
 
 
 Inputs = Mapping[Read, torch.Tensor]  # (N, C) float64 rows of the real tokens of one batch
@@ -85,8 +107,9 @@ class Entry:
 
     @property
     def ready_at(self) -> int:
-        """The hidden-state index by which all its reads exist in a forward pass (an MLP output: the next input)."""
-        return max(i + 1 if role == "mlp" else i for role, i in self.reads)
+        """The hidden-state index by which all its reads exist in a forward pass (what a layer computes inside: its
+        output, the next input; the loss: after the final norm's input)."""
+        return max(i + 1 if role in SUBBLOCK_ROLES or role == LOSS_ROLE else i for role, i in self.reads)
 
     @property
     def first(self) -> int:
@@ -108,6 +131,8 @@ _ROWS: dict[str, Callable[[Inputs, tuple[int, ...]], torch.Tensor]] = {
     "target": lambda x, index: x[target(index[-1])],
     "mlp": lambda x, index: x[mlp(index[0] - 1)],
     "normed": lambda x, index: rms_normalized(x[source(index[0])]),
+    **{f"{kind}_{end}": (lambda kind, read: lambda x, index: x[read(kind, index[0])])(kind, read)
+       for kind in ("attention", "mlp") for end, read in (("in", block_input), ("out", block_output))},
 }
 
 
@@ -159,6 +184,29 @@ NORMED_SOURCE = Statistic("nsource", 1, False, False, lambda i: (source(i),), _p
                           what="n(X_i)^T X_i")
 NORMED_CROSS = Statistic("ncross", 2, False, False, lambda s, e: (source(s), target(e)), _product("normed", "target"),
                          what="n(X_s)^T X_e")
+
+
+def _subblock_sums(kind: str) -> tuple[Statistic, Statistic, Statistic]:
+    """H^T H, H^T Y and sum ||y||^2 of sub-block `kind` of layer j, H what it reads and Y what it returns: the least
+    squares fit H A ~ Y that replaces it, and its residual."""
+    short = {"attention": "attn", "mlp": "mlp"}[kind]
+    return (Statistic(f"{short}_in", 1, False, False, lambda j: (block_input(kind, j),), _product(f"{kind}_in"),
+                      what=f"H^T H of the {kind} input"),
+            Statistic(f"{short}_in_out", 1, False, False, lambda j: (block_input(kind, j), block_output(kind, j)),
+                      _product(f"{kind}_in", f"{kind}_out"), what=f"H^T Y of the {kind} input and output"),
+            Statistic(f"{short}_out", 1, False, True, lambda j: (block_output(kind, j),),
+                      _summed(lambda x, index, _: x[block_output(kind, index[0])].square().sum(dim=1)),
+                      what=f"sum ||y||^2 of the {kind} output"))
+
+
+ATTENTION_IN, ATTENTION_IN_OUT, ATTENTION_OUT = _subblock_sums("attention")
+MLP_IN, MLP_IN_OUT, MLP_OUT = _subblock_sums("mlp")
+SUBBLOCK_SUMS = {"attention": (ATTENTION_IN, ATTENTION_IN_OUT, ATTENTION_OUT), "mlp": (MLP_IN, MLP_IN_OUT, MLP_OUT)}
+# The next-token loss over the real tokens that have a next token, and how many they are (index: the depth).
+LOSS = Statistic("loss", 1, False, True, lambda depth: (token_loss(depth),),
+                 _summed(lambda x, index, _: x[token_loss(index[0])][:, 0]), what="sum of next-token losses")
+LABELS = Statistic("labels", 1, False, True, lambda depth: (token_loss(depth),),
+                   _summed(lambda x, index, _: x[token_loss(index[0])][:, 1]), what="tokens with a next token")
 
 STATISTICS: dict[str, Statistic] = {s.name: s for s in list(globals().values()) if isinstance(s, Statistic)}
 

@@ -11,7 +11,7 @@ import math
 import re
 import tempfile
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,13 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..architectures import architecture, decoder, decoder_layers, layer_of
+from ..architectures import architecture, decoder, decoder_layers, final_norm, layer_of
 from ..errors import GhostedError, MissingFileError, NonFiniteError
 from ..model.checkpoint import check_folder, weight_map
 from .accumulate import StatisticsAccumulator
-from .capture import Patch, _StopForward, apply_matrix, mlp_of, release_freed_memory
-from .declarations import Read, mlp, source, target
+from .capture import (Patch, _StopForward, apply_matrix, bypassed, release_freed_memory, resumed, subblock_place,
+                      token_losses, watch_subblocks)
+from .declarations import SUBBLOCK_ROLES, Read, source, target, token_loss
 from .origin import model_fingerprint
 from .passes import Batch, CalibrationPass
 from .plan import StatisticsPlan
@@ -98,6 +99,7 @@ class LayerwisePass(CalibrationPass):
         self.dtype, self.offload_folder = dtype, offload_folder
         self.weights = weight_map(self.folder)
         self.observer: Callable[[int], None] | None = None
+        self.outputs: dict[tuple[int, str], int] = {}  # (layer, kind) -> values its sub-block returned, once read
         # Refuse a checkpoint whose decoder tensors are not stored under the names the model holds them by (the
         # experts of mixture-of-experts families: transformers fuses them while it loads a whole model), which a
         # layer-by-layer load, tensor by tensor, cannot read.
@@ -139,6 +141,14 @@ class LayerwisePass(CalibrationPass):
         if (self.folder / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(self.folder)
         return model
+
+    def subblock_outputs(self, keys: Iterable[tuple[int, str]], batch: Batch) -> dict[tuple[int, str], int]:
+        """As recorded by the passes that read these sub-blocks' outputs (the statistics of each fit read them)."""
+        missing = [f"{j}.{kind}" for j, kind in keys if (j, kind) not in self.outputs]
+        if missing:
+            raise GhostedError(f"No layer-by-layer pass has read the outputs of sub-blocks {missing} yet, so their "
+                               "replacements cannot be shaped: collect their statistics first.")
+        return {key: self.outputs[key] for key in keys}
 
     # ------------------------------------------------------------ the pass
 
@@ -182,7 +192,7 @@ class LayerwisePass(CalibrationPass):
         batches = list(batches)
         depth, hidden = self.config.num_hidden_layers, self.config.hidden_size
         reads = plan.reads()
-        if patch is not None and (patch.transforms or any(role == "mlp" for role, _ in reads)):
+        if patch is not None and patch.transforms:
             raise GhostedError("Layer-wise calibration cannot refit an operator kind that transforms an MLP output "
                                "sequentially (MLP outputs are not streamed layer by layer): pass fitting='independent'.")
         accumulator = StatisticsAccumulator(plan, hidden, device if device is not None else "cpu")
@@ -191,11 +201,12 @@ class LayerwisePass(CalibrationPass):
         run = min(plan.deepest(), depth)  # decoder layers to run: 0..run-1
         offload = self.offload_folder
         with tempfile.TemporaryDirectory(dir=offload) if offload is not None else contextlib.nullcontext() as folder:
-            stream = _Streams(self, batches, patch, run, depth, folder)
+            stream = _Streams(self, batches, patch, run, depth, folder,
+                              dense_runs=patch is None or any(role == "target" for role, _ in reads))
             accumulator.tokens = sum(int(batch["attention_mask"].bool().sum()) for batch in batches)
             kept_rows: list[dict[Read, torch.Tensor]] = [{} for _ in batches]
 
-            def rows(b: int, read: Read | None, value: torch.Tensor, where: str) -> None:
+            def rows(b: int, read: Read, value: torch.Tensor, where: str) -> None:
                 kept = value[batches[b]["attention_mask"].bool()]
                 if not torch.isfinite(kept).all():
                     raise NonFiniteError(f"Non-finite activations (NaN/Inf) first appear at {where} on calibration "
@@ -207,11 +218,11 @@ class LayerwisePass(CalibrationPass):
                 """Keep the rows of what enters `i`, add every sum whose deepest read is at `i`, drop the rows no
                 later sum reads."""
                 where = "the final norm's input" if i == depth else f"the input of layer {i}"
-                hidden_state = stream.dense.get(b)
-                rows(b, target(i), hidden_state, where)
+                if stream.dense_runs:
+                    rows(b, target(i), stream.dense.get(b), where)
                 if patch is None:
-                    rows(b, source(i), hidden_state, where)
-                elif source(i) in last_use:
+                    rows(b, source(i), stream.dense.get(b), where)
+                else:
                     rows(b, source(i), stream.patched.get(b), where + " (pruned and patched model)")
                 if kept_rows[b]:
                     accumulator.add(kept_rows[b], ready=i)
@@ -220,25 +231,30 @@ class LayerwisePass(CalibrationPass):
             for b in range(len(batches)):
                 capture(b, 0)
             for i in tqdm(range(run), desc=description, disable=not progress, leave=False):
-                for b, mlp_output in stream.advance(i, wants_mlp=mlp(i) in last_use):
-                    if mlp_output is not None:
-                        rows(b, mlp(i), mlp_output, f"the MLP output of layer {i}")
+                for b, inside in stream.advance(i, {read for read in last_use if read[0] in SUBBLOCK_ROLES and read[1] == i}):
+                    for read, value in inside.items():
+                        rows(b, read, value, subblock_place(read))
                     capture(b, i + 1)
+            if token_loss(depth) in last_use:  # the logits of the stream after the last layer
+                for b, losses in stream.token_losses():
+                    accumulator.add({token_loss(depth): losses}, ready=depth + 1)
         return accumulator.result(depth, self.config)
 
 
 class _Streams:
-    """The dense stream of every batch (and, with a patch, the pruned and patched one), advanced one decoder
-    layer at a time: the layer is read from disk, run over every batch, and freed."""
+    """The dense stream of every batch (unless `dense_runs` is off: a patched pass that reads no target) and, with a
+    patch, the pruned and patched one, advanced one decoder layer at a time: the layer is read from disk, run over
+    every batch, and freed."""
 
     def __init__(self, owner: LayerwisePass, batches: list[Batch], patch: Patch | None, run: int, depth: int,
-                 folder: str | None) -> None:
-        self.owner = owner
+                 folder: str | None, dense_runs: bool = True) -> None:
+        self.owner, self.batches, self.dense_runs = owner, batches, dense_runs
         self.skeleton = owner._skeleton()
         inner = decoder(self.skeleton)
         self.layers = list(inner.layers)
         self.dense, self.patched = _Store(folder, "dense"), (_Store(folder, "patched") if patch is not None else None)
         self.removed = set(patch.removed) if patch is not None else set()
+        self.subblocks = patch.subblocks if patch is not None else {}
         # The map of each boundary (its operator, and its normed term), at the index it feeds.
         self.apply_at = ({fed: apply_matrix(patch.operators[first], patch.normed.get(first))
                           for first, fed in patch.fed(depth).items() if first in patch.operators}
@@ -264,33 +280,64 @@ class _Streams:
             inner.layers[i] = layer
         embeddings.to("meta")  # freed
 
-    def advance(self, i: int, wants_mlp: bool) -> Iterable[tuple[int, torch.Tensor | None]]:
-        """Run layer `i` over every batch; yields (batch, its MLP output if wanted) once both streams moved."""
+    def advance(self, i: int, reads: set[Read]) -> Iterable[tuple[int, dict[Read, torch.Tensor]]]:
+        """Run layer `i` over every batch; yields (batch, the sub-block `reads` of layer i on the source side: the
+        patched stream, with this layer's replaced sub-blocks installed, or the dense one) once both streams moved."""
         layer = self.layers[i]
         self.owner._load(layer, self.skeleton)
         if self.owner.observer is not None:
             self.owner.observer(i)
-        mlp_out: dict[int, torch.Tensor] = {}
-        hook = (mlp_of(self.skeleton, layer).register_forward_hook(lambda m, a, out: mlp_out.__setitem__(0, out))
-                if wants_mlp else None)
+        replaced = {key: value for key, value in self.subblocks.items() if key[0] == i}
         try:
             for b, kwargs in enumerate(self.kwargs):
+                inside: dict[Read, torch.Tensor] = {}
                 with torch.no_grad():
-                    out = layer(self.dense.get(b), **kwargs[i])
-                    captured = mlp_out.pop(0, None)
+                    if self.dense_runs:
+                        with self._watching(reads if self.patched is None else set(), inside):
+                            self.dense.put(b, layer(self.dense.get(b), **kwargs[i]))
                     if self.patched is not None:
                         h = self.patched.get(b)
                         if i not in self.removed:
-                            h = layer(h, **kwargs[i])
+                            with bypassed(self.skeleton, replaced), self._watching(reads, inside):
+                                h = layer(h, **kwargs[i])
                         if i + 1 in self.apply_at:
                             h = self.apply_at[i + 1](h)
                         self.patched.put(b, h)
-                self.dense.put(b, out)
-                yield b, captured
+                yield b, inside
         finally:
-            if hook is not None:
-                hook.remove()
             layer.to("meta")  # freed before the next layer is read
+            release_freed_memory()
+
+    @contextlib.contextmanager
+    def _watching(self, reads: set[Read], into: dict[Read, torch.Tensor]) -> Iterator[None]:
+        handles = watch_subblocks(self.skeleton, reads, into.__setitem__, self.owner.outputs)
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def token_losses(self) -> Iterable[tuple[int, torch.Tensor]]:
+        """(batch, its `token_loss` rows) from the source-side stream after the last layer: the model's own forward
+        (embeddings, final norm, output layer, any logit scaling) with every decoder layer passing the stored stream."""
+        skeleton, owner = self.skeleton, self.owner
+        parts = [skeleton.get_input_embeddings(), final_norm(skeleton)]
+        head = skeleton.get_output_embeddings()
+        tied = not any(head is module and f"{name}.weight" in owner.weights for name, module in skeleton.named_modules())
+        for part in parts if tied else [*parts, head]:
+            owner._load(part, skeleton)
+        if tied:
+            skeleton.tie_weights()
+        stream = self.patched if self.patched is not None else self.dense
+        try:
+            for b, batch in enumerate(self.batches):
+                with torch.no_grad(), resumed(skeleton, len(self.layers), stream.get(b)):
+                    logits = skeleton(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                      use_cache=False).logits
+                yield b, token_losses(logits, batch, batch["attention_mask"].bool())
+        finally:
+            for part in (*parts, head):
+                part.to("meta")
             release_freed_memory()
 
 

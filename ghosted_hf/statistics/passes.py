@@ -6,10 +6,11 @@ held (memory does not grow with the calibration tokens); a pass stops after the 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,8 +24,9 @@ from ..text.tokens import TokenBatches
 from ..utils.distributed import all_reduce_sums, check_agreement, process_rank
 from ..utils.hashing import string_sha256
 from .accumulate import StatisticsAccumulator
-from .capture import Patch, capture_hidden_states, input_device, patched_stream, release_freed_memory
-from .declarations import Read
+from .capture import (Patch, capture_hidden_states, first_change, input_device, patched_stream, release_freed_memory,
+                      resumed, watch_subblocks)
+from .declarations import Read, block_output
 from .origin import model_fingerprint
 from .plan import StatisticsPlan
 from .store import CalibrationStatistics, ShardSpec
@@ -58,6 +60,15 @@ class CalibrationPass(abc.ABC):
     def vocab_size(self) -> int:
         """Rows of the input embedding (token ids must be below it)."""
 
+    def remembering_inputs(self, batches: Iterable[Batch]) -> contextlib.AbstractContextManager:
+        """A context in which patched passes over `batches` may start at the patch's first change (a pass that holds
+        the model in memory); elsewhere, nothing changes."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def subblock_outputs(self, keys: Iterable[tuple[int, str]], batch: Batch) -> dict[tuple[int, str], int]:
+        """How many values sub-block (layer, kind) returns (0: a bare tensor): what its served bypass returns too."""
+
     def forwards(self, batches: int, patch: Patch | None, plan: StatisticsPlan) -> int:
         """Forward passes run for `batches` batches (a patched pass with targets runs two models)."""
         return batches * (1 + (patch is not None and any(role == "target" for role, _ in plan.reads())))
@@ -72,6 +83,7 @@ class FullModelPass(CalibrationPass):
             raise GhostedError(f"The model's weights are on the meta device (e.g. {meta}): it was built without loading "
                                "them. Load it with from_pretrained (real weights) before pruning.")
         self.model, self.config = model, model.config
+        self._inputs: dict[int, list[torch.Tensor]] = {}  # id(batch) -> its dense layer inputs (`remember_inputs`)
 
     @property
     def vocab_size(self) -> int:
@@ -82,6 +94,43 @@ class FullModelPass(CalibrationPass):
 
     def model_for_build(self, removed: Iterable[int]) -> PreTrainedModel:
         return self.model
+
+    def subblock_outputs(self, keys: Iterable[tuple[int, str]], batch: Batch) -> dict[tuple[int, str], int]:
+        """Read off one forward of the first two tokens of `batch`."""
+        outputs: dict[tuple[int, str], int] = {}
+        roles = {(block_output(kind, j)) for j, kind in keys}
+        handles = watch_subblocks(self.model, roles, lambda read, value: None, outputs)
+        try:
+            with torch.no_grad():
+                self.model(**{k: v[:1, :2].to(input_device(self.model)) for k, v in batch.items()
+                              if k in ("input_ids", "attention_mask")}, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return outputs
+
+    @contextlib.contextmanager
+    def remembering_inputs(self, batches: Iterable[Batch]) -> Iterator[None]:
+        """Within the context, the dense input of every decoder layer for `batches` is kept, and a patched pass over
+        one of them starts at the patch's first change from it (many patched passes over a few batches: each
+        candidate's damage). Holds layers x tokens x width activations."""
+        layers = decoder_layers(self.model)
+        try:
+            for batch in batches:
+                found: list[torch.Tensor] = []
+                handles = [layer.register_forward_pre_hook(
+                    lambda module, args, kwargs: found.append((args[0] if args else kwargs["hidden_states"]).detach()),
+                    with_kwargs=True) for layer in layers]
+                try:
+                    with torch.no_grad():
+                        self.model(**{k: v.to(input_device(self.model)) for k, v in batch.items()}, use_cache=False)
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                self._inputs[id(batch)] = found
+            yield
+        finally:
+            self._inputs.clear()
 
     def collect(self, batches: Iterable[Batch], plan: StatisticsPlan, *, patch: Patch | None = None,
                 device: str | torch.device | None = None, description: str = "Calibration pass",
@@ -101,7 +150,7 @@ class FullModelPass(CalibrationPass):
                 accumulator.tokens += int(keep.sum())
                 # Captured in a helper whose locals die with it: a local here would keep this batch's activations
                 # alive through the next batch's forward (peak memory of two batches from the second one on).
-                accumulator.add(_batch_rows(model, batch, reads, patch, keep, device))
+                accumulator.add(_batch_rows(model, batch, reads, patch, keep, device, self._inputs.get(id(batch))))
                 release_freed_memory()
         finally:
             model.train(mode)
@@ -109,18 +158,21 @@ class FullModelPass(CalibrationPass):
 
 
 def _batch_rows(model: nn.Module, batch: Batch, reads: set[Read], patch: Patch | None, keep: torch.Tensor,
-                device: torch.device) -> dict[Read, torch.Tensor]:
+                device: torch.device, inputs: list[torch.Tensor] | None = None) -> dict[Read, torch.Tensor]:
     """The rows of every read of one batch: targets (and, without a patch, everything) from the dense model,
-    sources and MLP outputs from the patched stream."""
+    sources and MLP outputs from the patched stream, started at the patch's first change where the dense `inputs`
+    of the layers are known and nothing earlier is read."""
     def capture(wanted: dict[Read, Read]) -> dict[Read, torch.Tensor]:  # {(role, index in the model run): read}
-        got = capture_hidden_states(model, batch, {i for role, i in wanted if role != "mlp"},
-                                    {i for role, i in wanted if role == "mlp"}, keep, device)
-        return {read: got[("mlp" if role == "mlp" else "input", i)] for (role, i), read in wanted.items()}
+        where = {key: ("input", key[1]) if key[0] in ("source", "target") else key for key in wanted}
+        got = capture_hidden_states(model, batch, set(where.values()), keep, device)
+        return {read: got[where[key]] for key, read in wanted.items()}
 
     dense = {r for r in reads if patch is None or r[0] == "target"}
     rows = capture({r: r for r in dense}) if dense else {}
     if patch is not None and reads - dense:
-        with patched_stream(model, patch):
+        start = first_change(patch) if inputs is not None else 0
+        start = start if all(i >= start for _, i in reads - dense) else 0
+        with patched_stream(model, patch), resumed(model, start, inputs[start] if start else None):
             rows.update(capture({(role, patch.position(i)): (role, i) for role, i in reads - dense}))
     return rows
 
@@ -197,6 +249,27 @@ class Calibrator:
             fresh = self.collect(missing, purpose)
             self.statistics = fresh if self.statistics is None else self.statistics.with_tensors(fresh)
         return self.statistics
+
+    def subblock_outputs(self, keys: Iterable[tuple[int, str]]) -> dict[tuple[int, str], int]:
+        """How many values each sub-block (layer, kind) returns (see `CalibrationPass.subblock_outputs`)."""
+        return self.calibration_pass.subblock_outputs(list(keys), self.data.batches[0])
+
+    def first_batches(self, count: int) -> Calibrator:
+        """A calibrator over the first `count` batches of this one's set (a cheaper pass), recording its passes here."""
+        part = Calibrator(self.calibration_pass, dataclasses.replace(self.data, batches=self.data.batches[:count]),
+                          device=self.device, shard=self.shard)
+        part.passes = self.passes
+        return part
+
+    def merge_passes(self, first: int, purpose: str) -> None:
+        """Record the passes from number `first` on as one (many passes of one kind: one line of provenance)."""
+        merged, self.passes[first:] = self.passes[first:], []
+        if merged:
+            self.passes.append({"purpose": purpose, "passes": len(merged),
+                                **{key: sum(p[key] for p in merged) for key in ("batches", "forwards")},
+                                "seconds": round(sum(p["seconds"] for p in merged), 3),
+                                "processes": self.world, "deepest_layer_input": max(p["deepest_layer_input"] for p in merged),
+                                "sequential": any(p["sequential"] for p in merged)})
 
     def collect(self, plan: StatisticsPlan, purpose: str, patch: Patch | None = None) -> CalibrationStatistics:
         """One pass for `plan` (see `CalibrationPass.collect` for `patch`); not merged into the kept statistics."""

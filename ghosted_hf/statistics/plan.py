@@ -9,8 +9,8 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from .declarations import (ANGULAR, COSINE, CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, NORMED_CROSS,
-                           NORMED_GRAM, NORMED_SOURCE, Entry, Read, parse_key)
+from .declarations import (ANGULAR, COSINE, CROSS, ENERGY, GRAM, LABELS, LOSS, MLP_GRAM, MLP_SOURCE, MLP_TARGET,
+                           NORMED_CROSS, NORMED_GRAM, NORMED_SOURCE, SUBBLOCK_SUMS, Entry, Read, parse_key)
 
 
 @dataclass(frozen=True)
@@ -90,3 +90,13 @@ def normed_terms(s: int, e: int) -> StatisticsPlan:
 def similarity(s: int, e: int) -> StatisticsPlan:
     """Sums of the cosine and the angular distance between x_s and x_e."""
     return StatisticsPlan.of(COSINE(s, e), ANGULAR(s, e))
+
+
+def subblock_terms(kind: str, j: int) -> StatisticsPlan:
+    """H^T H, H^T Y, ||Y||^2 of sub-block `kind` ("attention" or "mlp") of layer j: its least-squares map and residual."""
+    return StatisticsPlan.of(*(statistic(j) for statistic in SUBBLOCK_SUMS[kind]))
+
+
+def next_token_loss(depth: int) -> StatisticsPlan:
+    """The summed next-token loss of a model of `depth` layers over the calibration tokens, and their count."""
+    return StatisticsPlan.of(LOSS(depth), LABELS(depth))
