@@ -9,7 +9,8 @@ PACKAGE = Path(__file__).parents[1] / "ghosted_hf"
 
 # text -> statistics -> operators/selection -> model -> files -> pipelines -> CLI; the packages are the stages
 LAYERS = {
-    0: {"errors", "architectures", "utils.__init__", "utils.registry", "utils.hadamard", "utils.network", "utils.diskio",
+    0: {"errors", "architectures.__init__", "architectures.registry", "architectures.positions", "architectures.lookup",
+        "utils.__init__", "utils.registry", "utils.hadamard", "utils.network", "utils.diskio",
         "utils.inputs", "utils.memory",
         "utils.hashing", "remote.format_ghosted", "remote.staging_ghosted", "remote.integrity_ghosted",
         "remote.configuration_ghosted", "remote.modeling_ghosted"},

@@ -47,7 +47,7 @@ def in_memory(model, seqs: list[list[int]]) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for seq in seqs:
             ids = torch.tensor([seq])
-            loss += torch.nn.functional.cross_entropy(model(ids).logits[0, :-1].double(), ids[0, 1:], reduction="sum")
+            loss += torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:], reduction="none").double().sum()
     for h in hooks:
         h.remove()
     x = {i: torch.cat(v).double() for i, v in inputs.items()}

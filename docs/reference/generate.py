@@ -93,10 +93,11 @@ def _layout(entry: Any) -> str:
 
 
 def _stock_export(entry: Any) -> str:
+    from ghosted_hf.architectures import refuse_fold
     from ghosted_hf.errors import GhostedError
 
     try:
-        entry.refuse_fold("folded")
+        refuse_fold(entry, "folded")
     except GhostedError as error:
         return "refused: " + str(error).split("(", 1)[1].split(")", 1)[0]
     return "exact (checked per family)"

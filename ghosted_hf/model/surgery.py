@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from ..architectures import (ARCHITECTURES, Layout, StreamWeight, SubBlock, Verdict, architecture, check_declared,
                              check_layers_match, check_removal, decoder, decoder_layers, is_multimodal,
-                             language_config, layer_of, layer_prefix, pruned_config, quiet_transformers,
+                             language_config, layer_of, layer_prefix, pruned_config, quiet_transformers, refuse_fold,
                              removal_problem, small_configs, stream_weights)
 from ..errors import GhostedError, NonFiniteError, one_line
 from ..statistics.capture import apply_matrix, input_hook, output_hook
@@ -295,7 +295,7 @@ def fold_into_mlp_writers(model: GhostedForCausalLM, dense_layer: int, transform
     """Replace the MLP output m of kept dense layer `dense_layer` by m @ T (ReplaceMe's fused export); returns the
     names of the edited weights (the family's MLP writers: output projections, experts' and shared experts' too)."""
     family = architecture(model)
-    family.refuse_fold("replaceme-ls")
+    refuse_fold(family, "replaceme-ls")
     layer = pruned_index(dense_layer, model.config.removed_layers)
     mlp = family.mlp.module(decoder_layers(model)[layer])
     _, writers = _block_weights(family.mlp, mlp, model.config.hidden_size)
@@ -561,7 +561,7 @@ def fold_scaled_rotation(model: PreTrainedModel, layer: int, c: float, q: torch.
     whole stream (up to its eps, which deep in the stream, where its mean square is large, changes nothing)."""
     q = q.detach().double()
     family = architecture(model)
-    family.refuse_fold("folded")
+    refuse_fold(family, "folded")
     layers = decoder_layers(model)
     blocks = (family.attention, family.mlp)
     embed = model.get_input_embeddings()

@@ -17,7 +17,8 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..architectures import architecture, check_removal, decoder_layers, language_config, removal_problem
+from ..architectures import (architecture, check_removal, decoder_layers, language_config, refuse_fold,
+                             removal_problem)
 from ..assets import base_model_info
 from ..errors import GhostedError
 from ..fitting import subblocks
@@ -287,7 +288,7 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
             subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
         return
     if kind.stock and kind.name != "none":
-        family.refuse_fold(kind.name)
+        refuse_fold(family, kind.name)
     if not criterion(options.criterion).takes_layers:
         room = depth - kind.first_removable  # (not checked with a budget, which sets num_layers once counted)
         if options.remove is None and options.num_parameters is None and not 1 <= options.num_layers < room:

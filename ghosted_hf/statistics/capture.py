@@ -66,7 +66,7 @@ class _Resumed(nn.Module):
 
 
 @contextlib.contextmanager
-def resumed(model: nn.Module, start: int, state: torch.Tensor) -> Iterator[None]:
+def resumed(model: nn.Module, start: int, state: torch.Tensor | None) -> Iterator[None]:
     """Within the context, `model` skips its first `start` decoder layers and feeds layer `start` with `state`."""
     layers = decoder_layers(model)
     saved = [layers[j] for j in range(start)]
@@ -250,8 +250,8 @@ def capture_hidden_states(
                 raise _StopForward
         return hook
 
-    def record(read: tuple[str, int], value: torch.Tensor) -> None:
-        captured[read] = rows(value, subblock_place(read)).to(device)
+    def record(read: tuple[str, int], value: torch.Tensor) -> None:  # (Llama 4's MoE returns its tokens flattened)
+        captured[read] = rows(value.reshape(*keep.shape, value.shape[-1]), subblock_place(read)).to(device)
 
     handles = []
     try:
@@ -283,8 +283,8 @@ def token_losses(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], keep: 
     labeled = torch.zeros_like(mask)
     labeled[:, :-1] = mask[:, 1:] & mask[:, :-1]
     losses = torch.zeros(mask.shape, dtype=torch.float64, device=logits.device)
-    losses[:, :-1] = torch.nn.functional.cross_entropy(logits[:, :-1].double().flatten(0, 1), ids[:, 1:].flatten(),
-                                                       reduction="none").view(ids.shape[0], -1)
+    losses[:, :-1] = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(),
+                                                       reduction="none").view(ids.shape[0], -1)  # (float32, as logits)
     both = torch.stack([losses * labeled, labeled.double()], dim=-1)
     return both[keep.to(logits.device)]
 

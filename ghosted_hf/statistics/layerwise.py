@@ -232,8 +232,9 @@ class LayerwisePass(CalibrationPass):
                 capture(b, 0)
             for i in tqdm(range(run), desc=description, disable=not progress, leave=False):
                 for b, inside in stream.advance(i, {read for read in last_use if read[0] in SUBBLOCK_ROLES and read[1] == i}):
-                    for read, value in inside.items():
-                        rows(b, read, value, subblock_place(read))
+                    for read, value in inside.items():  # (Llama 4's MoE returns its tokens flattened)
+                        rows(b, read, value.reshape(*batches[b]["attention_mask"].shape, value.shape[-1]),
+                             subblock_place(read))
                     capture(b, i + 1)
             if token_loss(depth) in last_use:  # the logits of the stream after the last layer
                 for b, losses in stream.token_losses():
