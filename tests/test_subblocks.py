@@ -388,3 +388,19 @@ def test_each_damage_pass_starts_at_its_candidate_and_equals_a_whole_forward() -
     for ref, fit in fits.items():  # each as a whole forward of the model with the candidate in place
         whole = sb.mean_loss(calibrator.collect(next_token_loss(depth), ref.name, sb.patch_of([fit])), depth)
         assert abs(whole - dense_loss - damage[ref]) < 1e-5, ref
+
+
+def test_each_sequential_fit_starts_where_the_one_before_it_was_read() -> None:
+    from ghosted_hf.statistics import Calibrator, FullModelPass
+    from ghosted_hf.text.tokens import tokenize_texts
+
+    dense = build("llama")
+    data = tokenize_texts(char_tokenizer(), texts(), 64, 8, 4)
+    calibrator = Calibrator(FullModelPass(dense), data)
+    refs = [sb.parse_subblock(name) for name in ("1.mlp", "3.attention", "4.mlp")]
+    calls = []
+    handle = decoder_layers(dense)[0].register_forward_hook(lambda *args: calls.append(1))
+    fits = sb.fit_sequentially(calibrator, refs, 1e-6)
+    handle.remove()
+    # layer 0 runs in the first fit's pass and in each sub-block's two-token probe of its output count only
+    assert len(calls) == len(data.batches) + len(refs) and len(fits) == len(refs)

@@ -207,7 +207,7 @@ def fit_sequentially(calibrator: Calibrator, refs: list[SubBlockRef], ridge: flo
     fits: list[SubBlockFit] = []
     for k, (ref, end) in enumerate(steps):
         plan, purpose = candidate_statistics(ref, end), f"sequential fit {k + 1}/{len(steps)}"
-        stats = calibrator.collect(plan, purpose, patch_of(fits)) if fits else calibrator.ensure(plan, purpose)
+        stats = calibrator.collect(plan, purpose, patch_of(fits))  # (the first: an empty patch, the dense model)
         fits.append(fit_candidate(stats, ref, ridge, _outputs(calibrator, [ref])[ref], end))
         fits[-1].figures["fitted_on"] = "dense model" if k == 0 else "model with the ones before it replaced"
     return fits

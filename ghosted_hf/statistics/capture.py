@@ -48,9 +48,19 @@ class Patch:
         return i - sum(1 for r in self.removed if r < i)
 
 
-def first_change(patch: Patch) -> int:
-    """The first dense layer `patch` changes: the stream entering it is still the dense model's."""
-    return min((*patch.removed, *patch.transforms, *(j for j, _ in patch.subblocks)), default=0)
+def same_below(a: Patch, b: Patch, j: int) -> bool:
+    """Whether patches `a` and `b` give the same stream into dense layer j: the same changes before it."""
+    def below(patch: Patch) -> tuple:
+        return ({i for i in patch.removed if i < j},
+                *({k: v for k, v in changes.items() if k < j}
+                  for changes in (patch.operators, patch.normed, patch.transforms)),
+                {k: v[0] for k, v in patch.subblocks.items() if k[0] < j})
+
+    def same(x: Mapping, y: Mapping) -> bool:
+        return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+    first, second = below(a), below(b)
+    return first[0] == second[0] and all(same(x, y) for x, y in zip(first[1:], second[1:]))
 
 
 class _Resumed(nn.Module):

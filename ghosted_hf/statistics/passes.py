@@ -24,8 +24,8 @@ from ..text.tokens import TokenBatches
 from ..utils.distributed import all_reduce_sums, check_agreement, process_rank
 from ..utils.hashing import string_sha256
 from .accumulate import StatisticsAccumulator
-from .capture import (Patch, capture_hidden_states, first_change, input_device, patched_stream, release_freed_memory,
-                      resumed, watch_subblocks)
+from .capture import (Patch, capture_hidden_states, input_device, patched_stream, release_freed_memory, resumed,
+                      same_below, watch_subblocks)
 from .declarations import Read, block_output
 from .origin import model_fingerprint
 from .plan import StatisticsPlan
@@ -83,7 +83,9 @@ class FullModelPass(CalibrationPass):
             raise GhostedError(f"The model's weights are on the meta device (e.g. {meta}): it was built without loading "
                                "them. Load it with from_pretrained (real weights) before pruning.")
         self.model, self.config = model, model.config
-        self._inputs: dict[int, list[torch.Tensor]] = {}  # id(batch) -> its dense layer inputs (`remember_inputs`)
+        # id(batch) -> (a patch, the inputs of dense layers under it): where a later patched pass may start
+        self._inputs: dict[int, tuple[Patch, dict[int, torch.Tensor]]] = {}
+        self._remembering = False
 
     @property
     def vocab_size(self) -> int:
@@ -127,10 +129,12 @@ class FullModelPass(CalibrationPass):
                 finally:
                     for handle in handles:
                         handle.remove()
-                self._inputs[id(batch)] = found
+                self._inputs[id(batch)] = (Patch(), dict(enumerate(found)))
+            self._remembering = True
             yield
         finally:
             self._inputs.clear()
+            self._remembering = False
 
     def collect(self, batches: Iterable[Batch], plan: StatisticsPlan, *, patch: Patch | None = None,
                 device: str | torch.device | None = None, description: str = "Calibration pass",
@@ -148,9 +152,13 @@ class FullModelPass(CalibrationPass):
                 if not keep.any():
                     continue
                 accumulator.tokens += int(keep.sum())
-                # Captured in a helper whose locals die with it: a local here would keep this batch's activations
-                # alive through the next batch's forward (peak memory of two batches from the second one on).
-                accumulator.add(_batch_rows(model, batch, reads, patch, keep, device, self._inputs.get(id(batch))))
+                # Captured in a helper whose locals die with it, and dropped once added: a reference here would keep
+                # this batch's activations alive through the next batch's forward (peak memory of two batches).
+                found, known = _batch_rows(model, batch, reads, patch, keep, device, self._inputs.get(id(batch)))
+                accumulator.add(found)
+                del found
+                if known is not None and not self._remembering:  # the next sequential fit starts there
+                    self._inputs[id(batch)] = known
                 release_freed_memory()
         finally:
             model.train(mode)
@@ -158,10 +166,12 @@ class FullModelPass(CalibrationPass):
 
 
 def _batch_rows(model: nn.Module, batch: Batch, reads: set[Read], patch: Patch | None, keep: torch.Tensor,
-                device: torch.device, inputs: list[torch.Tensor] | None = None) -> dict[Read, torch.Tensor]:
-    """The rows of every read of one batch: targets (and, without a patch, everything) from the dense model,
-    sources and MLP outputs from the patched stream, started at the patch's first change where the dense `inputs`
-    of the layers are known and nothing earlier is read."""
+                device: torch.device, known: tuple[Patch, dict[int, torch.Tensor]] | None = None,
+                ) -> tuple[dict[Read, torch.Tensor], tuple[Patch, dict[int, torch.Tensor]] | None]:
+    """(the rows of every read of one batch, the patched input of the first layer read): targets (and, without a
+    patch, everything) from the dense model, sources and sub-block reads from the patched stream, started at the
+    deepest layer whose input is `known` under a patch that gives the same stream into it (a sequential fit starts
+    where the one before it was read; a damage pass at its candidate)."""
     def capture(wanted: dict[Read, Read]) -> dict[Read, torch.Tensor]:  # {(role, index in the model run): read}
         where = {key: ("input", key[1]) if key[0] in ("source", "target") else key for key in wanted}
         got = capture_hidden_states(model, batch, set(where.values()), keep, device)
@@ -169,12 +179,24 @@ def _batch_rows(model: nn.Module, batch: Batch, reads: set[Read], patch: Patch |
 
     dense = {r for r in reads if patch is None or r[0] == "target"}
     rows = capture({r: r for r in dense}) if dense else {}
-    if patch is not None and reads - dense:
-        start = first_change(patch) if inputs is not None else 0
-        start = start if all(i >= start for _, i in reads - dense) else 0
-        with patched_stream(model, patch), resumed(model, start, inputs[start] if start else None):
+    if patch is None or not reads - dense:
+        return rows, None
+    depth, first = len(decoder_layers(model)), min(i for _, i in reads - dense)
+    fed = set(patch.fed(depth).values())  # (an input a boundary's operator rewrites is not stored or resumed from)
+    recorded, inputs = known if known is not None else (patch, {})
+    start = max((j for j in inputs if 0 < j <= first and j not in fed and same_below(recorded, patch, j)), default=0)
+    stored: dict[int, torch.Tensor] = {}
+    position = start - sum(1 for i in patch.removed if i < start)  # (start may be a removed layer: its run's input)
+    with patched_stream(model, patch), resumed(model, position, inputs.get(start)):
+        handle = (decoder_layers(model)[patch.position(first)].register_forward_pre_hook(
+            lambda module, args, kwargs: stored.__setitem__(first, args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True) if first < depth and first not in fed and first not in patch.removed else None)
+        try:
             rows.update(capture({(role, patch.position(i)): (role, i) for role, i in reads - dense}))
-    return rows
+        finally:
+            if handle is not None:
+                handle.remove()
+    return rows, ((patch, stored) if stored else None)
 
 
 def as_calibration_pass(model: PreTrainedModel | CalibrationPass) -> CalibrationPass:
