@@ -89,8 +89,8 @@ def ghost_prune(
 def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibration: TextSource | None,
                     options: PruneOptions, started: float) -> GhostedForCausalLM:
     """`ghost_prune` with unit 'subblock' (or 'mixed'): calibration text -> each candidate's map and measured damage ->
-    the sub-blocks (and whole layers) that meet the budget with the least damage -> their maps fitted down the network
-    -> the model, a whole layers' run of maps its boundary's operator."""
+    the sub-blocks (and whole layers) that meet the budget with the least damage -> their maps (a run of whole layers:
+    one boundary's ghost operator) fitted down the network -> the model. Every pass is a `Calibrator` pass."""
     unit = f"unit={options.unit!r}"
     text = language_config(calibration_pass.config)
     depth, width = text.num_hidden_layers, text.hidden_size
