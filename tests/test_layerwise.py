@@ -21,6 +21,12 @@ PLAN = (least_squares(0, 3) | least_squares(2, 6) | least_squares(1, 5) | simila
         | subblock_terms("mlp", 3) | next_token_loss(LAYERS))
 
 
+def resident_parameters() -> int:
+    """Every parameter element alive in this process (off the meta device), after a collection."""
+    gc.collect()
+    return sum(o.numel() for o in gc.get_objects() if type(o) is torch.nn.Parameter and o.device.type != "meta")
+
+
 def close(got, expected) -> None:
     for key, value in expected.tensors.items():
         torch.testing.assert_close(got.tensors[key], value, rtol=1e-10, atol=1e-10 * float(value.abs().max()),
@@ -40,13 +46,7 @@ def test_layerwise_statistics_equal_the_full_model_pass(arch: str, offload: bool
 
     lazy = LayerwisePass(tmp_path / "model", offload_folder=tmp_path if offload else None)
     resident = []
-
-    def count(i: int) -> None:  # every parameter alive in this process while layer i is in memory
-        gc.collect()
-        resident.append(sum(o.numel() for o in gc.get_objects()
-                            if type(o) is torch.nn.Parameter and o.device.type != "meta"))
-
-    lazy.observer = count
+    lazy.observer = lambda i: resident.append(resident_parameters())
     stats = collect_statistics(lazy, batches, PLAN, progress=False)
     assert stats.tokens == full.tokens and set(stats.tensors) == set(full.tensors)
     close(stats, full)
@@ -96,8 +96,7 @@ def test_subblocks_and_whole_layers_layer_by_layer_equal_in_memory(tmp_path: Pat
     gc.collect()
     lazy = LayerwisePass(tmp_path / "model")
     resident = []
-    lazy.observer = lambda i: len(resident) < 2 * LAYERS and (gc.collect(), resident.append(sum(  # (a sample: slow)
-        o.numel() for o in gc.get_objects() if type(o) is torch.nn.Parameter and o.device.type != "meta")))
+    lazy.observer = lambda i: len(resident) < 2 * LAYERS and resident.append(resident_parameters())  # (a sample: slow)
     choice, maps, _ = outcome(ghost_prune(lazy, char_tokenizer(), texts(), **options))
     assert choice == expected_choice and expected_choice[1] and set(maps) == set(expected_maps)
     for key, value in expected_maps.items():

@@ -93,7 +93,7 @@ def squared_residual(gram: torch.Tensor, cross: torch.Tensor, energy: float, w: 
     return float(((gram @ w) * w).sum() - 2.0 * (w * cross).sum()) + energy
 
 
-def _ratio(numerator: float, denominator: float) -> float:
+def share_left(numerator: float, denominator: float) -> float:
     """numerator / denominator, 0 when there was nothing to explain (a block that is exactly the identity)."""
     return max(numerator, 0.0) / denominator if denominator > 0 else 0.0
 
@@ -104,10 +104,10 @@ def residual_figures(stats: CalibrationStatistics, s: int, e: int, residual: flo
     untouched = squared_residual(gram, cross, energy, torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device))
     return {
         # ||X W - X_e||^2 / ||X_e - X||^2: share of the pruning error left (1 = no recovery).
-        "relative_residual": _ratio(residual, untouched),
+        "relative_residual": share_left(residual, untouched),
         # ||X W - X_e||^2 / ||X_e||^2 and, for comparison, what plain pruning leaves.
-        "residual_vs_target": _ratio(residual, energy),
-        "pruned_residual_vs_target": _ratio(untouched, energy),
+        "residual_vs_target": share_left(residual, energy),
+        "pruned_residual_vs_target": share_left(untouched, energy),
     }
 
 

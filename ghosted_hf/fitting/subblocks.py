@@ -25,7 +25,7 @@ from ..remote.format_ghosted import SUBBLOCK_KINDS, expected_boundaries
 from ..statistics import (LABELS, LOSS, SUBBLOCK_SUMS, CalibrationStatistics, Calibrator, Patch, StatisticsPlan,
                           least_squares, next_token_loss, subblock_terms)
 from ..statistics.capture import subblock_slot
-from .operators import operator_kind, ridge_solve, squared_residual
+from .operators import operator_kind, ridge_solve, share_left, squared_residual
 
 Batch = Mapping[str, torch.Tensor]
 LAYER = "layer"  # a whole decoder layer as a candidate (saved as a removed layer and its boundary's operator)
@@ -132,7 +132,7 @@ def fit_candidate(stats: CalibrationStatistics, ref: SubBlockRef, ridge: float, 
         return SubBlockFit(ref, boundary.operator, 0, boundary.figures, end)
     gram, cross, energy = (stats[statistic(ref.layer)] for statistic in SUBBLOCK_SUMS[ref.block])
     a, _ = ridge_solve(gram, cross, ridge)
-    relative = max(squared_residual(gram, cross, float(energy), a), 0.0) / float(energy) if float(energy) > 0 else 0.0
+    relative = share_left(squared_residual(gram, cross, float(energy), a), float(energy))
     return SubBlockFit(ref, a, outputs, {"relative_residual": round(relative, 6), "tokens": stats.tokens})
 
 

@@ -83,8 +83,9 @@ class FullModelPass(CalibrationPass):
             raise GhostedError(f"The model's weights are on the meta device (e.g. {meta}): it was built without loading "
                                "them. Load it with from_pretrained (real weights) before pruning.")
         self.model, self.config = model, model.config
-        # id(batch) -> (a patch, the inputs of dense layers under it): where a later patched pass may start
-        self._inputs: dict[int, tuple[Patch, dict[int, torch.Tensor]]] = {}
+        # id(batch) -> (the batch, held so that its id is not reused; a patch; the inputs of dense layers under it):
+        # where a later patched pass over that batch may start
+        self._inputs: dict[int, tuple[Batch, Patch, dict[int, torch.Tensor]]] = {}
         self._remembering = False
 
     @property
@@ -129,7 +130,7 @@ class FullModelPass(CalibrationPass):
                 finally:
                     for handle in handles:
                         handle.remove()
-                self._inputs[id(batch)] = (Patch(), dict(enumerate(found)))
+                self._inputs[id(batch)] = (batch, Patch(), dict(enumerate(found)))
             self._remembering = True
             yield
         finally:
@@ -154,11 +155,12 @@ class FullModelPass(CalibrationPass):
                 accumulator.tokens += int(keep.sum())
                 # Captured in a helper whose locals die with it, and dropped once added: a reference here would keep
                 # this batch's activations alive through the next batch's forward (peak memory of two batches).
-                found, known = _batch_rows(model, batch, reads, patch, keep, device, self._inputs.get(id(batch)))
+                held = self._inputs.get(id(batch))
+                found, known = _batch_rows(model, batch, reads, patch, keep, device, held and held[1:])
                 accumulator.add(found)
-                del found
+                del found, held
                 if known is not None and not self._remembering:  # the next sequential fit starts there
-                    self._inputs[id(batch)] = known
+                    self._inputs[id(batch)] = (batch, *known)
                 release_freed_memory()
         finally:
             model.train(mode)
