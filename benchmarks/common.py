@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -42,10 +43,10 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
                         help="The packaged model to measure on.")
 
 
-def model_title(load: Callable[[], torch.nn.Module], name: str) -> tuple[str, int]:
-    """("<name> (<depth> layers, dequantized GGUF)", depth) for the tables' headers."""
-    depth = load().config.num_hidden_layers
-    return f"{name} ({depth} layers; dequantized GGUF)", depth
+def model_title(load: Callable[[], torch.nn.Module], name: str) -> tuple[str, Any]:
+    """("<name> (<depth> layers, dequantized GGUF)", config) for the tables' headers."""
+    config = load().config
+    return f"{name} ({config.num_hidden_layers} layers; dequantized GGUF)", config
 
 
 def add_setup_arguments(parser: argparse.ArgumentParser) -> None:

@@ -133,8 +133,7 @@ def cached_statistics(path: Path, load, tokenizer, calibration, prune: PruneOpti
         return CalibrationStatistics.load(path)
     model = load()
     batches = tokenize_texts(tokenizer, calibration, prune.seq_len, prune.num_sequences, prune.batch_size).batches
-    depth = model.config.num_hidden_layers
-    plan = statistics_plan(depth, prune) | statistics_plan(depth, dataclasses.replace(prune, criterion="streamline"))
+    plan = statistics_plan(model.config, prune) | statistics_plan(model.config, dataclasses.replace(prune, criterion="streamline"))
     stats = collect_statistics(model, batches, plan)
     path.parent.mkdir(parents=True, exist_ok=True)
     stats.save(path)

@@ -40,7 +40,8 @@ def main() -> None:
     args = parser.parse_args()
 
     tokenizer, load = packaged_model(args.model)
-    title, depth = model_title(load, args.model)
+    title, config = model_title(load, args.model)
+    depth = config.num_hidden_layers
     calibration = assets.wikipedia_split("calibration")
     defaults = PruneOptions()
     data = tokenize_texts(tokenizer, calibration, defaults.seq_len, defaults.num_sequences, defaults.batch_size)
@@ -56,7 +57,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     records = []
     for n in args.layers:
-        plan = StatisticsPlan.union(statistics_plan(depth, PruneOptions(num_layers=n, operator=kind, criterion=criterion))
+        plan = StatisticsPlan.union(statistics_plan(config, PruneOptions(num_layers=n, operator=kind, criterion=criterion))
                                     for kind in args.kinds for criterion in ("ghost-aware", "streamline"))
         stats = collect_statistics(load(), data.batches, plan, progress=False)
         prune = lambda **options: ghost_prune(load(), tokenizer, calibration, statistics=stats, num_layers=n,  # noqa: E731

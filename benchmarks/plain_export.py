@@ -22,7 +22,7 @@ from ghosted_hf import ghost_prune
 from ghosted_hf.evaluate import gap_closed, perplexity
 from ghosted_hf.fitting.operators import OPERATOR_KINDS
 from ghosted_hf.model.surgery import count_parameters
-from ghosted_hf.pipelines.prune import boundary_spans
+from ghosted_hf.fitting.units import boundary_spans
 from ghosted_hf.statistics import StatisticsPlan, collect_statistics
 
 ROWS = [  # (row name, operator kind, needs custom code to run)
@@ -46,7 +46,8 @@ def main() -> None:
     tokenizer, load, calibration, held_out = setup.tokenizer, setup.load, setup.calibration, setup.held_out
     options, data, dense = setup.options, setup.data, setup.dense
     dense_parameters = count_parameters(load())
-    title, depth = model_title(load, args.model)
+    title, config = model_title(load, args.model)
+    depth = config.num_hidden_layers
     print(f"{title}, fp32; dense perplexity {dense:.2f}, {dense_parameters:,} "
           f"parameters. Calibration {data.num_tokens} tokens; {args.eval_windows} held-out windows of 512.\n")
     print("| removed | layers | recovery | stock checkpoint | perplexity | gap closed | ghost gain kept | parameters |")

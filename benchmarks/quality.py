@@ -30,7 +30,8 @@ from ghosted_hf.evaluate import ZERO_SHOT_TASKS, gap_closed, lambada, perplexity
 from ghosted_hf.fitting.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.pipelines.healing import DEFAULT_STEPS, HealOptions, heal, merge
-from ghosted_hf.pipelines.prune import boundary_spans, statistics_plan
+from ghosted_hf.fitting.units import boundary_spans
+from ghosted_hf.pipelines.prune import statistics_plan
 from ghosted_hf.statistics import StatisticsPlan, collect_statistics
 from ghosted_hf.text.tokens import tokenize_texts
 
@@ -71,7 +72,8 @@ def main() -> None:
     args = parser.parse_args()
 
     tokenizer, load = packaged_model(args.model)
-    title, depth = model_title(load, args.model)
+    title, config = model_title(load, args.model)
+    depth = config.num_hidden_layers
     calibration = assets.wikipedia_split("calibration")
     held_out = held_out_windows(tokenizer, args.eval_windows)
     cal_data = tokenize_texts(tokenizer, calibration, args.seq_len, args.num_sequences, 4)
@@ -117,7 +119,7 @@ def main() -> None:
         # One dense pass serves every selection (and, for ghost-aware, the fit of every contiguous block).
         calibration_options = dict(num_layers=n, num_sequences=args.num_sequences, seq_len=args.seq_len)
         selection_stats = collect_statistics(load(), cal_data.batches, StatisticsPlan.union(
-            statistics_plan(depth, PruneOptions(criterion=c, **calibration_options)) for c in criteria), progress=False)
+            statistics_plan(config, PruneOptions(criterion=c, **calibration_options)) for c in criteria), progress=False)
         kinds = {OPERATOR_KINDS[m["operator"]] for name, m in METHODS if name in methods or name == "no recovery"}
         for criterion in criteria:
             removed = ghost_prune(load(), tokenizer, calibration, statistics=selection_stats, criterion=criterion,

@@ -53,7 +53,7 @@ from ghosted_hf import assets, ghost_prune, heal, merge, save_with_card
 from ghosted_hf.evaluate import gap_closed
 from ghosted_hf.fitting.operators import OPERATOR_KINDS
 from ghosted_hf.options import PruneOptions
-from ghosted_hf.pipelines.prune import boundary_spans
+from ghosted_hf.fitting.units import boundary_spans
 from ghosted_hf.statistics import StatisticsPlan, collect_statistics
 from ghosted_hf.text.tokens import tokenize_texts
 

@@ -16,11 +16,10 @@ from typing import Any, TypeVar
 from .errors import GhostedError, UnknownOptionError
 from .fitting.operators import OPERATOR_KINDS, Folded
 from .fitting.selection import CRITERIA
+from .fitting.units import UNITS, unit
 from .remote.format_ghosted import OPERATOR_DTYPES
 
 FITTINGS = ("sequential", "independent")
-UNITS = ("layer", "subblock", "mixed")
-SUBBLOCK_CRITERIA = ("ghost-aware", "manual")  # measured damage of each fitted replacement; the given list
 
 T = TypeVar("T")
 
@@ -143,10 +142,8 @@ class PruneOptions(Options):
 
     num_layers: int = option(8, "Number of decoder layers to remove (ignored with --criterion manual, --remove and "
                                 "--num-parameters).")
-    unit: str = option("layer", "What is removed: whole decoder layers (each boundary recovered by an operator), "
-                       "attention and MLP sub-blocks (each replaced by a closed-form linear map of the input it read), "
-                       "or both chosen together (mixed: a whole layer is one more candidate, its map the operator).",
-                       UNITS)
+    unit: str = option("layer", "What is removed: " + "; ".join(f"{u.name}: {u.help}" for u in UNITS.values()) + ".",
+                       lambda: tuple(UNITS))
     remove: str | None = option(None, "How much to remove as a share of the decoder layers' parameters, net of the "
                                 "operators and maps added: '25%' or 0.25. Instead of --num-layers.")
     num_parameters: int | None = option(None, "How many decoder parameters to remove, net of the operators and maps "
@@ -176,12 +173,7 @@ class PruneOptions(Options):
 
     def check(self) -> None:
         takes_layers = CRITERIA[self.criterion].takes_layers
-        if self.unit != "layer":
-            self._check_subblocks(takes_layers)
-        elif takes_layers and not self.layers:
-            raise GhostedError(f"criterion {self.criterion!r} needs the layer indices to remove (layers=[...]).")
-        elif self.subblocks:
-            raise GhostedError("subblocks=[...] is only used with unit='subblock' or 'mixed' (and criterion='manual').")
+        unit(self.unit).check(self)
         if self.layers and not takes_layers:
             raise GhostedError(f"layers=[...] is only used with criterion='manual', not {self.criterion!r}.")
         if takes_layers and (self.remove is not None or self.num_parameters is not None):
@@ -195,25 +187,6 @@ class PruneOptions(Options):
             positive(self, "num_parameters")
         positive(self, "damage_sequences")
         check_calibration(self)
-
-    def _check_subblocks(self, takes_layers: bool) -> None:
-        unit = f"unit={self.unit!r}"
-        if self.layers and self.unit == "subblock":
-            raise GhostedError("layers=[...] names whole layers; with unit='subblock' pass subblocks=[...] (or use "
-                               "unit='mixed' for both).")
-        if self.criterion not in SUBBLOCK_CRITERIA:
-            raise GhostedError(f"{unit} chooses by criterion {' or '.join(SUBBLOCK_CRITERIA)}, not {self.criterion!r}.")
-        if self.subblocks and not takes_layers:
-            raise GhostedError(f"subblocks=[...] names what to replace, which criterion {self.criterion!r} chooses "
-                               "itself: pass criterion='manual' with them, or leave them out.")
-        if takes_layers and not (self.subblocks or self.layers):
-            raise GhostedError(f"{unit} with criterion 'manual' needs what to replace (subblocks=['12.attention', "
-                               "...]" + (", layers=[...]" if self.unit == "mixed" else "") + ").")
-        if not takes_layers and self.remove is None and self.num_parameters is None:
-            raise GhostedError(f"{unit} removes a parameter budget: pass remove='25%' or num_parameters.")
-        if self.operator != "ghost" or self.fitting != "sequential":
-            raise GhostedError(f"{unit} fits each map sequentially down the network (a whole layer's map is its "
-                               "boundary's operator): leave operator and fitting at their defaults.")
 
 
 def budget_share(text: str) -> float:

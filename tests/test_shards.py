@@ -167,3 +167,25 @@ def test_statistics_must_name_their_model_and_fit_its_depth(tmp_path: Path) -> N
     anonymous.save(tmp_path / "anonymous.safetensors")
     with pytest.raises(GhostedError, match="do not record the model they were collected on"):
         ghost_prune(build("llama"), statistics=tmp_path / "anonymous.safetensors", **OPTIONS)
+
+
+def test_subblock_units_prune_from_shards_as_from_text(tmp_path: Path) -> None:
+    """The candidates' dense sums come from merged `stats collect` shards; the damage and the later sequential fits are
+    passes on the calibration text: the same choice and maps as from the text alone."""
+    mixed = dict(unit="mixed", remove="30%", seq_len=32, num_sequences=12, batch_size=2)
+    merged = CalibrationStatistics.merge(load(shards(tmp_path, **mixed)))
+    merged.save(tmp_path / "merged.safetensors")
+    with pytest.raises(GhostedError, match="pass a tokenizer and calibration text"):
+        ghost_prune(build("llama"), statistics=tmp_path / "merged.safetensors", **mixed)
+    from_file = ghost_prune(build("llama"), char_tokenizer(), texts(), statistics=tmp_path / "merged.safetensors", **mixed)
+    from_text = ghost_prune(build("llama"), char_tokenizer(), texts(), **mixed)
+    assert (from_file.config.removed_layers, from_file.config.ghost_provenance["selection"]) == (
+        from_text.config.removed_layers, from_text.config.ghost_provenance["selection"])
+    assert [r["original_layer"] for r in from_file.config.ghost_subblocks] == [
+        r["original_layer"] for r in from_text.config.ghost_subblocks]
+    expected = from_text.state_dict()
+    for name, tensor in from_file.state_dict().items():
+        assert float((tensor - expected[name]).abs().max()) <= 1e-6, name
+    purposes = lambda model: [p["purpose"] for p in model.config.ghost_provenance["cost"]["passes"]]  # noqa: E731
+    assert "statistics of every candidate" in purposes(from_text)
+    assert "statistics of every candidate" not in purposes(from_file)

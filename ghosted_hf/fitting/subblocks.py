@@ -196,18 +196,25 @@ def choose_to_budget(damage: Mapping[SubBlockRef, float], saved: Mapping[SubBloc
     return sorted(chosen)
 
 
+def sequential_steps(depth: int, refs: list[SubBlockRef]) -> list[tuple[SubBlockRef, int]]:
+    """(candidate, the layer its fit's output feeds) in network order: each sub-block, and each run of whole layers as
+    one boundary (its first layer, the next kept layer)."""
+    whole = [r.layer for r in refs if r.block == LAYER]
+    return sorted([(r, r.layer + 1) for r in refs if r.block != LAYER]
+                  + [(SubBlockRef(b["removed"][0], LAYER), b["removed"][-1] + 1) for b in expected_boundaries(depth, whole)])
+
+
 def fit_sequentially(calibrator: Calibrator, refs: list[SubBlockRef], ridge: float) -> list[SubBlockFit]:
     """Fit each chosen sub-block (each run of whole layers, as one boundary) down the network on the model with the ones
     before it in place (`Patch`): a sub-block maps what it reads to what it returns there, a boundary maps the patched
-    stream onto the dense model's, as the Ghost kind fits sequentially."""
-    whole = [r.layer for r in refs if r.block == LAYER]
-    steps = sorted([(r, r.layer + 1) for r in refs if r.block != LAYER]
-                   + [(SubBlockRef(b["removed"][0], LAYER), b["removed"][-1] + 1)
-                      for b in expected_boundaries(calibrator.depth, whole)])
+    stream onto the dense model's, as the Ghost kind fits sequentially. The first is fitted on the dense model (from the
+    statistics at hand where they hold it: the candidates' or precomputed ones)."""
     fits: list[SubBlockFit] = []
+    steps = sequential_steps(calibrator.depth, refs)
     for k, (ref, end) in enumerate(steps):
         plan, purpose = candidate_statistics(ref, end), f"sequential fit {k + 1}/{len(steps)}"
-        stats = calibrator.collect(plan, purpose, patch_of(fits))  # (the first: an empty patch, the dense model)
+        at_hand = k == 0 and not calibrator.missing(plan)  # (else a pass, which keeps where the next one starts)
+        stats = calibrator.statistics if at_hand else calibrator.collect(plan, purpose, patch_of(fits))
         fits.append(fit_candidate(stats, ref, ridge, _outputs(calibrator, [ref])[ref], end))
         fits[-1].figures["fitted_on"] = "dense model" if k == 0 else "model with the ones before it replaced"
     return fits

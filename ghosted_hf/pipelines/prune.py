@@ -5,7 +5,6 @@ Orchestration only: statistics live in statistics/, fits and criteria in fitting
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import logging
 import math
@@ -17,18 +16,17 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..architectures import (architecture, check_removal, decoder_layers, language_config, refuse_fold,
-                             removal_problem)
+from ..architectures import architecture, check_removal, decoder_layers, language_config, refuse_fold
 from ..assets import base_model_info
 from ..errors import GhostedError
-from ..fitting import subblocks
+from ..fitting import subblocks, units
 from ..fitting.operators import BoundaryFit, operator_kind
-from ..fitting.selection import ContiguousCriterion, Selection, SelectionRequest, criterion
+from ..fitting.selection import Selection, criterion
+from ..fitting.units import boundary_spans, selection_request
 from ..model.provenance import Provenance
 from ..model.surgery import (check_derived_layout, count_parameters, fold_into_mlp_writers, prune_layers, to_stock_model,
                              validate_removal)
 from ..options import ExportOptions, PruneOptions, budget_share
-from ..remote.format_ghosted import expected_boundaries
 from ..remote.modeling_ghosted import GhostedForCausalLM
 from ..statistics import (CalibrationPass, CalibrationStatistics, Calibrator, Patch, ShardSpec, StatisticsPlan,
                           as_calibration_pass, check_same_model)
@@ -66,11 +64,8 @@ def ghost_prune(
     calibration_pass = as_calibration_pass(model)
     check_request(calibration_pass.config, options)
     options = resolve_budget(calibration_pass, options)
-    if options.unit != "layer":
-        if statistics is not None:
-            raise GhostedError(f"unit={options.unit!r} fits from calibration text, not precomputed statistics (they hold "
-                               "whole-layer boundaries): pass the calibration text.")
-        return prune_subblocks(calibration_pass, tokenizer, calibration, options, started)
+    if units.unit(options.unit).subblocks:
+        return prune_subblocks(calibration_pass, tokenizer, calibration, statistics, options, started)
     data, statistics = prepare_calibration(calibration_pass, tokenizer, calibration, statistics, options)
     calibrator = Calibrator(calibration_pass, data, statistics, device=options.stats_device)
     calibrator.check_agreement(options)
@@ -87,17 +82,21 @@ def ghost_prune(
 
 
 def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibration: TextSource | None,
-                    options: PruneOptions, started: float) -> GhostedForCausalLM:
-    """`ghost_prune` with unit 'subblock' (or 'mixed'): calibration text -> each candidate's map and measured damage ->
-    the sub-blocks (and whole layers) that meet the budget with the least damage -> their maps (a run of whole layers:
-    one boundary's ghost operator) fitted down the network -> the model. Every pass is a `Calibrator` pass."""
-    unit = f"unit={options.unit!r}"
+                    statistics: CalibrationStatistics | str | Path | None, options: PruneOptions,
+                    started: float) -> GhostedForCausalLM:
+    """`ghost_prune` of a unit with sub-blocks ('subblock', 'mixed'): calibration text (and precomputed statistics of
+    the dense model, where given) -> each candidate's map and measured damage -> the sub-blocks (and whole layers) that
+    meet the budget with the least damage -> their maps (a run of whole layers: one boundary's ghost operator) fitted
+    down the network -> the model. Every pass is a `Calibrator` pass."""
+    unit = units.unit(options.unit)
     text = language_config(calibration_pass.config)
     depth, width = text.num_hidden_layers, text.hidden_size
     if calibration is None or tokenizer is None:
-        raise GhostedError(f"{unit} fits each map on calibration text: pass a tokenizer and calibration text.")
-    data = calibration_tokens(tokenizer, calibration, options, calibration_pass.config, calibration_pass.vocab_size)
-    calibrator = Calibrator(calibration_pass, data, device=options.stats_device)
+        raise GhostedError(f"unit={unit.name!r} measures each replacement's damage and fits each map on the model "
+                           "patched so far, on calibration text: pass a tokenizer and calibration text (with or "
+                           "without precomputed statistics).")
+    data, statistics = prepare_calibration(calibration_pass, tokenizer, calibration, statistics, options)
+    calibrator = Calibrator(calibration_pass, data, statistics, device=options.stats_device)
     calibrator.check_agreement(options)
     counted = calibration_pass.model_for_build(range(depth))  # layer by layer: no decoder layer read, freed below
     dense_parameters = count_parameters(counted)
@@ -109,8 +108,7 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
         chosen = subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
         selection = Selection([], "manual", {}, "n/a")
     else:
-        candidates = subblocks.all_subblocks(depth, whole_layers=options.unit == "mixed")
-        fits = subblocks.candidate_fits(calibrator, candidates, options.ridge)
+        fits = subblocks.candidate_fits(calibrator, unit.candidates(depth), options.ridge)
         scored = calibrator.first_batches(max(1, -(-options.damage_sequences // options.batch_size)))
         damage = subblocks.damages(scored, fits)
         chosen = subblocks.choose_to_budget(damage, saved, budget)
@@ -150,7 +148,7 @@ def parameter_budget(model: PreTrainedModel, options: PruneOptions) -> int:
 def resolve_budget(calibration_pass: CalibrationPass, options: PruneOptions) -> PruneOptions:
     """Whole layers at a parameter budget: the fewest layers whose parameters, net of one boundary's operator, reach
     it (every layer of a family has the same count but MoE's dense first layers: their mean is used)."""
-    if options.unit != "layer" or (options.remove is None and options.num_parameters is None):
+    if units.unit(options.unit).subblocks or (options.remove is None and options.num_parameters is None):
         return options
     text = language_config(calibration_pass.config)
     depth, width = text.num_hidden_layers, text.hidden_size
@@ -165,33 +163,10 @@ def resolve_budget(calibration_pass: CalibrationPass, options: PruneOptions) -> 
     return PruneOptions.build(options, num_layers=num_layers)
 
 
-def selection_request(config: PretrainedConfig, options: PruneOptions) -> SelectionRequest:
-    """What the criterion is asked to choose, for a model of this config."""
-    config = language_config(config)
-    return SelectionRequest(depth=config.num_hidden_layers, num_layers=options.num_layers,
-                            first=operator_kind(options.operator).first_removable, ridge=options.ridge,
-                            layers=tuple(options.layers or ()), operator=options.operator,
-                            problem=functools.partial(removal_problem, config))
-
-
 def statistics_plan(config: PretrainedConfig, options: PruneOptions) -> StatisticsPlan:
-    """Everything `ghost_prune` with these options can need from the dense model, known before selection: the
-    criterion's statistics and the fit statistics of every boundary it may choose. ShortGPT's scattered layers and
-    sequential fits of later boundaries need passes on the chosen layers (pass calibration text then)."""
-    chosen, kind = criterion(options.criterion), operator_kind(options.operator)
-    request, depth = selection_request(config, options), language_config(config).num_hidden_layers
-    if isinstance(chosen, ContiguousCriterion):
-        spans = chosen.spans(request)
-    elif chosen.takes_layers:
-        spans = boundary_spans(depth, sorted(options.layers))
-    else:
-        spans = []
-    return StatisticsPlan.union([chosen.statistics(request), *(kind.statistics(s, e) for s, e in spans)])
-
-
-def boundary_spans(depth: int, removed: list[int]) -> list[tuple[int, int]]:
-    """(s, e) per boundary: X_s enters the first removed layer, X_e the next kept layer (e == depth: the norm)."""
-    return [(b["removed"][0], b["removed"][-1] + 1) for b in expected_boundaries(depth, removed)]
+    """Everything `ghost_prune` with these options can need from the dense model, known before anything is chosen
+    (the unit's statistics)."""
+    return units.unit(options.unit).statistics(config, options)
 
 
 def fit_operators(calibrator: Calibrator, removed: list[int], options: PruneOptions) -> list[BoundaryFit]:
@@ -279,10 +254,10 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
         raise GhostedError(f"Expected a decoder-only causal LM (a transformers model with config.num_hidden_layers), "
                            f"got a {type(config).__name__}.")
     kind = operator_kind(options.operator)
-    family = architecture(config)
-    if options.unit != "subblock":  # before any calibration work
+    family, unit = architecture(config), units.unit(options.unit)
+    if unit.whole_layers:  # before any calibration work
         check_derived_layout(config)
-    if options.unit != "layer":
+    if unit.subblocks:
         check_derived_layout(config, subblocks=True)
         if options.subblocks or options.layers:
             subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
@@ -346,9 +321,6 @@ def calibrate(model: PreTrainedModel | CalibrationPass, tokenizer: Any, calibrat
     and for the check that `ghost_prune(statistics=...)` is given the same model."""
     options = PruneOptions.build(options, **overrides)
     calibration_pass = as_calibration_pass(model)
-    if options.unit != "layer":
-        raise GhostedError(f"unit={options.unit!r} fits each map on the model with the maps before it installed, in one "
-                           "process: it has no statistics to collect ahead; run ghost_prune (ghosted prune) directly.")
     options = resolve_budget(calibration_pass, options)
     check_request(calibration_pass.config, options)
     data, _ = prepare_calibration(calibration_pass, tokenizer, calibration, None, options)

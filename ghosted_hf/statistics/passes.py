@@ -261,10 +261,14 @@ class Calibrator:
         """This process's share of this shard's batches."""
         return ShardSpec(self.rank, self.world).take(self.shard.take(self.data.batches))
 
+    def missing(self, plan: StatisticsPlan) -> StatisticsPlan:
+        """What of `plan` the statistics at hand (gathered or given) do not hold."""
+        return plan.missing_from(self.statistics.tensors if self.statistics is not None else ())
+
     def ensure(self, plan: StatisticsPlan, purpose: str) -> CalibrationStatistics | None:
         """Statistics holding at least `plan`, running one pass for whatever is missing (None: nothing was
         needed and nothing was given)."""
-        missing = plan.missing_from(self.statistics.tensors if self.statistics is not None else ())
+        missing = self.missing(plan)
         if missing:
             if self.data is None:
                 raise GhostedError(f"The given statistics lack what {purpose} needs, and no calibration text was given: "
