@@ -13,7 +13,8 @@ from .io.card import save_with_card
 from .io.hub import push_to_hub
 from .io.summary import inspect_folder
 from .model.loading import load_for_calibration
-from .model.surgery import prune_layers, to_stock_model
+from .model.folding import to_stock_model
+from .model.surgery import prune_layers
 from .options import ExportOptions, PruneOptions
 from .pipelines.export import export_stock
 from .pipelines.healing import HealOptions, HealResult, heal, merge

@@ -166,7 +166,7 @@ def test_stock_export_is_exact_where_the_family_folds_and_refused_with_the_reaso
 def test_replaceme_fold_into_the_mlp_writers_is_exact(model_type: str) -> None:
     """ReplaceMe's fused export maps a kept layer's MLP output m to m @ T through every weight that writes the
     stream there (down_proj; experts' and shared experts' down projections and biases)."""
-    from ghosted_hf.model.surgery import fold_into_mlp_writers
+    from ghosted_hf.model.folding import fold_into_mlp_writers
 
     ghosted = prune_layers(tiny_family(model_type, rms_norm_eps=1e-12), [2])
     transform = torch.eye(32) + 0.3 * torch.randn(32, 32, generator=torch.Generator().manual_seed(4))
@@ -284,10 +284,11 @@ def test_every_decoder_only_type_is_derived_or_refused_with_a_reason(capsys) -> 
     otherwise it is refused with one GhostedError naming what failed. Registered families are checked the same way by
     the tests above; docs/architectures.md lists what was found here."""
     from ghosted_hf.architectures import decoder_only_types
-    from ghosted_hf.model.surgery import derivation_verdicts
+    from ghosted_hf.model.surgery import prune_layers
+    from ghosted_hf.model.verify import derivation_verdicts
 
     types = decoder_only_types()
-    verdicts = derivation_verdicts(types)
+    verdicts = derivation_verdicts(types, prune_layers)
     registered = [t for t in types if t in ARCHITECTURES]
     derived = [t for t, (_, whole, _) in verdicts.items() if whole is None]
     with_subblocks = [t for t, (_, whole, sub) in verdicts.items() if whole is None and sub is None]

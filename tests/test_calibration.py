@@ -180,7 +180,8 @@ def test_patched_stream_equals_the_built_pruned_model(arch: str) -> None:
     """The patched stream (the dense model run with layers left out, operator pre-hooks and MLP transforms) gives
     the statistics of the model that surgery builds, pruned numbering mapped back to dense numbering; qwen2's
     mixed layer types must follow the kept layers."""
-    from ghosted_hf.model.surgery import fold_into_mlp_writers, prune_layers
+    from ghosted_hf.model.folding import fold_into_mlp_writers
+    from ghosted_hf.model.surgery import prune_layers
 
     model = build(arch)
     generator = torch.Generator().manual_seed(3)

@@ -12,7 +12,7 @@ from isolated import assert_loads_with_same_logits, run_without_ghosted
 from tiny import HIDDEN, LAYERS, batch, build, char_tokenizer, kl_to_dense, texts
 
 from ghosted_hf import GhostedError, export_stock, ghost_prune, prune_layers, save_with_card, to_stock_model
-from ghosted_hf.model.surgery import fold_into_mlp_writers
+from ghosted_hf.model.folding import fold_into_mlp_writers
 
 ARCHS = ["llama", "qwen2", "qwen3"]  # Qwen2: biases on q/k/v; Qwen3: q/k norms, tied embeddings
 FAST = dict(seq_len=48, num_sequences=24)

@@ -122,7 +122,7 @@ def supported_architectures_table() -> str:
 
 def derived_families_table(verdicts: dict[str, Any]) -> str:
     """The markdown tables of docs/architectures.md's derived families (where their layers and final norm are, what
-    passed) and refused types (why), from each type's verdict (`model.surgery.derivation_verdicts`)."""
+    passed) and refused types (why), from each type's verdict (`model.verify.derivation_verdicts`)."""
     rows = ["| `model_type` | decoder layers | read after the last layer | whole layers | sub-blocks |",
             "|---|---|---|---|---|"]
     refused = ["| `model_type` | refused because |", "|---|---|"]
@@ -150,9 +150,10 @@ def architectures_page(check: bool = False) -> str:
     text = (HERE.parent / "architectures.md").read_text()
     text = _replaced(text, "supported_architectures_table", supported_architectures_table())
     if not check:
-        from ghosted_hf.model.surgery import derivation_verdicts
+        from ghosted_hf.model.surgery import prune_layers
+        from ghosted_hf.model.verify import derivation_verdicts
 
-        text = _replaced(text, "derived_families_table", derived_families_table(derivation_verdicts(decoder_only_types())))
+        text = _replaced(text, "derived_families_table", derived_families_table(derivation_verdicts(decoder_only_types(), prune_layers)))
     return text
 
 

@@ -79,7 +79,7 @@ class Architecture:
     moe: bool = False
     hybrid: bool = False  # some layers hold another mixer than attention (linear attention, state space)
     # Derived from the model rather than declared (`derived_architecture`): used once a small instance of its config
-    # passed the skip-reference check (`model.surgery.check_derived_layout`).
+    # passed the skip-reference check (`model.verify.check_derived_layout`).
     derived: bool = False
     layout: Layout = Layout()
 

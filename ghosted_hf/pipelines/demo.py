@@ -17,7 +17,8 @@ from .. import assets
 from ..evaluate import perplexity
 from ..io.card import save_with_card
 from ..model import loading
-from ..model.surgery import count_parameters, prune_layers, to_stock_model
+from ..model.folding import to_stock_model
+from ..model.surgery import count_parameters, prune_layers
 from ..options import PruneOptions
 from ..text.tokens import tokenize_texts
 from .prune import ghost_prune

@@ -15,7 +15,7 @@ from ..errors import GhostedError
 from ..fitting.operators import operator_kind
 from ..model.checkpoint import made_as
 from ..model.provenance import Provenance
-from ..model.surgery import fold_into_mlp_writers, to_stock_model
+from ..model.folding import fold_into_mlp_writers, to_stock_model
 from ..options import ExportOptions
 from ..remote.format_ghosted import LAYER_TARGET, decoder_paths, ghost_tensor_key
 from ..remote.modeling_ghosted import GhostedForCausalLM

@@ -1,6 +1,6 @@
 """`ghost_prune`: calibration text -> statistics -> layer selection -> operators -> a pruned model.
 
-Orchestration only: statistics live in statistics/, fits and criteria in fitting/, weight edits in model/surgery.py.
+Orchestration only: statistics live in statistics/, fits and criteria in fitting/, weight edits in model/.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from ..fitting.operators import BoundaryFit, operator_kind
 from ..fitting.selection import Selection, criterion
 from ..fitting.units import boundary_spans, selection_request
 from ..model.provenance import Provenance
-from ..model.surgery import (check_derived_layout, count_parameters, fold_into_mlp_writers, prune_layers, to_stock_model,
-                             validate_removal)
+from ..model.folding import fold_into_mlp_writers, to_stock_model
+from ..model.surgery import check_derived_layout, count_parameters, prune_layers, validate_removal
 from ..options import ExportOptions, PruneOptions, budget_share
 from ..remote.modeling_ghosted import GhostedForCausalLM
 from ..statistics import (CalibrationPass, CalibrationStatistics, Calibrator, Patch, ShardSpec, StatisticsPlan,
