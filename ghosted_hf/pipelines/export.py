@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from ..errors import GhostedError
@@ -17,10 +18,11 @@ from ..model.checkpoint import made_as
 from ..model.provenance import Provenance
 from ..model.folding import fold_into_mlp_writers, to_stock_model
 from ..options import ExportOptions
-from ..remote.format_ghosted import LAYER_TARGET, decoder_paths, ghost_tensor_key
+from ..remote.format_ghosted import GHOST_MODULE, LAYER_TARGET, decoder_paths, ghost_tensor_key
 from ..remote.modeling_ghosted import GhostedForCausalLM
 from ..statistics import (CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, CalibrationStatistics, StatisticsPlan,
                           collect_statistics)
+from ..statistics.capture import replaced
 from ..text.tokens import TextSource, TokenBatches
 from .prune import calibration_tokens
 
@@ -43,9 +45,10 @@ def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSou
     data = calibration_tokens(tokenizer, calibration, options, model.config,
                               model.get_input_embeddings().weight.shape[0])  # the rules `ghost_prune` applies
     for record in model.config.ghost_boundaries:
-        operator = model.get_parameter(ghost_tensor_key(record, paths=decoder_paths(model.config)))
+        name = ghost_tensor_key(record, paths=decoder_paths(model.config))
+        operator, parent = model.get_parameter(name), model.get_submodule(name.rsplit(".", 2)[0])
         s = record["layer"] if record["target"] == LAYER_TARGET else model.config.num_hidden_layers  # pruned numbering
-        fit = kind.fit(imitation_statistics(model, data, operator, s, options), s, s + 1, options.ridge)
+        fit = kind.fit(imitation_statistics(model, data, parent, s, options), s, s + 1, options.ridge)
         with torch.no_grad():
             operator.copy_(fit.operator.to(operator))
         if fit.fused is not None:  # into the kept layer before the boundary
@@ -62,21 +65,18 @@ def export_stock(model: GhostedForCausalLM, tokenizer: Any, calibration: TextSou
     return to_stock_model(model)
 
 
-def imitation_statistics(model: GhostedForCausalLM, data: TokenBatches, operator: torch.Tensor, s: int,
+def imitation_statistics(model: GhostedForCausalLM, data: TokenBatches, parent: nn.Module, s: int,
                          options: ExportOptions) -> CalibrationStatistics:
-    """The statistics of fitting X_s -> X_s W, where X_s enters pruned layer `s` before its operator: X_s and
-    the MLP output M before it are collected, and the target's statistics follow exactly (X^T X W, ...)."""
+    """The statistics of fitting X_s -> X_s W, where X_s enters pruned layer `s` (its operator served by `parent`'s
+    ghost child) before its operator: X_s and the MLP output M before it are collected with that child passing the
+    stream on, and the target's statistics follow exactly (X^T X W, ...)."""
     plan = StatisticsPlan.of(GRAM(s), *((MLP_GRAM(s), MLP_SOURCE(s)) if s >= 1 else ()))
-    saved = operator.detach().clone()
-    with torch.no_grad():
-        operator.copy_(torch.eye(operator.shape[0], dtype=operator.dtype))  # the stream as it reaches the operator
-        try:
-            stats = collect_statistics(model, data.batches, plan, device=options.stats_device,
-                                       description=f"Calibration pass: boundary before pruned layer {s}")
-        finally:
-            operator.copy_(saved)
+    ghost = getattr(parent, GHOST_MODULE)
+    with replaced([(parent, GHOST_MODULE, nn.Identity())]):  # the stream as it reaches the operator
+        stats = collect_statistics(model, data.batches, plan, device=options.stats_device,
+                                   description=f"Calibration pass: boundary before pruned layer {s}")
     gram = stats[GRAM(s)]
-    w = saved.to(gram)
+    w = ghost.operator.detach().to(gram)
     target = {CROSS(s, s + 1): gram @ w, ENERGY(s, s + 1): ((gram @ w) * w).sum().reshape(1)}
     if s >= 1:
         target[MLP_TARGET(s, s + 1)] = stats[MLP_SOURCE(s)] @ w

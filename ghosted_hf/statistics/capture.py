@@ -17,7 +17,8 @@ from torch import nn
 
 from ..architectures import LAYER_FIELDS, architecture, decoder, decoder_layers, final_norm, pruned_config
 from ..errors import GhostedError, NonFiniteError
-from ..remote.modeling_ghosted import SubBlockBypass, rms_normalized
+from ..remote.format_ghosted import GHOST_MODULE
+from ..remote.modeling_ghosted import GhostOperator, SubBlockBypass, apply_ghost_operator
 from .declarations import LOSS_ROLE, SUBBLOCK_ROLES, token_loss
 
 
@@ -104,23 +105,18 @@ def subblock_slot(model: nn.Module, layer: int, kind: str) -> tuple[nn.Module, s
     return module, getattr(architecture(model), kind).attribute(module)
 
 
-@contextlib.contextmanager
-def bypassed(model: nn.Module, subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]]) -> Iterator[None]:
+def bypassed(model: nn.Module, subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]],
+             ) -> contextlib.AbstractContextManager:
     """Within the context, sub-block `kind` of layer j is a `SubBlockBypass` (the module a ghosted model serves)
     applying the map of `subblocks[(j, kind)]` (in float32, as saved); the sub-blocks are put back on exit."""
-    saved = []
-    try:
-        for (j, kind), (matrix, outputs) in sorted(subblocks.items()):
-            layer, name = subblock_slot(model, j, kind)
-            original = getattr(layer, name)
-            bypass = SubBlockBypass(matrix.shape[0], torch.float32, kind, j, outputs)
-            bypass.ghost.operator.data = matrix.to(device=next(original.parameters()).device, dtype=torch.float32)
-            setattr(layer, name, bypass)
-            saved.append((layer, name, original))
-        yield
-    finally:
-        for layer, name, original in reversed(saved):
-            setattr(layer, name, original)
+    children = []
+    for (j, kind), (matrix, outputs) in sorted(subblocks.items()):
+        layer, name = subblock_slot(model, j, kind)
+        bypass = SubBlockBypass(matrix.shape[0], torch.float32, kind, j, outputs)
+        device = next(getattr(layer, name).parameters()).device
+        bypass.ghost.operator.data = matrix.to(device=device, dtype=torch.float32)
+        children.append((layer, name, bypass))
+    return replaced(children)
 
 
 def input_device(model: nn.Module) -> torch.device:
@@ -129,12 +125,10 @@ def input_device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if weight.device.type == "meta" else weight.device
 
 
-def apply_matrix(matrix: torch.Tensor, normed: torch.Tensor | None = None):
-    """x -> x @ matrix (+ n(x) @ normed), computed in the matrix's dtype (as a ghost operator computes)."""
+def apply_matrix(matrix: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ matrix, computed in the matrix's dtype (for hooks: an MLP transform, the skip reference's change)."""
     def apply(x: torch.Tensor) -> torch.Tensor:
-        v = x.to(device=matrix.device, dtype=matrix.dtype)
-        mapped = v @ matrix if normed is None else v @ matrix + rms_normalized(v) @ normed.to(v)
-        return mapped.to(device=x.device, dtype=x.dtype)
+        return (x.to(device=matrix.device, dtype=matrix.dtype) @ matrix).to(device=x.device, dtype=x.dtype)
     return apply
 
 
@@ -156,12 +150,39 @@ def output_hook(apply: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     return hook
 
 
+def served_operator(matrix: torch.Tensor, normed: torch.Tensor | None = None) -> GhostOperator:
+    """The module a ghosted model serves at a boundary, holding `matrix` (and its normed term) in float32, as saved."""
+    module = GhostOperator(matrix.shape[0], torch.float32, normed=normed is not None)
+    module.operator.data = matrix.detach().float()
+    if normed is not None:
+        module.normed.data = normed.detach().float().to(module.operator.device)
+    return module
+
+
+@contextlib.contextmanager
+def replaced(children: Iterable[tuple[nn.Module, str, nn.Module]]) -> Iterator[None]:
+    """Within the context, each (parent, name, module): `module` is the child `name` of `parent` (a served module in
+    place of what was there, or added); the former children (or their absence) come back on exit."""
+    saved = []
+    try:
+        for parent, name, module in children:
+            saved.append((parent, name, parent._modules.get(name)))
+            setattr(parent, name, module)
+        yield
+    finally:
+        for parent, name, original in reversed(saved):
+            if original is None:
+                delattr(parent, name)
+            else:
+                setattr(parent, name, original)
+
+
 @contextlib.contextmanager
 def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
     """Within the context, `model` computes the model pruned and patched by `patch`: the removed layers are
-    left out of its layer list (and of its per-layer config), each operator is a pre-hook on what its boundary
-    feeds, each transform a hook on an MLP's output, each replaced sub-block the served module. Everything is
-    restored on exit."""
+    left out of its layer list (and of its per-layer config), each boundary's operator is the served `GhostOperator`
+    on what the boundary feeds, each replaced sub-block the served `SubBlockBypass`, each transform a hook on an MLP's
+    output (the served model folds it into the weights). Everything is restored on exit."""
     inner, layers, norm = decoder(model), decoder_layers(model), final_norm(model)
     depth, config, leaf = len(layers), inner.config, architecture(model).layout.layers.rpartition(".")[2]
     kept = [i for i in range(depth) if i not in set(patch.removed)]
@@ -172,18 +193,21 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
     saved = {name: sparse[name] if name in sparse else getattr(config, name)
              for name in ("num_hidden_layers", *LAYER_FIELDS) if hasattr(config, name)
              and (name not in sparse or sparse[name] is not None)}
-    handles = []
+    handles, operators = [], []
+    for first, fed in patch.fed(depth).items():
+        if first in patch.operators:
+            operators.append((layers[fed] if fed < depth else norm, GHOST_MODULE,
+                              served_operator(patch.operators[first], patch.normed.get(first))))
     try:
-        for first, fed in patch.fed(depth).items():
-            if first in patch.operators:
-                hook = input_hook(apply_matrix(patch.operators[first], patch.normed.get(first)))
-                handles.append((layers[fed] if fed < depth else norm).register_forward_pre_hook(hook, with_kwargs=True))
+        handles += [parent.register_forward_pre_hook(apply_ghost_operator, with_kwargs=True)
+                    for parent, _, _ in operators]
         for j, matrix in patch.transforms.items():
             handles.append(mlp_of(model, layers[j]).register_forward_hook(output_hook(apply_matrix(matrix))))
         setattr(inner, leaf, nn.ModuleList([layers[i] for i in kept]))
         for name in saved:
             setattr(config, name, pruned.to_dict()[name] if name in sparse else getattr(pruned, name))
-        with bypassed(model, {(patch.position(j), kind): value for (j, kind), value in patch.subblocks.items()}):
+        with replaced(operators), bypassed(model, {(patch.position(j), kind): value
+                                                   for (j, kind), value in patch.subblocks.items()}):
             yield
     finally:
         setattr(inner, leaf, layers)
@@ -221,6 +245,17 @@ def watch_subblocks(model: nn.Module, reads: Iterable[tuple[str, int]],
     return handles
 
 
+def finite_rows(hidden: torch.Tensor, keep: torch.Tensor, where: str) -> torch.Tensor:
+    """The kept tokens' rows (N, C) of a hidden state, refused where one is not finite, naming `where` it appears."""
+    kept = hidden[keep.to(hidden.device)]
+    if not torch.isfinite(kept).all():
+        raise NonFiniteError(
+            f"Non-finite activations (NaN/Inf) first appear at {where} on calibration data, in {hidden.dtype}. "
+            "Load the model in float32 or bfloat16 (float16 overflows in many LLMs) and check its weights."
+        )
+    return kept
+
+
 def capture_hidden_states(
     model: nn.Module,
     batch: Mapping[str, torch.Tensor],
@@ -239,13 +274,7 @@ def capture_hidden_states(
     captured: dict[tuple[str, int], torch.Tensor] = {}
 
     def rows(hidden: torch.Tensor, where: str) -> torch.Tensor:
-        kept = hidden[keep.to(hidden.device)]
-        if not torch.isfinite(kept).all():
-            raise NonFiniteError(
-                f"Non-finite activations (NaN/Inf) first appear at {where} on calibration data, in {hidden.dtype}. "
-                "Load the model in float32 or bfloat16 (float16 overflows in many LLMs) and check its weights."
-            )
-        return kept
+        return finite_rows(hidden, keep, where)
 
     def pre_hook(i: int):
         # On every layer up to the deepest, so that a NaN is reported where it first appears.

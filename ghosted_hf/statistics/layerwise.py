@@ -21,10 +21,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..architectures import architecture, decoder, decoder_layers, final_norm, layer_of
-from ..errors import GhostedError, MissingFileError, NonFiniteError
+from ..errors import GhostedError, MissingFileError
 from ..model.checkpoint import check_folder, weight_map
 from .accumulate import StatisticsAccumulator
-from .capture import (Patch, _StopForward, apply_matrix, bypassed, release_freed_memory, resumed, subblock_place,
+from .capture import (Patch, _StopForward, bypassed, finite_rows, release_freed_memory, resumed, served_operator, subblock_place,
                       token_losses, watch_subblocks)
 from .declarations import SUBBLOCK_ROLES, Read, source, target, token_loss
 from .origin import model_fingerprint
@@ -207,10 +207,7 @@ class LayerwisePass(CalibrationPass):
             kept_rows: list[dict[Read, torch.Tensor]] = [{} for _ in batches]
 
             def rows(b: int, read: Read, value: torch.Tensor, where: str) -> None:
-                kept = value[batches[b]["attention_mask"].bool()]
-                if not torch.isfinite(kept).all():
-                    raise NonFiniteError(f"Non-finite activations (NaN/Inf) first appear at {where} on calibration "
-                                         f"data, in {value.dtype}. Load the model in float32 or bfloat16.")
+                kept = finite_rows(value, batches[b]["attention_mask"].bool(), where)
                 if read in last_use:
                     kept_rows[b][read] = kept
 
@@ -256,8 +253,8 @@ class _Streams:
         self.dense, self.patched = _Store(folder, "dense"), (_Store(folder, "patched") if patch is not None else None)
         self.removed = set(patch.removed) if patch is not None else set()
         self.subblocks = patch.subblocks if patch is not None else {}
-        # The map of each boundary (its operator, and its normed term), at the index it feeds.
-        self.apply_at = ({fed: apply_matrix(patch.operators[first], patch.normed.get(first))
+        # The served module of each boundary (its operator, and its normed term), at the index it feeds.
+        self.apply_at = ({fed: served_operator(patch.operators[first], patch.normed.get(first))
                           for first, fed in patch.fed(depth).items() if first in patch.operators}
                          if patch is not None else {})
         self.kwargs: list[dict] = []
