@@ -2,8 +2,7 @@
 the dense model's logits with `--loss kd`) of starts with the same number of removed layers — the default ghosted
 model, the same block plainly removed, LLM-Streamline's block plainly removed, and the `folded` stock export (the
 best model servable without custom code) — scored on the held-out windows after each compute budget.
-`--implementations legacy trainer` runs 1.0's hand-written loop beside today's `heal` (transformers' Trainer),
-the two interleaved budget by budget, so that what the host runs beside them weighs on both alike.
+(Results before 2.0 compare 1.0's hand-written loop with `heal` on transformers' Trainer: healing_trainer.md.)
 
 A budget is training compute in CPU-minutes: the process CPU time spent in training (evaluation excluded),
 summed over torch's threads (one by default); each budget is its own run, timed by `heal` itself
@@ -11,7 +10,6 @@ summed over torch's threads (one by default); each budget is its own run, timed 
 the budget is spent). Training uses every calibration sequence (`eval_sequences=0`): the held-out windows score.
 
     python benchmarks/healing.py --layers 8 --budgets 2.5 5 10 > benchmarks/results/healing.md
-    python benchmarks/healing.py --layers 8 --budgets 2.5 10 --starts ghosted folded --implementations legacy trainer
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from pathlib import Path
 
 import torch
 from common import held_out_windows, layer_ranges, packaged_model
-from legacy_healing import legacy_heal
 
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.evaluate import gap_closed, lambada, perplexity
@@ -35,7 +32,6 @@ from ghosted_hf.statistics import CalibrationStatistics, collect_statistics
 from ghosted_hf.text.tokens import tokenize_texts
 
 STARTS = ("ghosted", "plain", "streamline", "folded")
-IMPLEMENTATIONS = ("trainer", "legacy")
 
 
 def main() -> None:
@@ -44,8 +40,6 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[2.5, 5, 10], help="CPU-minutes.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads.")
     parser.add_argument("--starts", nargs="+", choices=STARTS, default=list(STARTS))
-    parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=["trainer"],
-                        help="trainer: ghosted heal; legacy: 1.0's loop (next-token loss only).")
     parser.add_argument("--loss", choices=("lm", "kd"), default="lm",
                         help="lm: next-token loss (ghosted heal's default); kd: KL to the dense model's logits.")
     parser.add_argument("--eval-windows", type=int, default=16)
@@ -57,8 +51,6 @@ def main() -> None:
     add_arguments(parser, HealOptions)
     args = parser.parse_args()
     options = dataclasses.replace(from_namespace(HealOptions, args), eval_sequences=0)
-    if args.loss == "kd" and "legacy" in args.implementations:
-        parser.error("the legacy loop is measured with the next-token loss only")
     torch.set_num_threads(args.threads)
 
     tokenizer, load = packaged_model()
@@ -87,41 +79,31 @@ def main() -> None:
           f"{held_out.num_tokens} tokens; gap closed between LLM-Streamline's block plainly removed "
           f"({streamline_plain:.2f}) and dense ({dense:.2f}). Healing: LoRA, {loss}, options "
           f"{json.dumps(options.to_dict())}, on the calibration articles.\n")
-    print("| start | implementation | removed | budget (CPU-min) | steps | CPU s / step | perplexity | gap closed | "
-          "LAMBADA acc (SE) |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| start | removed | budget (CPU-min) | steps | CPU s / step | perplexity | gap closed | LAMBADA acc (SE) |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     records = []
 
-    def report(name: str, implementation: str, evaluated: torch.nn.Module, budget: float, steps: int,
-               spent: float) -> None:
+    def report(name: str, evaluated: torch.nn.Module, budget: float, steps: int) -> None:
         ppl = perplexity(evaluated, held_out.batches, progress=False)
         closed = gap_closed(ppl, streamline_plain, dense)
         lam = (lambada(evaluated, tokenizer, limit=args.lambada, progress=False)
                if args.lambada and budget == args.budgets[-1] else None)
         removed = starts[name].config.ghost_provenance.get("stock_export", {}).get("removed_layers") \
             or starts[name].config.removed_layers
-        records.append(dict(start=name, implementation=implementation, removed=removed, budget=budget, steps=steps,
+        records.append(dict(start=name, removed=removed, budget=budget, steps=steps,
                             cpu_s_per_step=budget * 60 / steps if steps else None, perplexity=ppl, gap_closed=closed,
                             lambada=lam))
         cell = f"{lam['accuracy']:.3f} ({lam['accuracy_stderr']:.3f})" if lam else "-"
         per_step = f"{budget * 60 / steps:.2f}" if steps else "-"
-        print(f"| {name} | {implementation} | {layer_ranges(removed)} | {budget:g} | {steps} | {per_step} | {ppl:.2f} | "
+        print(f"| {name} | {layer_ranges(removed)} | {budget:g} | {steps} | {per_step} | {ppl:.2f} | "
               f"{closed:.3f} | {cell} |", flush=True)
 
     for name in args.starts:
-        report(name, "-", start(name), 0.0, 0, 0.0)
+        report(name, start(name), 0.0, 0)
         for budget in args.budgets:
-            for implementation in args.implementations:
-                if implementation == "legacy" and name != "ghosted":
-                    continue  # 1.0's loop heals ghosted models only
-                clock = time.process_time()
-                if implementation == "legacy":
-                    healed, steps = legacy_heal(start(name), tokenizer, calibration, options, minutes=budget)
-                else:
-                    result = heal(start(name), tokenizer, calibration, options, teacher=teacher, progress=False,
-                                  minutes=budget, clock=time.process_time)
-                    healed, steps = result.model, result.record["steps"]
-                report(name, implementation, healed, budget, steps, time.process_time() - clock)
+            result = heal(start(name), tokenizer, calibration, options, teacher=teacher, progress=False,
+                          minutes=budget, clock=time.process_time)
+            report(name, result.model, budget, result.record["steps"])
     print(f"\nTotal {time.perf_counter() - started:.0f} s wall.")
     print("\n<details><summary>raw results (JSON)</summary>\n\n```json\n" + json.dumps(records, indent=1) +
           "\n```\n</details>")

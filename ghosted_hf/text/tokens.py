@@ -128,12 +128,11 @@ def batch_sequences(sequences: list[list[int]], batch_size: int, pad_id: int) ->
 
 
 def tokenize_texts(tokenizer: Any, text: TextSource, seq_len: int, num_sequences: int | None = None, batch_size: int = 4,
-                   text_column: str = "text", shuffle_seed: int | None = None, *, split: str | None = None,
+                   text_column: str = "text", *, split: str | None = None,
                    streaming: bool = False, what: str = "Calibration text") -> TokenBatches:
     """Tokenize, pack into `num_sequences` sequences of `seq_len` tokens (documents joined by EOS, every sequence
     starting with the tokenizer's BOS where it adds one) and batch them; for chat-formatted calibration, render the
-    texts with the tokenizer's chat template first. `shuffle_seed`: shuffle the sequences before batching (for
-    training: packed in order, a batch would hold one document's consecutive windows, a short run the first ones)."""
+    texts with the tokenizer's chat template first."""
     if seq_len < 2 or batch_size < 1:
         raise GhostedError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len} and {batch_size}.")
     tokenizer = text_tokenizer(tokenizer)
@@ -147,9 +146,6 @@ def tokenize_texts(tokenizer: Any, text: TextSource, seq_len: int, num_sequences
         raise empty_text(what, name)
     if num_sequences is not None and len(sequences) < num_sequences:
         logger.warning("Only %d sequences of %d tokens in %s (asked for %d).", len(sequences), seq_len, name, num_sequences)
-    if shuffle_seed is not None:
-        order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(shuffle_seed))
-        sequences = [sequences[i] for i in order]
     return TokenBatches(batch_sequences(sequences, batch_size, pad_token_id(tokenizer)), name, identity.sha256,
                         identity.documents)
 
