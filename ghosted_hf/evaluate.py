@@ -21,25 +21,20 @@ from tqdm.auto import tqdm
 
 from .assets import cache_root
 from .errors import GhostedError, MissingDependencyError
-from .statistics.capture import input_device
+from .statistics.capture import forward_token_losses, input_device
 from .text.tokens import text_tokenizer
 
 
 def perplexity(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], progress: bool = True,
                description: str = "Perplexity") -> float:
-    """exp of the mean next-token loss over every predicted real token of the batches (padding excluded)."""
+    """exp of the mean next-token loss over every predicted real token of the batches (padding excluded), the logits
+    made a chunk of positions at a time where the model's head takes positions (bounded memory at any vocabulary)."""
     nll, count = 0.0, 0
-    device = input_device(model)
     batches = list(batches)
-    with torch.no_grad():
-        for batch in tqdm(batches, desc=description, disable=not progress, leave=False):
-            ids = batch["input_ids"].to(device)
-            mask = batch["attention_mask"].to(device)
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
-            predicted = (mask[:, 1:] * mask[:, :-1]).bool()
-            losses = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
-            nll += float(losses[predicted].sum())
-            count += int(predicted.sum())
+    for batch in tqdm(batches, desc=description, disable=not progress, leave=False):
+        losses = forward_token_losses(model, batch).sum(dim=(0, 1))
+        nll += float(losses[0])
+        count += int(losses[1])
     if count == 0:
         raise GhostedError("No token to score: the evaluation text is empty.")
     return math.exp(nll / count)

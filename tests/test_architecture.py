@@ -17,7 +17,7 @@ LAYERS = {
     1: {"text.__init__", "text.documents", "text.tokens", "assets", "utils.distributed", "model.checkpoint",
         "model.provenance"},
     2: {"statistics.declarations", "statistics.plan", "statistics.store", "statistics.origin", "statistics.capture",
-        "statistics.accumulate", "statistics.passes", "statistics.layerwise", "statistics.__init__"},
+        "statistics.accumulate", "statistics.patch", "statistics.passes", "statistics.layerwise", "statistics.__init__"},
     3: {"fitting.__init__", "fitting.operators", "fitting.selection", "fitting.subblocks", "fitting.units"},
     4: {"model.__init__", "model.verify", "model.surgery", "model.folding"},
     5: {"io.__init__", "io.summary", "io.card", "io.hub", "model.loading", "evaluate", "io.files"},

@@ -78,7 +78,9 @@ def test_streaming_equals_in_memory_and_padding_is_excluded() -> None:
         stats = collect_statistics(model, batch_sequences(seqs, batch_size, PAD), PLAN, progress=False)
         assert stats.tokens == sum(map(len, seqs))
         for key, expected in reference.items():
-            assert relative_error(stats.tensors[key], expected) < tolerance, (batch_size, key)
+            # (the loss's logits are made a few positions at a time: float32 products of other shapes)
+            bound = max(tolerance, 1e-7) if key.startswith("loss") else tolerance
+            assert relative_error(stats.tensors[key], expected) < bound, (batch_size, key)
         assert stats[COSINE(1, 2)] is stats.tensors["cos.1.2"]
 
 

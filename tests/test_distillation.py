@@ -48,3 +48,27 @@ def test_the_kd_loss_of_a_model_against_itself_is_zero_and_hidden_states_are_the
     torch.testing.assert_close(model.lm_head(captured[0]), logits)
     loss = chunked_kd_loss(captured[0], captured[0], shifted_labels(ids), model.lm_head, model.lm_head, chunk=5)
     assert abs(float(loss)) < 1e-6
+
+
+def test_the_chunked_next_token_loss_equals_the_models_own_loss_and_gradient() -> None:
+    """Healing without a teacher: the next-token loss a few positions at a time, from the final hidden states, is the
+    model's own loss (transformers' shifted cross-entropy over whole logits), in value and gradient."""
+    model = build("llama")
+    ids = torch.randint(3, 100, (2, 13), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[1, 8:] = -100
+    weight = model.model.layers[-1].mlp.down_proj.weight
+    results = []
+    for chunked in (True, False):
+        model.zero_grad()
+        if chunked:
+            with final_hidden_states(model) as captured:
+                model(input_ids=ids, logits_to_keep=1)
+            loss = chunked_kd_loss(captured[-1], None, shifted_labels(labels), model.get_output_embeddings(), None,
+                                   kd_weight=0.0, chunk=5)
+        else:
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        results.append((loss.detach(), weight.grad.clone()))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-7)

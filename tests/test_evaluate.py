@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from tiny import PAD, build, char_tokenizer, requires
+from tiny import PAD, build, char_tokenizer, requires, tiny_family
 
 from ghosted_hf.evaluate import _package_dir, perplexity, zero_shot
 from ghosted_hf.text.tokens import batch_sequences
@@ -23,6 +23,26 @@ def test_perplexity_is_exp_mean_nll_over_real_next_tokens() -> None:
             nll -= sum(float(logp[i, seq[i + 1]]) for i in range(len(seq) - 1))
             count += len(seq) - 1
     assert math.isclose(perplexity(model, batches, progress=False), math.exp(nll / count), rel_tol=1e-5)
+
+
+def test_chunked_losses_equal_the_whole_logits_on_every_familys_head() -> None:
+    """Losses a few positions at a time, through each family's own head (Gemma's soft-capping, Cohere's logit scale,
+    Granite's logits scaling, tied and untied output layers), equal those of the whole logits: every registry family,
+    and derived ones whose layers return tuples (Falcon-H1, BLOOM), a hybrid (LFM2) and Gemma 4 (which skips
+    positions in its shared-KV layers when asked for the last logits by count)."""
+    from ghosted_hf.architectures import ARCHITECTURES
+    from ghosted_hf.statistics.capture import forward_token_losses, head_takes_positions, token_losses
+
+    batch = batch_sequences([[5, 9, 17, 33, 8, 4, 11, 60, 3, 2, 19], [7, 7, 21, 40]], 2, PAD)[0]
+    for name in [*sorted(ARCHITECTURES), "falcon_h1", "bloom", "lfm2", "gemma4_text", "gpt2"]:
+        model = tiny_family(name)
+        assert head_takes_positions(model), name
+        with torch.no_grad():
+            whole = token_losses(model, batch, logits=model(**batch, use_cache=False).logits)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        chunked = forward_token_losses(model, batch, logits_bytes=4 * 2 * vocab * 3)  # three positions a chunk
+        assert torch.equal(chunked[..., 1], whole[..., 1]) and int(whole[..., 1].sum()) == 10 + 3, name
+        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def _loglikelihood(model, tokenizer, context: str, continuation: str) -> float:

@@ -18,7 +18,7 @@ from ghosted_hf.architectures import architecture, decoder_layers, final_norm
 from ghosted_hf.io.files import verify_folder
 from ghosted_hf.model.loading import load_model
 from ghosted_hf.remote.format_ghosted import expected_boundaries
-from ghosted_hf.statistics.capture import apply_matrix
+from ghosted_hf.statistics.patch import apply_matrix
 
 FAMILIES = ["gemma3", "llama4", "qwen3_5", "qwen3_5_moe", "gemma4"]
 # Gemma 4's last layer must stay full attention and its layers 4 and 5 reuse layers 2's and 3's keys and values

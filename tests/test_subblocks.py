@@ -19,7 +19,7 @@ from ghosted_hf.pipelines.prune import decoder_parameters
 from ghosted_hf.remote.configuration_ghosted import GhostedConfig
 from ghosted_hf.remote.modeling_ghosted import SubBlockBypass
 from ghosted_hf.statistics import Patch
-from ghosted_hf.statistics.capture import bypassed, patched_stream
+from ghosted_hf.statistics.patch import bypassed, patched_stream
 
 CALIBRATION = dict(num_sequences=8, seq_len=64, batch_size=4)
 FAMILIES = sorted(ARCHITECTURES)

@@ -24,7 +24,7 @@ from ..errors import GhostedError
 from ..remote.format_ghosted import SUBBLOCK_KINDS, expected_boundaries
 from ..statistics import (LABELS, LOSS, SUBBLOCK_SUMS, CalibrationStatistics, Calibrator, Patch, StatisticsPlan,
                           least_squares, next_token_loss, subblock_terms)
-from ..statistics.capture import subblock_slot
+from ..statistics.patch import subblock_slot
 from .operators import operator_kind, ridge_solve, share_left, squared_residual
 
 Batch = Mapping[str, torch.Tensor]

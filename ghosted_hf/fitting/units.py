@@ -48,6 +48,8 @@ unit = UNITS.lookup
 
 @UNITS.register
 class Layers(Unit):
+    """Whole decoder layers: any criterion chooses them, any operator kind recovers each boundary."""
+
     name = "layer"
     help = "whole decoder layers, each boundary recovered by an operator"
     whole_layers, subblocks = True, False
@@ -74,6 +76,8 @@ class Layers(Unit):
 
 @UNITS.register
 class SubBlocks(Unit):
+    """Attention and MLP sub-blocks, chosen by their measured damage (or given), each map fitted down the network."""
+
     name = "subblock"
     help = "attention and MLP sub-blocks, each replaced by a closed-form linear map of the input it read"
     whole_layers, subblocks = False, True
@@ -114,6 +118,8 @@ class SubBlocks(Unit):
 
 @UNITS.register
 class Mixed(SubBlocks):
+    """Sub-blocks and whole layers as candidates of one choice; a run of removed layers is one ghost boundary."""
+
     name = "mixed"
     help = "both chosen together (a whole layer is one more candidate, its map the boundary's operator)"
     whole_layers, subblocks = True, True

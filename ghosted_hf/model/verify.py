@@ -15,7 +15,7 @@ from ..architectures import (ARCHITECTURES, Verdict, architecture, decoder_layer
                              removal_problem, small_configs)
 from ..errors import GhostedError, one_line
 from ..remote.format_ghosted import expected_boundaries
-from ..statistics.capture import apply_matrix, input_hook, output_hook
+from ..statistics.patch import apply_matrix, input_hook, output_hook
 
 Prune = Callable[..., PreTrainedModel]  # `surgery.prune_layers`, which the check prunes with (and which asks for it)
 

@@ -22,7 +22,7 @@ from ..remote.format_ghosted import GHOST_MODULE, LAYER_TARGET, decoder_paths, g
 from ..remote.modeling_ghosted import GhostedForCausalLM
 from ..statistics import (CROSS, ENERGY, GRAM, MLP_GRAM, MLP_SOURCE, MLP_TARGET, CalibrationStatistics, StatisticsPlan,
                           collect_statistics)
-from ..statistics.capture import replaced
+from ..statistics.patch import replaced
 from ..text.tokens import TextSource, TokenBatches
 from .prune import calibration_tokens
 

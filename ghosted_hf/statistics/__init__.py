@@ -5,7 +5,7 @@ forward pass into float64 sums; `passes` runs the full model (and `layerwise` on
 behind one interface; `store` holds the sums, writes and merges files; `origin` fingerprints the model.
 """
 
-from .capture import Patch
+from .patch import Patch
 from .declarations import (ABS, ANGULAR, COSINE, CROSS, ENERGY, GRAM, LABELS, LOSS, MLP_GRAM, MLP_SOURCE, MLP_TARGET,
                            NORMED_CROSS, NORMED_GRAM, NORMED_SOURCE, ROTATED_ABS, SUBBLOCK_SUMS, Entry, Statistic)
 from .layerwise import LayerwisePass

@@ -1,79 +1,44 @@
-"""Hidden states out of one truncated forward pass (hooks that stop the model after the deepest state
-needed), and the patched stream: the same model run as if pruned and patched, without building it."""
+"""Hidden states out of one truncated forward pass (hooks that stop the model after the deepest state needed), a pass
+resumed at a stored layer input, and next-token losses whose logits are made a chunk of positions at a time."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import ctypes.util
-import itertools
+import inspect
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..architectures import LAYER_FIELDS, architecture, decoder, decoder_layers, final_norm, pruned_config
+from ..architectures import decoder_layers, final_norm
 from ..errors import GhostedError, NonFiniteError
-from ..remote.format_ghosted import GHOST_MODULE
-from ..remote.modeling_ghosted import GhostOperator, SubBlockBypass, apply_ghost_operator
 from .declarations import LOSS_ROLE, SUBBLOCK_ROLES, token_loss
-
-
-@dataclass(frozen=True)
-class Patch:
-    """The model pruned of `removed` (dense numbering) with each boundary's operator `operators[first removed
-    layer]` applied to the stream it feeds (plus its normed term `normed[first removed layer]`), the MLP
-    output of layer j multiplied by `transforms[j]` (the transforms that fold into the MLP's output weights), and
-    sub-block `kind` of layer j replaced by the served module, a `SubBlockBypass` with the map and output count
-    `subblocks[(j, kind)]`."""
-
-    removed: tuple[int, ...] = ()
-    operators: Mapping[int, torch.Tensor] = field(default_factory=dict)
-    transforms: Mapping[int, torch.Tensor] = field(default_factory=dict)
-    normed: Mapping[int, torch.Tensor] = field(default_factory=dict)
-    subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]] = field(default_factory=dict)
-
-    def fed(self, depth: int) -> dict[int, int]:
-        """First removed layer of each boundary -> the index it feeds (depth: the final norm)."""
-        removed = set(self.removed)
-        return {i: next(end for end in itertools.count(i) if end not in removed)
-                for i in sorted(removed) if i - 1 not in removed}
-
-    def position(self, i: int) -> int:
-        """Where dense index `i` (a kept layer's input, or the final norm's) sits in the pruned model."""
-        if i in self.removed:
-            raise GhostedError(f"Layer {i} is removed in this patch: its input is not part of the patched stream.")
-        return i - sum(1 for r in self.removed if r < i)
-
-
-def same_below(a: Patch, b: Patch, j: int) -> bool:
-    """Whether patches `a` and `b` give the same stream into dense layer j: the same changes before it."""
-    def below(patch: Patch) -> tuple:
-        return ({i for i in patch.removed if i < j},
-                *({k: v for k, v in changes.items() if k < j}
-                  for changes in (patch.operators, patch.normed, patch.transforms)),
-                {k: v[0] for k, v in patch.subblocks.items() if k[0] < j})
-
-    def same(x: Mapping, y: Mapping) -> bool:
-        return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-
-    first, second = below(a), below(b)
-    return first[0] == second[0] and all(same(x, y) for x, y in zip(first[1:], second[1:]))
+from .patch import subblock_slot
 
 
 class _Resumed(nn.Module):
-    """Stands in for a decoder layer before the one a pass resumes at: passes the stream on, and the last of them
-    returns `state`, the stored dense input of the layer resumed at (masks and positions stay the model's own)."""
+    """Stands in for a decoder layer before the one a pass resumes at: returns `state`, the stored input of the layer
+    resumed at (masks and positions stay the model's own), or what the real last layer returned, as it returned it
+    (a tensor, or a family's tuple); each stand-in returns it, so the last one does whatever the loop does between
+    layers. Reads any other attribute off the layer it stands for (a hybrid's decoder asks its layers their type)."""
 
-    def __init__(self, state: torch.Tensor | None) -> None:
+    def __init__(self, state: Any, layer: nn.Module) -> None:
         super().__init__()
         self.state = state
+        object.__setattr__(self, "_layer", layer)  # (not a submodule: its weights are not this module's)
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return hidden_states if self.state is None else self.state.to(hidden_states.device)
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_layer"), name)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return self.state.to(hidden_states.device) if isinstance(self.state, torch.Tensor) else self.state
 
 
 @contextlib.contextmanager
@@ -83,7 +48,7 @@ def resumed(model: nn.Module, start: int, state: torch.Tensor | None) -> Iterato
     saved = [layers[j] for j in range(start)]
     try:
         for j in range(start):
-            layers[j] = _Resumed(state if j == start - 1 else None)
+            layers[j] = _Resumed(state, saved[j])
         yield
     finally:
         for j, layer in enumerate(saved):
@@ -94,127 +59,10 @@ class _StopForward(Exception):
     """Raised by the hook on the deepest needed hidden state: the rest of the model is not run."""
 
 
-def mlp_of(model: nn.Module, layer: nn.Module) -> nn.Module:
-    """The MLP sub-block of a decoder layer of `model` (the architecture registry's name for it)."""
-    return architecture(model).mlp.module(layer)
-
-
-def subblock_slot(model: nn.Module, layer: int, kind: str) -> tuple[nn.Module, str]:
-    """(decoder layer `layer` of `model`, the attribute that holds its sub-block `kind`), by the registry's names."""
-    module = decoder_layers(model)[layer]
-    return module, getattr(architecture(model), kind).attribute(module)
-
-
-def bypassed(model: nn.Module, subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]],
-             ) -> contextlib.AbstractContextManager:
-    """Within the context, sub-block `kind` of layer j is a `SubBlockBypass` (the module a ghosted model serves)
-    applying the map of `subblocks[(j, kind)]` (in float32, as saved); the sub-blocks are put back on exit."""
-    children = []
-    for (j, kind), (matrix, outputs) in sorted(subblocks.items()):
-        layer, name = subblock_slot(model, j, kind)
-        bypass = SubBlockBypass(matrix.shape[0], torch.float32, kind, j, outputs)
-        device = next(getattr(layer, name).parameters()).device
-        bypass.ghost.operator.data = matrix.to(device=device, dtype=torch.float32)
-        children.append((layer, name, bypass))
-    return replaced(children)
-
-
 def input_device(model: nn.Module) -> torch.device:
     """Where the model's inputs go (its embedding's device; the CPU for a meta skeleton)."""
     weight = model.get_input_embeddings().weight
     return torch.device("cpu") if weight.device.type == "meta" else weight.device
-
-
-def apply_matrix(matrix: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> x @ matrix, computed in the matrix's dtype (for hooks: an MLP transform, the skip reference's change)."""
-    def apply(x: torch.Tensor) -> torch.Tensor:
-        return (x.to(device=matrix.device, dtype=matrix.dtype) @ matrix).to(device=x.device, dtype=x.dtype)
-    return apply
-
-
-def input_hook(apply: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """A forward pre-hook (with kwargs) giving a module `apply` of the hidden state it reads."""
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if args:
-            return (apply(args[0]), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": apply(kwargs["hidden_states"])}
-    return hook
-
-
-def output_hook(apply: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """A forward hook giving `apply` of a module's output hidden state (the first of several outputs)."""
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        if isinstance(output, (tuple, list)):
-            return type(output)([apply(output[0]), *output[1:]])
-        return apply(output)
-    return hook
-
-
-def served_operator(matrix: torch.Tensor, normed: torch.Tensor | None = None) -> GhostOperator:
-    """The module a ghosted model serves at a boundary, holding `matrix` (and its normed term) in float32, as saved."""
-    module = GhostOperator(matrix.shape[0], torch.float32, normed=normed is not None)
-    module.operator.data = matrix.detach().float()
-    if normed is not None:
-        module.normed.data = normed.detach().float().to(module.operator.device)
-    return module
-
-
-@contextlib.contextmanager
-def replaced(children: Iterable[tuple[nn.Module, str, nn.Module]]) -> Iterator[None]:
-    """Within the context, each (parent, name, module): `module` is the child `name` of `parent` (a served module in
-    place of what was there, or added); the former children (or their absence) come back on exit."""
-    saved = []
-    try:
-        for parent, name, module in children:
-            saved.append((parent, name, parent._modules.get(name)))
-            setattr(parent, name, module)
-        yield
-    finally:
-        for parent, name, original in reversed(saved):
-            if original is None:
-                delattr(parent, name)
-            else:
-                setattr(parent, name, original)
-
-
-@contextlib.contextmanager
-def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
-    """Within the context, `model` computes the model pruned and patched by `patch`: the removed layers are
-    left out of its layer list (and of its per-layer config), each boundary's operator is the served `GhostOperator`
-    on what the boundary feeds, each replaced sub-block the served `SubBlockBypass`, each transform a hook on an MLP's
-    output (the served model folds it into the weights). Everything is restored on exit."""
-    inner, layers, norm = decoder(model), decoder_layers(model), final_norm(model)
-    depth, config, leaf = len(layers), inner.config, architecture(model).layout.layers.rpartition(".")[2]
-    kept = [i for i in range(depth) if i not in set(patch.removed)]
-    # The per-layer config fields the decoder's forward reads by position (layer_types, ...), as pruning sets them.
-    pruned = pruned_config(config, kept)
-    # (per_layer_config reads back as a per-layer view and is set as the sparse dict config.json holds.)
-    sparse = {"per_layer_config": config.to_dict().get("per_layer_config")}
-    saved = {name: sparse[name] if name in sparse else getattr(config, name)
-             for name in ("num_hidden_layers", *LAYER_FIELDS) if hasattr(config, name)
-             and (name not in sparse or sparse[name] is not None)}
-    handles, operators = [], []
-    for first, fed in patch.fed(depth).items():
-        if first in patch.operators:
-            operators.append((layers[fed] if fed < depth else norm, GHOST_MODULE,
-                              served_operator(patch.operators[first], patch.normed.get(first))))
-    try:
-        handles += [parent.register_forward_pre_hook(apply_ghost_operator, with_kwargs=True)
-                    for parent, _, _ in operators]
-        for j, matrix in patch.transforms.items():
-            handles.append(mlp_of(model, layers[j]).register_forward_hook(output_hook(apply_matrix(matrix))))
-        setattr(inner, leaf, nn.ModuleList([layers[i] for i in kept]))
-        for name in saved:
-            setattr(config, name, pruned.to_dict()[name] if name in sparse else getattr(pruned, name))
-        with replaced(operators), bypassed(model, {(patch.position(j), kind): value
-                                                   for (j, kind), value in patch.subblocks.items()}):
-            yield
-    finally:
-        setattr(inner, leaf, layers)
-        for name, value in saved.items():
-            setattr(config, name, value)
-        for handle in handles:
-            handle.remove()
 
 
 def subblock_place(read: tuple[str, int]) -> str:
@@ -293,39 +141,126 @@ def capture_hidden_states(
         captured[read] = rows(value.reshape(*keep.shape, value.shape[-1]), subblock_place(read)).to(device)
 
     handles = []
+    chunked = loss and head_takes_positions(model)  # (the forward then makes one position's logits)
     try:
         # Registered after any patch's hooks: what is captured is what the next module receives.
         for i in range(deepest + 1):
             handles.append((layers[i] if i < depth else norm).register_forward_pre_hook(pre_hook(i), with_kwargs=True))
         handles += watch_subblocks(model, reads, record)
         first = input_device(model)
-        with torch.no_grad():
+        with torch.no_grad(), last_layer_output(model) as last:
             try:
-                output = model(**{k: v.to(first) for k, v in batch.items()}, use_cache=False)
+                output = model(**{k: v.to(first) for k, v in batch.items()}, use_cache=False,
+                               **({"logits_to_keep": last_position(batch)} if chunked else {}))
             except _StopForward as stop:
                 # The traceback's frames hold this batch's activations in reference cycles (the hook closures and
                 # transformers' wrappers) that only the cyclic GC frees, seldom: free them now.
                 traceback.clear_frames(stop.__traceback__)
                 output = None
-            if loss:
-                captured[token_loss(depth)] = token_losses(output.logits, batch, keep).to(device)
     finally:
         for handle in handles:
             handle.remove()
+    if loss:
+        if chunked and whole_sequence(last["output"], batch):
+            losses = token_losses(model, batch, last_output=last["output"])
+        else:  # (a family that gave its last layer fewer positions: the whole logits, one more forward)
+            losses = token_losses(model, batch, logits=output.logits if not chunked else whole_logits(model, batch))
+        captured[token_loss(depth)] = losses[keep.to(losses.device)].to(device)
     return captured
 
 
-def token_losses(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
-    """(N, 2) float64 for the kept tokens: (cross-entropy of the next token, 1) where the next token is real, else
-    (0, 0); the mean loss is the first column's sum over the second's."""
-    ids, mask = batch["input_ids"].to(logits.device), batch["attention_mask"].to(logits.device).bool()
-    labeled = torch.zeros_like(mask)
-    labeled[:, :-1] = mask[:, 1:] & mask[:, :-1]
-    losses = torch.zeros(mask.shape, dtype=torch.float64, device=logits.device)
-    losses[:, :-1] = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(),
-                                                       reduction="none").view(ids.shape[0], -1)  # (float32, as logits)
-    both = torch.stack([losses * labeled, labeled.double()], dim=-1)
-    return both[keep.to(logits.device)]
+LOGITS_BYTES = 256 * 2**20  # the float32 logits one chunk of a loss may hold
+
+
+def head_takes_positions(model: nn.Module) -> bool:
+    """Whether `model`'s forward computes logits for given positions only (transformers' `logits_to_keep`) and its
+    decoder layers are known: then its losses are computed a chunk of positions at a time."""
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters or model.get_output_embeddings() is None:
+        return False
+    try:
+        decoder_layers(model)
+    except GhostedError:
+        return False
+    return True
+
+
+def token_losses(model: nn.Module, batch: Mapping[str, torch.Tensor], *, logits: torch.Tensor | None = None,
+                 last_output: Any = None, logits_bytes: int = LOGITS_BYTES) -> torch.Tensor:
+    """(B, T, 2) float64: (cross-entropy of the next token, 1) where the next token is real, else (0, 0); a mean loss
+    is the first column's sum over the second's. From whole `logits` where a forward made them, else from
+    `last_output` (what the last decoder layer returned) through the model's own forward with every decoder layer
+    passing it on (its final norm, output layer, soft-capping and scaling), a chunk of positions at a time whose
+    float32 logits hold at most `logits_bytes`: no [batch, sequence, vocabulary] tensor exists at once (where the
+    family's head takes positions)."""
+    device = logits.device if logits is not None else input_device(model)
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    rows, length = ids.shape
+    labeled = torch.zeros_like(mask, dtype=torch.bool)
+    labeled[:, :-1] = mask[:, 1:].bool() & mask[:, :-1].bool()
+    losses = torch.zeros(ids.shape, dtype=torch.float64, device=device)
+
+    def put(start: int, end: int, chunk: torch.Tensor) -> None:  # (cross-entropy in float32, as the logits)
+        targets = ids[:, start + 1:end + 1].flatten().to(chunk.device)
+        losses[:, start:end] = nn.functional.cross_entropy(chunk.float().flatten(0, 1), targets,
+                                                           reduction="none").view(rows, -1).to(device)
+
+    if logits is not None:
+        put(0, length - 1, logits[:, :-1])
+        return torch.stack([losses * labeled, labeled.double()], dim=-1)
+    with torch.no_grad(), resumed(model, len(decoder_layers(model)), last_output):
+        if not head_takes_positions(model):  # (a family whose head makes every position's logits)
+            put(0, length - 1, model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1])
+        else:
+            step = max(1, logits_bytes // (4 * rows * model.get_output_embeddings().weight.shape[0]))
+            for start in range(0, length - 1, step):
+                end = min(start + step, length - 1)
+                put(start, end, model(input_ids=ids, attention_mask=mask, use_cache=False,
+                                      logits_to_keep=torch.arange(start, end, device=device)).logits)
+    return torch.stack([losses * labeled, labeled.double()], dim=-1)
+
+
+def forward_token_losses(model: nn.Module, batch: Mapping[str, torch.Tensor],
+                         logits_bytes: int = LOGITS_BYTES) -> torch.Tensor:
+    """`token_losses` of one forward of `model` over `batch`: chunked where the model's head takes positions (the
+    forward then makes the logits of one position), else from its whole logits."""
+    if head_takes_positions(model):
+        inputs = {k: v.to(input_device(model)) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+        with torch.no_grad(), last_layer_output(model) as last:
+            model(**inputs, use_cache=False, logits_to_keep=last_position(batch))
+        if whole_sequence(last["output"], batch):
+            return token_losses(model, batch, last_output=last["output"], logits_bytes=logits_bytes)
+    return token_losses(model, batch, logits=whole_logits(model, batch))
+
+
+def whole_logits(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The logits of every position of one forward over `batch`."""
+    inputs = {k: v.to(input_device(model)) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        return model(**inputs, use_cache=False).logits
+
+
+def last_position(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """`logits_to_keep` for one forward whose logits are not used: the last position, as positions (an integer would
+    let a family skip positions in its last layers, Gemma 4's shared-KV layers)."""
+    return torch.tensor([batch["input_ids"].shape[1] - 1])
+
+
+def whole_sequence(output: Any, batch: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a decoder layer's `output` (a tensor, or a tuple that starts with one) covers every position of
+    `batch`, as the chunked losses need it."""
+    hidden = output[0] if isinstance(output, (tuple, list)) else output
+    return isinstance(hidden, torch.Tensor) and tuple(hidden.shape[:2]) == tuple(batch["input_ids"].shape)
+
+
+@contextlib.contextmanager
+def last_layer_output(model: nn.Module) -> Iterator[dict[str, Any]]:
+    """Within the context, `found["output"]` is what the last decoder layer of `model` last returned."""
+    found: dict[str, Any] = {}
+    handle = decoder_layers(model)[-1].register_forward_hook(lambda module, args, output: found.update(output=output))
+    try:
+        yield found
+    finally:
+        handle.remove()
 
 
 try:

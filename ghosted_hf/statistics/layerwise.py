@@ -24,9 +24,9 @@ from ..architectures import architecture, decoder, decoder_layers, final_norm, l
 from ..errors import GhostedError, MissingFileError
 from ..model.checkpoint import check_folder, weight_map
 from .accumulate import StatisticsAccumulator
-from .capture import (Patch, _StopForward, bypassed, finite_rows, release_freed_memory, resumed, served_operator, subblock_place,
-                      token_losses, watch_subblocks)
+from .capture import _StopForward, finite_rows, release_freed_memory, subblock_place, token_losses, watch_subblocks
 from .declarations import SUBBLOCK_ROLES, Read, source, target, token_loss
+from .patch import Patch, bypassed, served_operator
 from .origin import model_fingerprint
 from .passes import Batch, CalibrationPass
 from .plan import StatisticsPlan
@@ -329,10 +329,7 @@ class _Streams:
         stream = self.patched if self.patched is not None else self.dense
         try:
             for b, batch in enumerate(self.batches):
-                with torch.no_grad(), resumed(skeleton, len(self.layers), stream.get(b)):
-                    logits = skeleton(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                      use_cache=False).logits
-                yield b, token_losses(logits, batch, batch["attention_mask"].bool())
+                yield b, token_losses(skeleton, batch, last_output=stream.get(b))[batch["attention_mask"].bool()]
         finally:
             for part in (*parts, head):
                 part.to("meta")

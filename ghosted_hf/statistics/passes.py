@@ -24,9 +24,9 @@ from ..text.tokens import TokenBatches
 from ..utils.distributed import all_reduce_sums, check_agreement, process_rank
 from ..utils.hashing import string_sha256
 from .accumulate import StatisticsAccumulator
-from .capture import (Patch, capture_hidden_states, input_device, patched_stream, release_freed_memory, resumed,
-                      same_below, watch_subblocks)
+from .capture import capture_hidden_states, input_device, release_freed_memory, resumed, watch_subblocks
 from .declarations import Read, block_output
+from .patch import Patch, patched_stream, same_below
 from .origin import model_fingerprint
 from .plan import StatisticsPlan
 from .store import CalibrationStatistics, ShardSpec

@@ -1,6 +1,6 @@
-"""Distillation loss that does not hold batch x sequence x vocabulary logits: the student's and the teacher's final
-hidden states are taken once, and the logits, log-softmaxes and KL are computed (and recomputed in the backward
-pass) a chunk of token positions at a time, so memory grows with chunk x vocabulary only."""
+"""Healing's losses without batch x sequence x vocabulary logits: the student's (and the teacher's) final hidden states
+are taken once, and the logits, log-softmaxes, KL and next-token cross-entropy are computed (and recomputed in the
+backward pass) a chunk of token positions at a time, so memory grows with chunk x vocabulary only."""
 
 from __future__ import annotations
 
@@ -17,32 +17,38 @@ from ...architectures import final_norm
 Head = Callable[[torch.Tensor], torch.Tensor]  # an output layer: hidden states -> logits
 
 
-def _chunk_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor,
-                 student_head: Head, teacher_head: Head) -> torch.Tensor:
-    """(sum of KL(teacher || student), sum of next-token cross-entropy) over one chunk of positions."""
+def _chunk_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor | None, labels: torch.Tensor,
+                 student_head: Head, teacher_head: Head | None) -> torch.Tensor:
+    """(sum of KL(teacher || student), sum of next-token cross-entropy) over one chunk of positions (no teacher: a KL
+    of 0)."""
     predicted = student_head(student_hidden).float().log_softmax(-1)
-    with torch.no_grad():
-        target = teacher_head(teacher_hidden).float().log_softmax(-1).to(predicted.device)
-    kl = (target.exp() * (target - predicted)).sum()
+    if teacher_hidden is None:
+        kl = predicted.new_zeros(())
+    else:
+        with torch.no_grad():
+            target = teacher_head(teacher_hidden).float().log_softmax(-1).to(predicted.device)
+        kl = (target.exp() * (target - predicted)).sum()
     real = labels != -100
     ce = -predicted[real].gather(-1, labels[real].unsqueeze(-1)).sum()
     return torch.stack([kl, ce])
 
 
-def chunked_kd_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor,
-                    student_head: Head, teacher_head: Head, *, kd_weight: float = 1.0,
+def chunked_kd_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor | None, labels: torch.Tensor,
+                    student_head: Head, teacher_head: Head | None, *, kd_weight: float = 1.0,
                     chunk: int = 1024) -> torch.Tensor:
     """`kd_weight` x mean KL(teacher || student) over every position + (1 - `kd_weight`) x mean next-token
     cross-entropy over the positions whose `labels` (already shifted: the token each position predicts) are not
-    -100. Hidden states are (batch, length, channels) on their models' devices; each chunk of `chunk` positions is
-    checkpointed, so only hidden states are kept for the backward pass, not logits."""
+    -100 (no teacher: `kd_weight` 0, the next-token loss). Hidden states are (batch, length, channels) on their
+    models' devices; each chunk of `chunk` positions is checkpointed, so only hidden states are kept for the backward
+    pass, not logits."""
     flat_student = student_hidden.reshape(-1, student_hidden.shape[-1])
-    flat_teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+    flat_teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]) if teacher_hidden is not None else None
     flat_labels = labels.reshape(-1).to(flat_student.device)
     sums = torch.zeros(2, device=flat_student.device)
     for start in range(0, flat_student.shape[0], chunk):
         part = slice(start, start + chunk)
-        sums = sums + checkpoint(_chunk_terms, flat_student[part], flat_teacher[part], flat_labels[part],
+        sums = sums + checkpoint(_chunk_terms, flat_student[part],
+                                 flat_teacher[part] if flat_teacher is not None else None, flat_labels[part],
                                  student_head, teacher_head, use_reentrant=False)
     kl = sums[0] / flat_student.shape[0]
     if kd_weight == 1.0:

@@ -85,7 +85,8 @@ class HealOptions(Options, TrainingArguments):
     seq_len: int = option(256, "Training sequence length in tokens (documents are packed, joined by EOS).")
     kd_weight: float | None = option(None, "With a teacher: the weight of KL(teacher || student); the rest, "
                                            "1 - kd_weight, goes to the next-token loss (None: 1).")
-    kl_chunk: int = option(1024, "With a teacher: token positions per chunk of the KL (memory: chunk x vocabulary).")
+    kl_chunk: int = option(1024, "Token positions per chunk of the loss's logits, the KL's and the next-token loss's "
+                                 "(memory: chunk x vocabulary).")
     eval_sequences: int = option(16, "Held-out sequences: carved off the start of the data as whole documents when no "
                                      "evaluation data is given (0: no held-out evaluation).")
     text_column: str = same_as(PruneOptions, "text_column")

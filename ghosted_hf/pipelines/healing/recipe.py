@@ -103,7 +103,7 @@ def heal(
     check_batch_memory(options.per_device_train_batch_size, options.seq_len, model.config, "per_device_train_batch_size")
     if teacher is not None:
         check_same_vocabulary(model, teacher)
-    plain_heads = teacher is None or (head_is_plain(model) and head_is_plain(teacher))
+    plain_heads = head_is_plain(model) and (teacher is None or head_is_plain(teacher))
     if checkpoints is not None and options.output_dir is not None and str(checkpoints) != options.output_dir:
         raise GhostedError(f"Two folders for the run's checkpoints: checkpoints={str(checkpoints)!r} and the options' "
                            f"output_dir={options.output_dir!r}; give one.")
@@ -160,7 +160,7 @@ def heal(
     evaluations = [{"step": e["step"], "loss": e["eval_loss"], "perplexity": e["eval_perplexity"]}
                    for e in history if "eval_loss" in e]
     logger.info("Healing loss %.4f -> %.4f over %d steps.", losses[0], losses[-1], len(losses))
-    distillation = ("kd_weight", "kl_chunk")  # recorded only where they applied
+    distillation = ("kd_weight",)  # recorded only where it applied
     record = {**{k: v for k, v in options.to_dict().items() if teacher is not None or k not in distillation},
               "precision": precision, "kd_weight": kd_weight if teacher is not None else None,
               "loss": ("KL to the teacher's logits" if teacher is not None else "next-token cross-entropy")

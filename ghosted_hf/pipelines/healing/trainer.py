@@ -54,7 +54,7 @@ class HealingTrainer(Trainer):
                  schedule: str, precision: str, plain_heads: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.teacher, self.kd_weight, self.kl_chunk, self.budget = teacher, kd_weight, kl_chunk, budget
-        self.plain_heads = plain_heads  # the chunked KL from hidden states gives both models' logits
+        self.plain_heads = plain_heads  # the chunked losses from hidden states give the models' logits
         self.schedule, self.precision = schedule, precision
         self._gathered_head: Head | None = None  # the student's output layer, gathered once under ZeRO-3
         # Every batch holds the same number of tokens: the mean loss per micro-batch, divided by the number of
@@ -73,8 +73,10 @@ class HealingTrainer(Trainer):
         # bf16 autocast here, not through accelerate's mixed precision: that also converts every output to fp32,
         # a copy of the batch x sequence x vocabulary logits each step (benchmarks/results/healing_loop.md).
         with torch.autocast(self.args.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-            if self.teacher is None or not model.training:
+            if (self.teacher is None or not model.training) and not self.plain_heads:
                 result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            elif self.teacher is None or not model.training:
+                result = self._next_token_loss(model, inputs, return_outputs)
             else:
                 result = self._distillation_loss(model, inputs, return_outputs)
         loss = result[0] if return_outputs else result
@@ -85,6 +87,15 @@ class HealingTrainer(Trainer):
                 "weights: ghosted inspect)."
             )
         return result
+
+    def _next_token_loss(self, model, inputs, return_outputs):
+        """The next-token loss from the final hidden states, its logits a chunk of positions at a time."""
+        features = {k: v for k, v in inputs.items() if k != "labels"}
+        with final_hidden_states(model) as captured:
+            outputs = model(**features, logits_to_keep=1)
+        loss = chunked_kd_loss(captured[-1], None, shifted_labels(inputs["labels"]), self._student_head(model), None,
+                               kd_weight=0.0, chunk=self.kl_chunk)
+        return (loss, outputs) if return_outputs else loss
 
     def _distillation_loss(self, model, inputs, return_outputs):
         ids, labels = inputs["input_ids"], shifted_labels(inputs["labels"])
