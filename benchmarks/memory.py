@@ -55,8 +55,10 @@ def main() -> None:
     parser.add_argument("--tree", type=Path, default=ROOT, help="The checkout whose ghosted_hf runs.")
     parser.add_argument("--commands", nargs="+", default=None, help="Only these rows (names as in the table).")
     parser.add_argument("--ghosted", type=Path, default=None, help="The ghosted Gemma 3 folder the healing rows heal.")
+    parser.add_argument("--scratch", type=Path, default=None,
+                        help="Where the commands write (kept; None: a temporary folder, removed).")
     args = parser.parse_args()
-    scratch = Path(tempfile.mkdtemp(prefix="ghosted-memory-"))
+    scratch = args.scratch or Path(tempfile.mkdtemp(prefix="ghosted-memory-"))
     try:
         rows = commands(scratch, args.ghosted)
         chosen = args.commands or list(rows)
@@ -69,7 +71,8 @@ def main() -> None:
             print(f"| `ghosted {shown.removeprefix('ghosted_hf.cli ')}` | {peak:.2f} | {seconds:.0f} | {status} |",
                   flush=True)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if args.scratch is None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

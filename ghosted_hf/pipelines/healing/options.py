@@ -85,8 +85,9 @@ class HealOptions(Options, TrainingArguments):
     seq_len: int = option(256, "Training sequence length in tokens (documents are packed, joined by EOS).")
     kd_weight: float | None = option(None, "With a teacher: the weight of KL(teacher || student); the rest, "
                                            "1 - kd_weight, goes to the next-token loss (None: 1).")
-    kl_chunk: int = option(1024, "Token positions per chunk of the loss's logits, the KL's and the next-token loss's "
-                                 "(memory: chunk x vocabulary).")
+    kl_chunk: int | None = option(None, "Token positions per chunk of the loss's logits, the KL's and the next-token "
+                                        "loss's (memory: chunk x vocabulary; None: as many as 256 MiB of float32 "
+                                        "logits hold).")
     eval_sequences: int = option(16, "Held-out sequences: carved off the start of the data as whole documents when no "
                                      "evaluation data is given (0: no held-out evaluation).")
     text_column: str = same_as(PruneOptions, "text_column")
@@ -122,7 +123,7 @@ class HealOptions(Options, TrainingArguments):
 
     def check(self) -> None:
         positive(self, "rank", "alpha", "seq_len", "per_device_train_batch_size", "gradient_accumulation_steps",
-                 "kl_chunk")
+                 *(("kl_chunk",) if self.kl_chunk is not None else ()))
         budgets = [name for name, given in (("max_steps", self.max_steps != -1), ("tokens", self.tokens is not None),
                                             ("minutes", self.minutes is not None)) if given]
         if len(budgets) > 1:

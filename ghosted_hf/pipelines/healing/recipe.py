@@ -21,6 +21,7 @@ from ...errors import GhostedError
 from ...model.loading import DTYPES, load_model, resolve
 from ...model.provenance import Provenance
 from ...remote.format_ghosted import GHOST_MODULE
+from ...statistics.capture import LOGITS_BYTES
 from ...text.documents import read_documents
 from ...text.tokens import TrainingSequences, training_sequences
 from ...utils.distributed import check_agreement, is_main_process
@@ -136,7 +137,8 @@ def heal(
             eval_dataset=sequences.held_out if len(sequences.held_out) else None,
             callbacks=[Schedule(budget), Record(budget, run), Progress(budget, per_step * options.seq_len, progress),
                        *callbacks],
-            teacher=teacher, kd_weight=kd_weight, kl_chunk=options.kl_chunk, budget=budget,
+            teacher=teacher, kd_weight=kd_weight, budget=budget,
+            kl_chunk=options.kl_chunk or max(1, LOGITS_BYTES // (4 * model.get_output_embeddings().weight.shape[0])),
             schedule=options.lr_scheduler_type, precision=precision, plain_heads=plain_heads)
         gather = sharded(trainer)
         fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
