@@ -249,3 +249,33 @@ def test_the_demo_removes_what_each_packaged_model_declares(dense_folder: Path, 
                  ["--model", str(dense_folder)]):
         assert main(["demo", *argv]) == 0
     assert fake_demo == [("gemma3-270m", 4), (None, 8), ("gemma3-270m", 6), (str(dense_folder), PruneOptions().num_layers)]
+
+
+def test_the_demo_measures_three_models_in_the_memory_of_two(dense_folder: Path, tmp_path: Path) -> None:
+    """The demo's plainly pruned model holds the dense model's own tensors, and scoring it leaves the dense model
+    whole: each row's perplexity is that of a model loaded on its own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ghosted_hf import assets
+    from ghosted_hf.evaluate import perplexity
+    from ghosted_hf.model.folding import to_stock_model
+    from ghosted_hf.model.surgery import prune_layers
+    from ghosted_hf.pipelines.demo import run_demo, sharing_copy
+    from ghosted_hf.text.tokens import tokenize_texts
+
+    dense = AutoModelForCausalLM.from_pretrained(dense_folder)
+    copied = sharing_copy(dense)
+    assert copied is not dense and copied.model.layers is not dense.model.layers
+    assert all(a is b for a, b in zip(copied.parameters(), dense.parameters()))
+
+    rows = run_demo(tmp_path / "out", PruneOptions(num_layers=1, num_sequences=4, seq_len=64), model=str(dense_folder),
+                    eval_windows=2, eval_seq_len=64)
+    tokenizer = AutoTokenizer.from_pretrained(dense_folder)
+    held_out = tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), 64, 2, batch_size=4).batches
+    removed = json.loads((tmp_path / "out" / "config.json").read_text())["removed_layers"]
+    alone = [AutoModelForCausalLM.from_pretrained(dense_folder),
+             to_stock_model(prune_layers(AutoModelForCausalLM.from_pretrained(dense_folder), removed))]
+    assert [row.name for row in rows] == ["dense", "plainly pruned", "ghosted"]
+    for row, model in zip(rows, alone):
+        assert row.perplexity == pytest.approx(perplexity(model.eval(), held_out, progress=False), rel=1e-6)
+    assert rows[1].parameters < rows[0].parameters

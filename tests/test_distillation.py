@@ -19,25 +19,30 @@ def full_logits_loss(student_hidden, teacher_hidden, labels, student_head, teach
     return kd_weight * kl + (1 - kd_weight) * ce
 
 
-@pytest.mark.parametrize("kd_weight, chunk", [(1.0, 7), (0.3, 7), (0.3, 1000)])
+@pytest.mark.parametrize("kd_weight, chunk", [(1.0, 7), (0.3, 7), (0.3, 1000), (0.0, 5)])
 def test_chunked_kd_loss_equals_the_full_logits_loss(kd_weight: float, chunk: int) -> None:
+    """Value and gradients (the hidden states', and the head's weight and bias where they require one, as the
+    forward pass forms them chunk by chunk) equal autograd's through whole logits."""
     torch.manual_seed(0)
-    student_head, teacher_head = nn.Linear(16, 50, bias=False), nn.Linear(16, 50, bias=False)
+    student_head, teacher_head = nn.Linear(16, 50, bias=True), nn.Linear(16, 50, bias=False)
     teacher_hidden = torch.randn(3, 11, 16)
     labels = torch.randint(0, 50, (3, 11))
     labels[1, 5:] = -100  # positions that must not count in the next-token term
     grads = []
     for chunked in (True, False):
+        student_head.zero_grad()
         student_hidden = torch.randn(3, 11, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
         if chunked:
             loss = chunked_kd_loss(student_hidden, teacher_hidden, shifted_labels(labels), student_head, teacher_head,
                                    kd_weight=kd_weight, chunk=chunk)
         else:
             loss = full_logits_loss(student_hidden, teacher_hidden, labels, student_head, teacher_head, kd_weight)
-        loss.backward()
-        grads.append((loss.detach(), student_hidden.grad))
+        (2.5 * loss).backward()
+        grads.append((loss.detach(), student_hidden.grad, student_head.weight.grad.clone(),
+                      student_head.bias.grad.clone()))
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-7)
+    for chunked, full in zip(grads[0][1:], grads[1][1:]):
+        torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-7)
 
 
 def test_the_kd_loss_of_a_model_against_itself_is_zero_and_hidden_states_are_the_heads_input() -> None:

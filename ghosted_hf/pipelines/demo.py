@@ -3,6 +3,8 @@ dense / plainly pruned / ghosted on held-out text."""
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 import statistics
 import time
@@ -70,6 +72,13 @@ def sample(model: torch.nn.Module, tokenizer, max_new_tokens: int = 24) -> str:
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
+def sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model`'s modules that holds the same parameter and buffer tensors: the plainly pruned model beside the
+    dense one without a second copy of their weights (pruning removes modules of the copy, never a tensor's values)."""
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, shared)
+
+
 def run_demo(output: str | Path, options: PruneOptions | None = None, model: str | None = None,
              eval_windows: int = 16, eval_seq_len: int = 512) -> list[Row]:
     """Prune `model` (a packaged model's name, a folder or Hub id; default: SmolLM2-135M) with `options` (default: the
@@ -87,9 +96,11 @@ def run_demo(output: str | Path, options: PruneOptions | None = None, model: str
         options = PruneOptions(num_layers=assets.demo_layers(model))
     ghosted = ghost_prune(load(), tokenizer, assets.wikipedia_split("calibration"), options)
     save_with_card(ghosted, output, tokenizer)
-    # The plainly pruned model as the stock checkpoint `--operator none` saves: no identity operators counted.
-    plain = to_stock_model(prune_layers(load(), ghosted.config.removed_layers))
-    models = {"dense": load(), "plainly pruned": plain, "ghosted": ghosted}
+    # The plainly pruned model as the stock checkpoint `--operator none` saves (no identity operators counted), made of
+    # the dense model's own tensors: three models in the memory of two.
+    dense = load()
+    plain = to_stock_model(prune_layers(sharing_copy(dense), ghosted.config.removed_layers))
+    models = {"dense": dense, "plainly pruned": plain, "ghosted": ghosted}
     seconds = prefill_seconds(list(models.values()), held_out.batches[0]["input_ids"][:1])
     return [Row(name, perplexity(m, held_out.batches, description=f"Perplexity ({name})"), count_parameters(m),
                 s, sample(m, tokenizer)) for (name, m), s in zip(models.items(), seconds)]

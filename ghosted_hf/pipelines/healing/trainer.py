@@ -4,7 +4,6 @@ chosen for the training length, and the FSDP / ZeRO-3 shards gathered at the end
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -110,7 +109,7 @@ class HealingTrainer(Trainer):
             with torch.no_grad():
                 target = self.teacher(input_ids=teacher_ids).logits
             outputs = model(input_ids=ids)
-            student, heads = outputs.logits, (nn.Identity(), nn.Identity())
+            student, heads = outputs.logits, (None, None)
         loss = chunked_kd_loss(student, target, labels, *heads, kd_weight=self.kd_weight, chunk=self.kl_chunk)
         return (loss, outputs) if return_outputs else loss
 
@@ -125,7 +124,8 @@ class HealingTrainer(Trainer):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([head.weight]):
-                self._gathered_head = functools.partial(nn.functional.linear, weight=head.weight.detach().clone())
+                self._gathered_head = nn.Module()
+                self._gathered_head.register_buffer("weight", head.weight.detach().clone())
         return self._gathered_head
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
