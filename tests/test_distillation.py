@@ -77,3 +77,47 @@ def test_the_chunked_next_token_loss_equals_the_models_own_loss_and_gradient() -
         results.append((loss.detach(), weight.grad.clone()))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "granite", "cohere", "bloom"])
+def test_a_family_head_chunked_loss_is_the_models_own_loss_and_gradient(arch: str) -> None:
+    """A head that is more than an output layer (Gemma 2's soft-capping, Granite's and Cohere's logit scaling) is run
+    as the family's forward after the last decoder layer, a few positions at a time (BLOOM: layers that return
+    tuples): the next-token loss, the KL to a teacher of the same family and their gradients (a decoder weight's,
+    and the final norm's, which only the head uses) are those of the whole logits."""
+    from tiny import tiny_family
+
+    from ghosted_hf.architectures import decoder_layers, final_norm
+    from ghosted_hf.pipelines.healing.distillation import family_head, head_is_plain
+    from ghosted_hf.statistics.capture import last_layer_output
+
+    model, teacher = tiny_family(arch).train(), tiny_family(arch, seed=1)
+    assert head_is_plain(model) == (arch == "bloom")
+    ids = torch.randint(3, 100, (2, 13), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[1, 8:] = -100
+    checked = [next(p for p in decoder_layers(model)[-1].parameters() if p.ndim == 2), final_norm(model).weight]
+    for kd_weight in (0.0, 0.4):
+        results = []
+        for chunked in (True, False):
+            model.zero_grad()
+            if chunked:
+                with last_layer_output(model) as last:
+                    model(input_ids=ids, logits_to_keep=1)
+                with torch.no_grad(), last_layer_output(teacher) as teacher_last:
+                    teacher(input_ids=ids, logits_to_keep=1)
+                states = [o[0] if isinstance(o, tuple) else o for o in (last["output"], teacher_last["output"])]
+                loss = chunked_kd_loss(*states, shifted_labels(labels),
+                                       family_head(model, last["output"]), family_head(teacher, teacher_last["output"]),
+                                       kd_weight=kd_weight, chunk=5, trained=model.parameters())
+            else:
+                logits = model(input_ids=ids).logits.float()
+                with torch.no_grad():
+                    target = teacher(input_ids=ids).logits.float().log_softmax(-1)
+                kl = (target.exp() * (target - logits.log_softmax(-1))).sum(-1).mean()
+                ce = nn.functional.cross_entropy(logits.flatten(0, 1), shifted_labels(labels).flatten(), ignore_index=-100)
+                loss = kd_weight * kl + (1 - kd_weight) * ce
+            loss.backward()
+            results.append((loss.detach(), *(w.grad.clone() for w in checked)))
+        for chunked, full in zip(*results):
+            torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-6)

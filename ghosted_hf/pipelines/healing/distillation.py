@@ -5,48 +5,50 @@ backward pass) a chunk of token positions at a time, so memory grows with chunk 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ...architectures import final_norm
+from ...architectures import decoder_layers, final_norm
+from ...statistics.capture import input_device, resumed
 
-Head = nn.Module  # an output layer: `weight` (vocabulary, channels) and an optional `bias`; None: the states are logits
+Head = Callable[[torch.Tensor], torch.Tensor]  # hidden states of some positions (positions, channels) -> their logits
 
 
 class _HeadLoss(torch.autograd.Function):
     """The loss and, in the same chunked pass, its gradient with respect to the student's hidden states (and to the
-    head's weight where it requires one): the backward pass only scales what the forward stored. One student-head
-    product per chunk forward and one for the gradient, the teacher's head once, against three and two with
-    checkpointed chunks, which recompute both in the backward pass (the teacher's logits included)."""
+    trained parameters the head uses): the backward pass only scales what the forward stored. One student-head
+    product per chunk and one for its gradient, the teacher's head once, against checkpointed chunks' five (the
+    backward pass recomputes both heads)."""
 
     @staticmethod
-    def forward(ctx, student: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                teacher: torch.Tensor | None, teacher_head: Head | None, labels: torch.Tensor, kd_weight: float,
-                chunk: int) -> torch.Tensor:
+    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor, student_head: Head,
+                teacher_head: Head | None, kd_weight: float, chunk: int, differentiate: bool,
+                *trained: torch.Tensor) -> torch.Tensor:
         positions, real = student.shape[0], labels != -100
         kl_scale = kd_weight / positions if teacher is not None else 0.0
         ce_scale = (1.0 - kd_weight) / max(int(real.sum()), 1)
-        grad = torch.empty_like(student)
-        grad_weight = torch.zeros_like(weight) if weight is not None and weight.requires_grad else None
-        grad_bias = torch.zeros_like(bias) if bias is not None and bias.requires_grad else None
+        grad, totals = torch.empty_like(student), [torch.zeros_like(p) for p in trained]
+        linear = isinstance(student_head, nn.Linear)
         kl = student.new_zeros((), dtype=torch.float64)
         ce = student.new_zeros((), dtype=torch.float64)
         for start in range(0, positions, chunk):
             part = slice(start, start + chunk)
-            hidden, rows = student[part], real[part]
-            logits = nn.functional.linear(hidden, weight, bias) if weight is not None else hidden
-            predicted = logits.float().log_softmax(-1)
-            del logits
+            with torch.enable_grad():  # (a linear head's gradient is written out below)
+                hidden = student[part].detach().requires_grad_(differentiate and not linear)
+                logits = student_head(hidden)
+            predicted = logits.detach().float().log_softmax(-1)
+            rows = real[part]
             scored, targets = rows.nonzero().squeeze(-1), labels[part][rows]
             if ce_scale:
                 ce -= predicted[scored, targets].sum().double()
             # d/dz of KL(t || s) is softmax(z) - p_t; of the cross-entropy, softmax(z) - onehot(label).
             step = predicted.exp().mul_((kl_scale + ce_scale * rows.float()).unsqueeze(-1))
             if kl_scale:
-                target = _head(teacher_head, teacher[part]).float().log_softmax(-1).to(predicted.device)
+                target = teacher_head(teacher[part]).float().log_softmax(-1).to(predicted.device)
                 probability = target.exp()
                 kl += target.sub_(predicted).mul_(probability).sum().double()
                 step.sub_(probability, alpha=kl_scale)
@@ -54,42 +56,63 @@ class _HeadLoss(torch.autograd.Function):
             if ce_scale:
                 step[scored, targets] -= ce_scale
             del predicted
-            if weight is None:
-                grad[part] = step.to(grad.dtype)
+            if not differentiate:
                 continue
-            grad[part] = (step.to(weight.dtype) @ weight).to(grad.dtype)
-            if grad_weight is not None:
-                grad_weight += step.to(weight.dtype).T @ hidden.to(weight.dtype)
-            if grad_bias is not None:
-                grad_bias += step.sum(0).to(bias.dtype)
-        ctx.save_for_backward(grad, grad_weight, grad_bias)
+            if linear:  # written out: a weight FSDP gathered must not enter a graph (the backward pass would crash)
+                weight = student_head.weight
+                found = [step.to(weight.dtype) @ weight, *(step.to(weight.dtype).T @ hidden.to(weight.dtype)
+                                                           if p is weight else step.sum(0).to(p.dtype) for p in trained)]
+            else:
+                found = torch.autograd.grad(logits, [hidden, *trained], step.to(logits.dtype), allow_unused=True)
+            grad[part] = found[0]
+            for total, piece in zip(totals, found[1:]):
+                if piece is not None:
+                    total += piece
+        ctx.save_for_backward(grad, *totals)
         return kl * kl_scale + ce * ce_scale
 
     @staticmethod
     def backward(ctx, scale: torch.Tensor):
-        grad, grad_weight, grad_bias = ctx.saved_tensors
-        scaled = [None if g is None else g * scale.to(g.dtype) for g in (grad, grad_weight, grad_bias)]
-        return *scaled, None, None, None, None, None
-
-
-def _head(head: Head | None, hidden: torch.Tensor) -> torch.Tensor:
-    return hidden if head is None else nn.functional.linear(hidden, head.weight, getattr(head, "bias", None))
+        grad, *totals = ctx.saved_tensors
+        return grad * scale.to(grad.dtype), *[None] * 7, *(t * scale.to(t.dtype) for t in totals)
 
 
 def chunked_kd_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor | None, labels: torch.Tensor,
-                    student_head: Head | None, teacher_head: Head | None, *, kd_weight: float = 1.0,
-                    chunk: int = 1024) -> torch.Tensor:
+                    student_head: Head, teacher_head: Head | None, *, kd_weight: float = 1.0, chunk: int = 1024,
+                    trained: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
     """`kd_weight` x mean KL(teacher || student) over every position + (1 - `kd_weight`) x mean next-token
     cross-entropy over the positions whose `labels` (already shifted: the token each position predicts) are not
     -100 (no teacher: `kd_weight` 0, the next-token loss). Hidden states are (batch, length, channels) on their
-    models' devices, turned into logits by their heads (None: they are logits) `chunk` positions at a time; the
-    gradient is formed in the same pass, so no logits are kept for the backward pass."""
+    models' devices, turned into logits by their heads `chunk` positions at a time; the gradient is formed in the same
+    pass, so no logits are kept for the backward pass. `trained`: the parameters requiring a gradient that the
+    student's head may use (default: the head's own, where it is a module)."""
     flat_student = student_hidden.reshape(-1, student_hidden.shape[-1])
     flat_teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]) if teacher_hidden is not None else None
     flat_labels = labels.reshape(-1).to(flat_student.device)
-    weight, bias = (None, None) if student_head is None else (student_head.weight, getattr(student_head, "bias", None))
-    loss = _HeadLoss.apply(flat_student, weight, bias, flat_teacher, teacher_head, flat_labels, kd_weight, chunk)
+    if trained is None:
+        trained = student_head.parameters() if isinstance(student_head, nn.Module) else ()
+    trained = [p for p in trained if p.requires_grad]
+    differentiate = torch.is_grad_enabled() and (flat_student.requires_grad or bool(trained))
+    loss = _HeadLoss.apply(flat_student, flat_teacher, flat_labels, student_head, teacher_head, kd_weight, chunk,
+                           differentiate, *trained)
     return loss.to(torch.float32)
+
+
+def family_head(model: PreTrainedModel, output: Any) -> Head:
+    """The family's own head (final norm, output layer, soft-capping, scaling, anything its forward does after the
+    decoder layers) as a function of the last decoder layer's hidden states, `output` being what that layer returned
+    (a tensor or a family's tuple): the model's forward with every decoder layer passing the given states on."""
+    depth = len(decoder_layers(model))
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        state = hidden.unsqueeze(0)
+        if isinstance(output, (tuple, list)):
+            state = (state, *output[1:])
+        ids = torch.zeros(hidden.shape[:1], dtype=torch.long, device=input_device(model)).unsqueeze(0)
+        with resumed(model, depth, state):
+            return model(input_ids=ids, use_cache=False).logits[0]
+
+    return head
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -97,20 +120,24 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model inside PEFT's and DDP's wrappers."""
+    while not isinstance(model, PreTrainedModel):
+        if hasattr(model, "get_base_model"):  # PEFT
+            model = model.get_base_model()
+        elif hasattr(model, "module"):  # DDP and the like
+            model = model.module
+        else:
+            break
+    return model
+
+
 @contextlib.contextmanager
 def final_hidden_states(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """Capture the output of the decoder's final norm during a forward pass of `model` (which may be wrapped by
     PEFT or DDP: the forward must go through the wrapper for DDP to synchronise gradients)."""
-    inner = model
-    while not isinstance(inner, PreTrainedModel):
-        if hasattr(inner, "get_base_model"):  # PEFT
-            inner = inner.get_base_model()
-        elif hasattr(inner, "module"):  # DDP and the like
-            inner = inner.module
-        else:
-            break
     captured: list[torch.Tensor] = []
-    handle = final_norm(inner).register_forward_hook(lambda module, args, output: captured.append(output))
+    handle = final_norm(unwrapped(model)).register_forward_hook(lambda module, args, output: captured.append(output))
     try:
         yield captured
     finally:

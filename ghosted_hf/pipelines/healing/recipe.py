@@ -104,7 +104,7 @@ def heal(
     check_batch_memory(options.per_device_train_batch_size, options.seq_len, model.config, "per_device_train_batch_size")
     if teacher is not None:
         check_same_vocabulary(model, teacher)
-    plain_heads = head_is_plain(model) and (teacher is None or head_is_plain(teacher))
+    plain_heads = head_is_plain(model), teacher is None or head_is_plain(teacher)
     if checkpoints is not None and options.output_dir is not None and str(checkpoints) != options.output_dir:
         raise GhostedError(f"Two folders for the run's checkpoints: checkpoints={str(checkpoints)!r} and the options' "
                            f"output_dir={options.output_dir!r}; give one.")

@@ -4,6 +4,7 @@ chosen for the training length, and the FSDP / ZeRO-3 shards gathered at the end
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,8 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from ...errors import GhostedError
 from ...utils.distributed import is_main_process
 from .callbacks import Budget, lr_factor
-from .distillation import Head, chunked_kd_loss, final_hidden_states, shifted_labels
+from ...statistics.capture import last_layer_output
+from .distillation import Head, chunked_kd_loss, family_head, final_hidden_states, shifted_labels, unwrapped
 
 EAGER_MAX_LEN = 256  # the training length measured faster with eager attention (benchmarks/healing_step.py)
 
@@ -50,10 +52,11 @@ class HealingTrainer(Trainer):
     our learning-rate schedule (by steps or by time), and the perplexity logged beside every evaluation loss."""
 
     def __init__(self, *args: Any, teacher: nn.Module | None, kd_weight: float, kl_chunk: int, budget: Budget,
-                 schedule: str, precision: str, plain_heads: bool = True, **kwargs: Any) -> None:
+                 schedule: str, precision: str, plain_heads: tuple[bool, bool] = (True, True), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.teacher, self.kd_weight, self.kl_chunk, self.budget = teacher, kd_weight, kl_chunk, budget
-        self.plain_heads = plain_heads  # the chunked losses from hidden states give the models' logits
+        self.plain_heads = plain_heads  # (student, teacher): logits = output layer of the final norm's output
+        self._sharded: bool | None = None
         self.schedule, self.precision = schedule, precision
         self._gathered_head: Head | None = None  # the student's output layer, gathered once under ZeRO-3
         # Every batch holds the same number of tokens: the mean loss per micro-batch, divided by the number of
@@ -72,51 +75,52 @@ class HealingTrainer(Trainer):
         # bf16 autocast here, not through accelerate's mixed precision: that also converts every output to fp32,
         # a copy of the batch x sequence x vocabulary logits each step (benchmarks/results/healing_loop.md).
         with torch.autocast(self.args.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-            if (self.teacher is None or not model.training) and not self.plain_heads:
-                result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            elif self.teacher is None or not model.training:
-                result = self._next_token_loss(model, inputs, return_outputs)
+            ids, labels = inputs["input_ids"], shifted_labels(inputs["labels"])
+            student, head, trained, outputs = self._states(model, ids, plain=self.plain_heads[0], student=True)
+            if self.teacher is None or not model.training:
+                loss = chunked_kd_loss(student, None, labels, head, None, kd_weight=0.0, chunk=self.kl_chunk,
+                                       trained=trained)
             else:
-                result = self._distillation_loss(model, inputs, return_outputs)
-        loss = result[0] if return_outputs else result
+                with torch.no_grad():
+                    target, teacher_head, _, _ = self._states(self.teacher, ids, plain=self.plain_heads[1])
+                loss = chunked_kd_loss(student, target, labels, head, teacher_head, kd_weight=self.kd_weight,
+                                       chunk=self.kl_chunk, trained=trained)
         if model.training and not torch.isfinite(loss.detach()).all():
             raise GhostedError(
                 f"Healing diverged at step {self.state.global_step + 1}: the training loss is {float(loss):g}. "
                 "Nothing was saved. Lower --learning-rate (or check that the model and the teacher hold finite "
                 "weights: ghosted inspect)."
             )
-        return result
-
-    def _next_token_loss(self, model, inputs, return_outputs):
-        """The next-token loss from the final hidden states, its logits a chunk of positions at a time."""
-        features = {k: v for k, v in inputs.items() if k != "labels"}
-        with final_hidden_states(model) as captured:
-            outputs = model(**features, logits_to_keep=1)
-        loss = chunked_kd_loss(captured[-1], None, shifted_labels(inputs["labels"]), self._student_head(model), None,
-                               kd_weight=0.0, chunk=self.kl_chunk)
         return (loss, outputs) if return_outputs else loss
 
-    def _distillation_loss(self, model, inputs, return_outputs):
-        ids, labels = inputs["input_ids"], shifted_labels(inputs["labels"])
-        teacher_ids = ids.to(next(self.teacher.parameters()).device)
-        if self.plain_heads:
-            with torch.no_grad():
-                target = self.teacher.get_decoder()(input_ids=teacher_ids).last_hidden_state
+    def _states(self, model: nn.Module, ids: torch.Tensor, *, plain: bool, student: bool = False):
+        """(hidden states, the head that makes them logits, the trained parameters that head uses, the forward's
+        outputs), from one forward of `model` over `ids` that makes the logits of one position only. A plain head
+        (logits = output layer of the final norm's output) reads the final norm's output; any other the last decoder
+        layer's, through the family's own head; under FSDP or ZeRO-3 (whose shards a second forward would gather
+        again) such a model's whole logits."""
+        ids = ids.to(next(model.parameters()).device)
+        inner = unwrapped(model)
+        if plain:
             with final_hidden_states(model) as captured:
-                outputs = model(input_ids=ids, logits_to_keep=1)  # the logits come chunk by chunk below
-            student, heads = captured[-1], (self._student_head(model), self.teacher.get_output_embeddings())
-        else:  # logits post-processed by the family's forward: KL of the forwards' own logits
-            with torch.no_grad():
-                target = self.teacher(input_ids=teacher_ids).logits
+                outputs = model(input_ids=ids, logits_to_keep=1)
+            head = self._student_head(model) if student else inner.get_output_embeddings()
+            return captured[-1], head, None, outputs
+        if self._sharded is None:
+            self._sharded = sharded(self)
+        if self._sharded:
             outputs = model(input_ids=ids)
-            student, heads = outputs.logits, (None, None)
-        loss = chunked_kd_loss(student, target, labels, *heads, kd_weight=self.kd_weight, chunk=self.kl_chunk)
-        return (loss, outputs) if return_outputs else loss
+            return outputs.logits, nn.Identity(), (), outputs
+        with last_layer_output(inner) as last:
+            outputs = model(input_ids=ids, logits_to_keep=1)
+        output = last["output"]
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        return hidden, family_head(inner, output), inner.parameters(), outputs
 
     def _student_head(self, model: nn.Module) -> Head:
         """The student's output layer, called chunk by chunk outside the model's forward. Under ZeRO-3 its weight is
-        a partition there (and again when the backward pass recomputes a chunk): gathered once into a plain copy,
-        which is exact because healing never trains the output layer."""
+        a partition there: gathered once into a plain copy, which is exact because healing never trains the output
+        layer."""
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
         if not hasattr(head.weight, "ds_id"):
             return head
@@ -124,8 +128,7 @@ class HealingTrainer(Trainer):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([head.weight]):
-                self._gathered_head = nn.Module()
-                self._gathered_head.register_buffer("weight", head.weight.detach().clone())
+                self._gathered_head = functools.partial(nn.functional.linear, weight=head.weight.detach().clone())
         return self._gathered_head
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
