@@ -377,3 +377,23 @@ def test_a_diverged_heal_stops_with_the_step_and_saves_nothing(cause: str, tmp_p
         save_with_card(model, tmp_path / "saved", char_tokenizer())
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == before  # the previous save is intact
     assert [p.name for p in tmp_path.iterdir()] == ["saved"]  # and no staging folder is left
+
+
+@pytest.mark.parametrize("teacher", [False, True])
+def test_a_family_whose_head_is_more_than_a_layer_heals_without_whole_logits(teacher: bool) -> None:
+    """Gemma 2 (soft-capped logits): training and held-out losses go through the family's own head a chunk of
+    positions at a time, never batch x sequence x vocabulary logits, and healing lowers the training loss."""
+    from tiny import tiny_family
+
+    dense = tiny_family("gemma2")
+    model = ghost_prune(copy.deepcopy(dense), char_tokenizer(), texts(), criterion="manual", layers=[1], **FAST)
+    rows: list[int] = []
+    model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(out.shape[:-1].numel()))
+    batches = tokenize_texts(char_tokenizer(), texts(), 48, batch_size=4).batches
+    measure = (lambda m: kl_to_dense(dense, m, batches)) if teacher else (lambda m: mean_lm_loss(m, batches))
+    before = measure(model)
+    rows.clear()
+    healed, losses, _, _ = heal(model, char_tokenizer(), texts(), teacher=dense if teacher else None, max_steps=10,
+                                learning_rate=5e-3, seq_len=48, kl_chunk=8, eval_sequences=2, progress=False)
+    assert len(losses) == 10 and rows and max(rows) <= 8, max(rows)
+    assert measure(healed) < before
