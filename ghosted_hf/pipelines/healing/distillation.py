@@ -1,6 +1,6 @@
-"""Healing's losses without batch x sequence x vocabulary logits: the student's (and the teacher's) final hidden states
-are taken once, and the logits, log-softmaxes, KL and next-token cross-entropy are computed (and recomputed in the
-backward pass) a chunk of token positions at a time, so memory grows with chunk x vocabulary only."""
+"""Healing's losses without batch x sequence x vocabulary logits: the student's (and the teacher's) hidden states are
+taken once, and the logits, log-softmaxes, KL, next-token cross-entropy and their gradient are computed a chunk of
+token positions at a time, through each model's own head, so memory grows with chunk x vocabulary only."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ Head = Callable[[torch.Tensor], torch.Tensor]  # hidden states of some positions
 
 class _HeadLoss(torch.autograd.Function):
     """The loss and, in the same chunked pass, its gradient with respect to the student's hidden states (and to the
-    trained parameters the head uses): the backward pass only scales what the forward stored. One student-head
-    product per chunk and one for its gradient, the teacher's head once, against checkpointed chunks' five (the
-    backward pass recomputes both heads)."""
+    trained parameters the head uses): the backward pass only scales what the forward stored. Per chunk, one
+    student-head product and one for its gradient, and the teacher's head once; checkpointed chunks recomputed both
+    heads in the backward pass."""
 
     @staticmethod
     def forward(ctx, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor, student_head: Head,

@@ -16,9 +16,9 @@ from transformers import PreTrainedModel, Trainer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from ...errors import GhostedError
+from ...statistics.capture import last_layer_output
 from ...utils.distributed import is_main_process
 from .callbacks import Budget, lr_factor
-from ...statistics.capture import last_layer_output
 from .distillation import Head, chunked_kd_loss, family_head, final_hidden_states, shifted_labels, unwrapped
 
 EAGER_MAX_LEN = 256  # the training length measured faster with eager attention (benchmarks/healing_step.py)
