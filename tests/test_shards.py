@@ -189,3 +189,7 @@ def test_subblock_units_prune_from_shards_as_from_text(tmp_path: Path) -> None:
     purposes = lambda model: [p["purpose"] for p in model.config.ghost_provenance["cost"]["passes"]]  # noqa: E731
     assert "statistics of every candidate" in purposes(from_text)
     assert "statistics of every candidate" not in purposes(from_file)
+    # Statistics of one text and passes on another would be mixed in one fit: refused.
+    with pytest.raises(GhostedError, match="collected on other calibration tokens"):
+        ghost_prune(build("llama"), char_tokenizer(), texts(seed=1), statistics=tmp_path / "merged.safetensors",
+                    **mixed)
