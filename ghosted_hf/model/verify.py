@@ -15,7 +15,7 @@ from ..architectures import (ARCHITECTURES, Verdict, architecture, decoder_layer
                              removal_problem, small_configs)
 from ..errors import GhostedError, one_line
 from ..remote.format_ghosted import expected_boundaries
-from ..statistics.patch import apply_matrix, input_hook, output_hook
+from ..statistics.patch import apply_matrix, input_hook, output_hook, with_hidden
 
 Prune = Callable[..., PreTrainedModel]  # `surgery.prune_layers`, which the check prunes with (and which asks for it)
 
@@ -171,8 +171,7 @@ def _compare_with_skip_reference(twin: PreTrainedModel, prune: Prune, subblocks:
 
 
 def _passed_through(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    hidden = args[0] if args else kwargs["hidden_states"]
-    return type(output)([hidden, *output[1:]]) if isinstance(output, (tuple, list)) else hidden
+    return with_hidden(output, args[0] if args else kwargs["hidden_states"])
 
 
 def _replaced(matrix: torch.Tensor, outputs: dict, key: tuple) -> Callable:

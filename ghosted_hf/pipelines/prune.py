@@ -310,7 +310,7 @@ def prepare_calibration(calibration_pass: CalibrationPass, tokenizer: Any, calib
         raise GhostedError("A tokenizer is needed to tokenize the calibration text.")
     data = calibration_tokens(tokenizer, calibration, options, calibration_pass.config, calibration_pass.vocab_size,
                               operator_kind(options.operator).regressors)
-    if statistics is not None and statistics.origin.get("data", data.token_sha256()) != data.token_sha256():
+    if statistics is not None and statistics.origin.get("data") not in (None, data.token_sha256()):
         raise GhostedError("The given statistics were collected on other calibration tokens than the calibration text "
                            "given here, and the two would be mixed in one fit: pass the text they were collected from "
                            "with the same seq_len, num_sequences and batch_size, or collect statistics on this text.")

@@ -17,7 +17,7 @@ from torch import nn
 from ..architectures import decoder_layers, final_norm
 from ..errors import GhostedError, NonFiniteError
 from .declarations import LOSS_ROLE, SUBBLOCK_ROLES, token_loss
-from .patch import subblock_slot
+from .patch import hidden_of, subblock_slot
 
 
 class _Resumed(nn.Module):
@@ -87,7 +87,7 @@ def watch_subblocks(model: nn.Module, reads: Iterable[tuple[str, int]],
             value = (args[0] if args else kwargs["hidden_states"]) if reading else output
             if outputs is not None and not reading:
                 outputs[(read[1], kind)] = len(output) if isinstance(output, (tuple, list)) else 0
-            record(read, value[0] if isinstance(value, (tuple, list)) else value)
+            record(read, hidden_of(value))
         register = module.register_forward_pre_hook if reading else module.register_forward_hook
         handles.append(register(hook, with_kwargs=True))
     return handles
@@ -248,7 +248,7 @@ def last_position(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
 def whole_sequence(output: Any, batch: Mapping[str, torch.Tensor]) -> bool:
     """Whether a decoder layer's `output` (a tensor, or a tuple that starts with one) covers every position of
     `batch`, as the chunked losses need it."""
-    hidden = output[0] if isinstance(output, (tuple, list)) else output
+    hidden = hidden_of(output)
     return isinstance(hidden, torch.Tensor) and tuple(hidden.shape[:2]) == tuple(batch["input_ids"].shape)
 
 

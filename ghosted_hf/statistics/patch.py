@@ -101,12 +101,20 @@ def input_hook(apply: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     return hook
 
 
+def hidden_of(output: Any) -> Any:
+    """The hidden state a module returned: its output, or the first of several."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def with_hidden(output: Any, hidden: torch.Tensor) -> Any:
+    """`output` with its hidden state (itself, or the first of several outputs) replaced by `hidden`."""
+    return type(output)([hidden, *output[1:]]) if isinstance(output, (tuple, list)) else hidden
+
+
 def output_hook(apply: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     """A forward hook giving `apply` of a module's output hidden state (the first of several outputs)."""
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        if isinstance(output, (tuple, list)):
-            return type(output)([apply(output[0]), *output[1:]])
-        return apply(output)
+        return with_hidden(output, apply(hidden_of(output)))
     return hook
 
 

@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from ...architectures import decoder_layers, final_norm
 from ...statistics.capture import input_device, resumed
+from ...statistics.patch import with_hidden
 
 Head = Callable[[torch.Tensor], torch.Tensor]  # hidden states of some positions (positions, channels) -> their logits
 
@@ -105,9 +106,7 @@ def family_head(model: PreTrainedModel, output: Any) -> Head:
     depth = len(decoder_layers(model))
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
-        state = hidden.unsqueeze(0)
-        if isinstance(output, (tuple, list)):
-            state = (state, *output[1:])
+        state = with_hidden(output, hidden.unsqueeze(0))
         ids = torch.zeros(hidden.shape[:1], dtype=torch.long, device=input_device(model)).unsqueeze(0)
         with resumed(model, depth, state):
             return model(input_ids=ids, use_cache=False).logits[0]

@@ -17,6 +17,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from ...errors import GhostedError
 from ...statistics.capture import last_layer_output
+from ...statistics.patch import hidden_of
 from ...utils.distributed import is_main_process
 from .callbacks import Budget, lr_factor
 from .distillation import Head, chunked_kd_loss, family_head, final_hidden_states, shifted_labels, unwrapped
@@ -113,9 +114,7 @@ class HealingTrainer(Trainer):
             return outputs.logits, nn.Identity(), (), outputs
         with last_layer_output(inner) as last:
             outputs = model(input_ids=ids, logits_to_keep=1)
-        output = last["output"]
-        hidden = output[0] if isinstance(output, (tuple, list)) else output
-        return hidden, family_head(inner, output), inner.parameters(), outputs
+        return hidden_of(last["output"]), family_head(inner, last["output"]), inner.parameters(), outputs
 
     def _student_head(self, model: nn.Module) -> Head:
         """The student's output layer, called chunk by chunk outside the model's forward. Under ZeRO-3 its weight is
