@@ -74,6 +74,21 @@ def test_pruned_equals_the_dense_model_with_the_layers_skipped(model_type: str) 
         assert torch.equal(cached, uncached), (model_type, removed)
 
 
+def test_a_ghosted_model_names_the_attention_its_family_runs(tmp_path: Path) -> None:
+    """Gemma 2 has no fused attention (it soft-caps the scores): its ghosted model, reloaded, names the eager kernel its
+    decoder runs, not the fused one the ghosted class would pick alone, so that rebuilding it from its config (as
+    sharded healing does) and switching its attention and back (as healing on a CPU does) work; Llama keeps SDPA."""
+    from transformers import AutoModelForCausalLM
+
+    for model_type, kernel in [("gemma2", "eager"), ("llama", "sdpa")]:
+        save_with_card(pruned_family(model_type, REMOVALS[0])[0], tmp_path / model_type, char_tokenizer())
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / model_type, trust_remote_code=True)
+        assert loaded.config._attn_implementation == loaded.get_decoder().config._attn_implementation == kernel
+        assert type(loaded)._from_config(loaded.config).config._attn_implementation == kernel
+        loaded.set_attn_implementation("eager")
+        loaded.set_attn_implementation(kernel)
+
+
 @pytest.mark.slow
 def test_every_family_reloads_in_a_fresh_process_without_ghosted_hf(tmp_path: Path) -> None:
     """Saved with its card, each family's pruned model loads with trust_remote_code in a process where ghosted_hf

@@ -271,6 +271,70 @@ def test_sharded_healing_gives_the_model_of_one_process_and_resumes(sharding: st
     assert all(torch.equal(resumed[k], healed[k]) for k in healed)
 
 
+# The CLI, printing at exit the most logit rows any forward of a Gemma 2 model (the student's or the teacher's) made.
+COUNTING_LOGITS = """
+import atexit, sys
+import transformers.models.gemma2.modeling_gemma2 as gemma2
+most, forward = [0], gemma2.Gemma2ForCausalLM.forward
+def counted(self, *args, **kwargs):
+    output = forward(self, *args, **kwargs)
+    most[0] = max(most[0], output.logits.shape[:-1].numel())
+    return output
+gemma2.Gemma2ForCausalLM.forward = counted
+atexit.register(lambda: print("most logit rows", most[0], flush=True))
+from ghosted_hf.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sharding, train_final", [("fsdp", False), ("deepspeed", False), ("deepspeed", True)])
+def test_sharded_healing_runs_a_soft_capped_head_in_chunks(sharding: str, train_final: bool, tmp_path: Path) -> None:
+    """Gemma 2 (soft-capped logits: its head is more than its output layer) distilled under FSDP2 and ZeRO-3 over 2
+    gloo processes: the family's head runs a chunk of positions at a time, its parameters gathered through the sharded
+    model, so no forward of the student or the teacher makes more than --kl-chunk rows of logits; the healed model is
+    the one process's to 1e-5. The one exception, ZeRO-3 training the operator before the final norm (the last layer
+    removed, --train-operators), trains it through whole logits (ZeRO-3 partitions it again before the backward
+    pass): the same model too."""
+    from tiny import char_tokenizer, texts, tiny_family
+
+    from ghosted_hf.cli import main
+
+    tiny_family("gemma2").save_pretrained(tmp_path / "dense")
+    char_tokenizer().save_pretrained(tmp_path / "dense")
+    (tmp_path / "cal.txt").write_text("\n\n".join(texts()))
+    removal = ["--criterion", "manual", "--layers", "5"] if train_final else ["--num-layers", "1"]
+    assert main(["prune", str(tmp_path / "dense"), "--calibration", str(tmp_path / "cal.txt"), *removal,
+                 "--seq-len", "48", "--num-sequences", "16", "--output", str(tmp_path / "pruned")]) == 0
+    (tmp_path / "counting.py").write_text(COUNTING_LOGITS)
+    flags = [tmp_path / "counting.py", "heal", tmp_path / "pruned", "--data", tmp_path / "cal.txt", "--max-steps", "3",
+             "--seq-len", "32", "--precision", "fp32", "--eval-sequences", "2", "--teacher", tmp_path / "dense",
+             "--kd-weight", "0.5", "--kl-chunk", "16", *(["--train-operators"] if train_final else [])]
+    one = subprocess.run([sys.executable, *map(str, flags), "--per-device-train-batch-size", "4", "--output",
+                          str(tmp_path / "one")], capture_output=True, text=True, timeout=300, env=ENV)
+    assert one.returncode == 0, failure(one.stderr)
+    config, only_sharded_writes = SHARDED[sharding]
+    (tmp_path / "accelerate.yaml").write_text(config.format(folder=tmp_path))
+    (tmp_path / "zero3.json").write_text(json.dumps(ZERO3))
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(TESTS / "fsdp_on_cpu"), os.environ.get("PYTHONPATH", "")]),
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
+    launch = ["-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
+              "--main_process_port", str(free_port())]
+    two = subprocess.run([sys.executable, *launch, *map(str, flags), "--per-device-train-batch-size", "2",
+                          "--save-steps", "2", "--checkpoints", str(tmp_path / "checkpoints"), "--output",
+                          str(tmp_path / "sharded")], capture_output=True, text=True, timeout=300, env=env)
+    assert two.returncode == 0, failure(two.stderr)
+    assert (tmp_path / "checkpoints" / "checkpoint-2" / only_sharded_writes).exists()  # it ran sharded
+    rows = [int(n) for n in re.findall(r"most logit rows (\d+)", one.stdout + two.stdout)]
+    assert len(rows) == 3 and rows[0] <= 16, rows
+    assert (max(rows[1:]) > 16) == train_final, rows
+    healed, reference = (load_file(tmp_path / name / "model.safetensors") for name in ("sharded", "one"))
+    assert healed.keys() == reference.keys()
+    pruned = load_file(tmp_path / "pruned" / "model.safetensors")
+    assert not train_final or not torch.equal(healed["model.norm.ghost.operator"], pruned["model.norm.ghost.operator"])
+    assert max(float((healed[k] - reference[k]).abs().max()) for k in reference) <= 1e-5
+
+
 @pytest.mark.distributed
 def test_an_fsdp_config_on_cpu_processes_warns_that_they_train_data_parallel(dense_folder: Path, tmp_path: Path) -> None:
     """Without the gate lifted accelerate trains CPU processes with DDP whatever the config asks: `heal` says so."""

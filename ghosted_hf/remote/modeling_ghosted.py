@@ -178,10 +178,21 @@ class GhostedPreTrainedModel(PreTrainedModel):
     config: GhostedConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _supports_flash_attn = True
-    _supports_sdpa = True
-    _supports_flex_attn = True
     _supports_attention_backend = True
+
+    # The attention kernels are the family's: transformers picks one from these before the base model exists, and a
+    # kernel the family refuses would reach it (Gemma 2 has no fused attention, which cannot soft-cap the scores).
+    @property
+    def _supports_sdpa(self) -> bool:
+        return _family_supports(self.config, "_supports_sdpa")
+
+    @property
+    def _supports_flash_attn(self) -> bool:
+        return _family_supports(self.config, "_supports_flash_attn")
+
+    @property
+    def _supports_flex_attn(self) -> bool:
+        return _family_supports(self.config, "_supports_flex_attn")
 
     def _init_weights(self, module: nn.Module) -> None:
         # A freshly built model is the plainly pruned one. Loading never relies on this: `from_pretrained`
@@ -343,6 +354,13 @@ _FAMILY_CLASSES: dict[tuple[type, type], type] = {}
 def _base(config: GhostedConfig) -> Any:
     """The config the base model is built from: a multimodal base's (holding the language decoder's), or the decoder's."""
     return config.base_config if config.base_config is not None else config.text_config
+
+
+def _family_supports(config: GhostedConfig, flag: str) -> bool:
+    """Whether the base family's model class declares `flag` (an attention kernel it runs)."""
+    auto = AutoModelForImageTextToText if config.base_config is not None else AutoModelForCausalLM
+    family = auto._model_mapping.get(type(_base(config)), None)
+    return bool(getattr(family, flag, True))
 
 
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:

@@ -99,17 +99,18 @@ def chunked_kd_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor |
     return loss.to(torch.float32)
 
 
-def family_head(model: PreTrainedModel, output: Any) -> Head:
+def family_head(model: PreTrainedModel, output: Any, through: nn.Module | None = None) -> Head:
     """The family's own head (final norm, output layer, soft-capping, scaling, anything its forward does after the
     decoder layers) as a function of the last decoder layer's hidden states, `output` being what that layer returned
-    (a tensor or a family's tuple): the model's forward with every decoder layer passing the given states on."""
+    (a tensor or a family's tuple): the model's forward with every decoder layer passing the given states on, called
+    `through` a wrapper of `model` where one must gather its parameters (FSDP)."""
     depth = len(decoder_layers(model))
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
         state = with_hidden(output, hidden.unsqueeze(0))
         ids = torch.zeros(hidden.shape[:1], dtype=torch.long, device=input_device(model)).unsqueeze(0)
         with resumed(model, depth, state):
-            return model(input_ids=ids, use_cache=False).logits[0]
+            return (through or model)(input_ids=ids, use_cache=False).logits[0]
 
     return head
 

@@ -15,6 +15,7 @@ from torch import nn
 from transformers import PreTrainedModel, Trainer
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+from ...architectures import decoder_layers
 from ...errors import GhostedError
 from ...statistics.capture import last_layer_output
 from ...statistics.patch import hidden_of
@@ -78,14 +79,12 @@ class HealingTrainer(Trainer):
         with torch.autocast(self.args.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
             ids, labels = inputs["input_ids"], shifted_labels(inputs["labels"])
             student, head, trained, outputs = self._states(model, ids, plain=self.plain_heads[0], student=True)
-            if self.teacher is None or not model.training:
-                loss = chunked_kd_loss(student, None, labels, head, None, kd_weight=0.0, chunk=self.kl_chunk,
-                                       trained=trained)
-            else:
+            target, teacher_head = None, None
+            if self.teacher is not None and model.training:
                 with torch.no_grad():
                     target, teacher_head, _, _ = self._states(self.teacher, ids, plain=self.plain_heads[1])
-                loss = chunked_kd_loss(student, target, labels, head, teacher_head, kd_weight=self.kd_weight,
-                                       chunk=self.kl_chunk, trained=trained)
+            loss = chunked_kd_loss(student, target, labels, head, teacher_head, chunk=self.kl_chunk,
+                                   kd_weight=self.kd_weight if target is not None else 0.0, trained=trained)
         if model.training and not torch.isfinite(loss.detach()).all():
             raise GhostedError(
                 f"Healing diverged at step {self.state.global_step + 1}: the training loss is {float(loss):g}. "
@@ -98,8 +97,7 @@ class HealingTrainer(Trainer):
         """(hidden states, the head that makes them logits, the trained parameters that head uses, the forward's
         outputs), from one forward of `model` over `ids` that makes the logits of one position only. A plain head
         (logits = output layer of the final norm's output) reads the final norm's output; any other the last decoder
-        layer's, through the family's own head; under FSDP or ZeRO-3 (whose shards a second forward would gather
-        again) such a model's whole logits."""
+        layer's, through the family's own head."""
         ids = ids.to(next(model.parameters()).device)
         inner = unwrapped(model)
         if plain:
@@ -109,12 +107,17 @@ class HealingTrainer(Trainer):
             return captured[-1], head, None, outputs
         if self._sharded is None:
             self._sharded = sharded(self)
-        if self._sharded:
+        trained = [p for p in outside_layers(inner) if p.requires_grad] if student else []
+        if trained and self._sharded and not self.is_fsdp_enabled:
+            # ZeRO-3 partitions a parameter again before the backward pass unless its module's forward used it
+            # there: the operator before the final norm (--train-operators) trains through the whole logits
             outputs = model(input_ids=ids)
             return outputs.logits, nn.Identity(), (), outputs
         with last_layer_output(inner) as last:
             outputs = model(input_ids=ids, logits_to_keep=1)
-        return hidden_of(last["output"]), family_head(inner, last["output"]), inner.parameters(), outputs
+        # FSDP2 gathers the parameters outside the layers only in its root's forward: the head runs through it
+        through = model if self._sharded and self.is_fsdp_enabled else inner
+        return hidden_of(last["output"]), family_head(inner, last["output"], through=through), trained, outputs
 
     def _student_head(self, model: nn.Module) -> Head:
         """The student's output layer, called chunk by chunk outside the model's forward. Under ZeRO-3 its weight is
@@ -134,6 +137,12 @@ class HealingTrainer(Trainer):
         if "eval_loss" in logs:
             logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 80.0))
         super().log(logs, *args, **kwargs)
+
+
+def outside_layers(model: PreTrainedModel) -> list[nn.Parameter]:
+    """The parameters of `model` outside its decoder layers: the only ones a head after the last layer can use."""
+    inside = {id(p) for p in decoder_layers(model).parameters()}
+    return [p for p in model.parameters() if id(p) not in inside]
 
 
 def sharded(trainer: Trainer) -> bool:
