@@ -18,6 +18,7 @@ from .fitting.operators import OPERATOR_KINDS, Folded
 from .fitting.selection import CRITERIA
 from .fitting.units import UNITS, unit
 from .remote.format_ghosted import OPERATOR_DTYPES
+from .statistics.accumulate import PARTIAL_SUMS
 
 FITTINGS = ("sequential", "independent")
 
@@ -168,6 +169,9 @@ class PruneOptions(Options):
     batch_size: int = option(4, "Calibration sequences per forward pass.")
     operator_dtype: str = option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
     stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
+    partial_sums: str = option("float64", "Precision each chunk of tokens' products is formed in before it is added "
+                               "to the float64 statistics (float32 runs at the float32 rate: tensor cores on a GPU).",
+                               PARTIAL_SUMS)
     damage_sequences: int = option(16, "Calibration sequences on which units 'subblock' and 'mixed' measure each candidate's "
                                    "damage (one forward over them per candidate).")
 
@@ -246,6 +250,7 @@ class ExportOptions(Options):
     split: str | None = same_as(PruneOptions, "split")
     streaming: bool = same_as(PruneOptions, "streaming")
     stats_device: str | None = same_as(PruneOptions, "stats_device")
+    partial_sums: str = same_as(PruneOptions, "partial_sums")
 
     def check(self) -> None:
         check_calibration(self)

@@ -82,6 +82,13 @@ def test_streaming_equals_in_memory_and_padding_is_excluded() -> None:
             bound = max(tolerance, 1e-7) if key.startswith("loss") else tolerance
             assert relative_error(stats.tensors[key], expected) < bound, (batch_size, key)
         assert stats[COSINE(1, 2)] is stats.tensors["cos.1.2"]
+    # Each chunk's products formed in float32, added to float64 totals: float32 rounding of sums of <= 256 rows.
+    stats = collect_statistics(model, batch_sequences(seqs, 4, PAD), PLAN, progress=False, partial="float32")
+    assert stats.origin["partial_sums"] == "float32" and all(t.dtype == torch.float64 for t in stats.tensors.values())
+    worst = max((relative_error(stats.tensors[key], expected), key) for key, expected in reference.items())
+    assert 1e-9 < worst[0] < 1e-5, worst
+    with pytest.raises(GhostedError, match="Partial sums are formed in float64 or float32, got 'bfloat16'"):
+        collect_statistics(model, batch_sequences(seqs, 4, PAD), PLAN, progress=False, partial="bfloat16")
 
 
 def test_pad_token_ids_do_not_change_statistics() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ghosted_hf.errors import GhostedError
-from ghosted_hf.fitting.operators import OPERATOR_KINDS, operator_kind, solve_ghost, squared_residual
+from ghosted_hf.fitting.operators import OPERATOR_KINDS, operator_kind, reduced_rank, solve_ghost, squared_residual
 from ghosted_hf.remote.modeling_ghosted import rms_normalized
 from ghosted_hf.statistics import ABS, ROTATED_ABS, StatisticsPlan, least_squares, normed_terms
 from ghosted_hf.statistics.accumulate import StatisticsAccumulator
@@ -50,6 +50,38 @@ def test_ghost_solve_matches_lstsq() -> None:
     assert eps == 0.0
     expected = torch.linalg.lstsq(x, y - x).solution
     assert float(torch.linalg.norm(m - expected) / torch.linalg.norm(expected)) < 1e-8
+
+
+def test_a_reduced_rank_map_is_the_best_of_its_rank() -> None:
+    """Without ridge, the rank-r map's residual is ||Y||^2 less the r largest eigenvalues of the fitted values' Gram
+    (reduced-rank regression), computed here from the tokens; no other rank-r map does better (the full map truncated
+    by its own SVD, random factors); at full rank it is the least-squares map; with ridge it minimises the ridge loss
+    among maps of its rank (checked against the full ridge map's truncation)."""
+    x, y = synthetic()
+    stats = stats_of(x, y)
+    gram, cross, energy = stats.gram(0), stats.cross(0, 1), float(y.square().sum())
+    full = torch.linalg.lstsq(x, y).solution
+    fitted = torch.linalg.eigvalsh((x @ full).T @ (x @ full)).flip(0)
+    g = torch.Generator().manual_seed(3)
+    for rank in (1, 4, 12):
+        down, up = reduced_rank(gram, cross, 0.0, rank)
+        assert down.shape == (C, rank) and up.shape == (rank, C)
+        got = residual(x, y, down @ up)
+        assert abs(got - (energy - float(fitted[:rank].sum()))) < 1e-8 * energy
+        u, sv, vh = torch.linalg.svd(full)
+        assert got < residual(x, y, (u[:, :rank] * sv[:rank]) @ vh[:rank]) * (1 - 1e-6)
+        for _ in range(5):
+            other = torch.randn(C, rank, generator=g, dtype=torch.float64) @ torch.randn(rank, C, generator=g, dtype=torch.float64)
+            assert got < residual(x, y, other)
+    down, up = reduced_rank(gram, cross, 0.0, C)
+    assert float(torch.linalg.norm(down @ up - full) / torch.linalg.norm(full)) < 1e-8
+    ridge = 1.0  # relative: eps is the Gram's mean diagonal
+    eps = float(gram.diagonal().mean())
+    ridged = lambda a: residual(x, y, a) + eps * float(a.square().sum())
+    down, up = reduced_rank(gram, cross, ridge, 4)
+    a = torch.linalg.solve(gram + eps * torch.eye(C, dtype=gram.dtype), cross)
+    u, sv, vh = torch.linalg.svd(a)
+    assert ridged(down @ up) < ridged((u[:, :4] * sv[:4]) @ vh[:4])
 
 
 def test_ghost_residual_is_below_every_other_operator() -> None:

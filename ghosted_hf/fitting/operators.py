@@ -93,6 +93,18 @@ def squared_residual(gram: torch.Tensor, cross: torch.Tensor, energy: float, w: 
     return float(((gram @ w) * w).sum() - 2.0 * (w * cross).sum()) + energy
 
 
+def reduced_rank(gram: torch.Tensor, cross: torch.Tensor, ridge: float, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, U), B of shape (C, r) and U (r, C): the map ``h -> h B U`` of rank at most r with the least ridge
+    least-squares loss ``||Y - X A||^2 + eps ||A||^2`` (reduced-rank regression on the statistics alone). The ridge
+    term is X with sqrt(eps) I appended and Y with zeros, so the full solution A is projected on the r leading
+    eigenvectors of its fitted values' Gram ``A^T (G + eps I) A``: 2 C r parameters where the full map holds C^2."""
+    a, eps = ridge_solve(gram, cross, ridge)
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    _, vectors = torch.linalg.eigh(a.T @ (gram + eps * eye) @ a)
+    leading = vectors[:, vectors.shape[1] - rank:].flip(1)  # (eigh sorts ascending)
+    return a @ leading, leading.T.contiguous()
+
+
 def share_left(numerator: float, denominator: float) -> float:
     """numerator / denominator, 0 when there was nothing to explain (a block that is exactly the identity)."""
     return max(numerator, 0.0) / denominator if denominator > 0 else 0.0

@@ -74,7 +74,8 @@ def imitation_statistics(model: GhostedForCausalLM, data: TokenBatches, parent: 
     ghost = getattr(parent, GHOST_MODULE)
     with replaced([(parent, GHOST_MODULE, nn.Identity())]):  # the stream as it reaches the operator
         stats = collect_statistics(model, data.batches, plan, device=options.stats_device,
-                                   description=f"Calibration pass: boundary before pruned layer {s}")
+                                   description=f"Calibration pass: boundary before pruned layer {s}",
+                                   partial=options.partial_sums)
     gram = stats[GRAM(s)]
     w = ghost.operator.detach().to(gram)
     target = {CROSS(s, s + 1): gram @ w, ENERGY(s, s + 1): ((gram @ w) * w).sum().reshape(1)}

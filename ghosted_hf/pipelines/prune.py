@@ -67,7 +67,8 @@ def ghost_prune(
     if units.unit(options.unit).subblocks:
         return prune_subblocks(calibration_pass, tokenizer, calibration, statistics, options, started)
     data, statistics = prepare_calibration(calibration_pass, tokenizer, calibration, statistics, options)
-    calibrator = Calibrator(calibration_pass, data, statistics, device=options.stats_device)
+    calibrator = Calibrator(calibration_pass, data, statistics, device=options.stats_device,
+                            partial=options.partial_sums)
     calibrator.check_agreement(options)
     chosen, request = criterion(options.criterion), selection_request(calibration_pass.config, options)
     selection = chosen.select(calibrator.ensure(chosen.statistics(request), f"selection by {chosen.name!r}"), request)
@@ -96,7 +97,8 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
                            "patched so far, on calibration text: pass a tokenizer and calibration text (with or "
                            "without precomputed statistics).")
     data, statistics = prepare_calibration(calibration_pass, tokenizer, calibration, statistics, options)
-    calibrator = Calibrator(calibration_pass, data, statistics, device=options.stats_device)
+    calibrator = Calibrator(calibration_pass, data, statistics, device=options.stats_device,
+                            partial=options.partial_sums)
     calibrator.check_agreement(options)
     counted = calibration_pass.model_for_build(range(depth))  # layer by layer: no decoder layer read, freed below
     dense_parameters = count_parameters(counted)
@@ -328,7 +330,8 @@ def calibrate(model: PreTrainedModel | CalibrationPass, tokenizer: Any, calibrat
     options = resolve_budget(calibration_pass, options)
     check_request(calibration_pass.config, options)
     data, _ = prepare_calibration(calibration_pass, tokenizer, calibration, None, options)
-    calibrator = Calibrator(calibration_pass, data, device=options.stats_device, shard=shard)
+    calibrator = Calibrator(calibration_pass, data, device=options.stats_device, shard=shard,
+                            partial=options.partial_sums)
     calibrator.check_agreement(options)
     stats = calibrator.collect(statistics_plan(calibration_pass.config, options), f"statistics shard {calibrator.shard}")
     stats.origin["model"] = calibration_pass.fingerprint()

@@ -61,7 +61,7 @@ def token_loss(depth: int) -> Read:
     return (LOSS_ROLE, depth)
 
 
-Inputs = Mapping[Read, torch.Tensor]  # (N, C) float64 rows of the real tokens of one batch
+Inputs = Mapping[Read, torch.Tensor]  # (N, C) rows of the real tokens of one batch (float64, or the partial sums')
 Update = Callable[[torch.Tensor, Inputs, tuple[int, ...], Mapping[str, torch.Tensor]], None]
 
 
@@ -137,10 +137,15 @@ _ROWS: dict[str, Callable[[Inputs, tuple[int, ...]], torch.Tensor]] = {
 
 
 def _product(left: str, right: str | None = None) -> Update:
-    """Adds L^T R (default L^T L) of the named rows by addmm_ into the sum: no (C, C) temporary per product."""
+    """Adds L^T R (default L^T L) of the named rows into the sum: by addmm_ (no (C, C) temporary) where the rows are
+    in the sum's precision, else formed in theirs and added."""
     def update(total: torch.Tensor, x: Inputs, index: tuple[int, ...], _: Any) -> None:
         rows = _ROWS[left](x, index)
-        total.addmm_(rows.T, rows if right is None else _ROWS[right](x, index))
+        other = rows if right is None else _ROWS[right](x, index)
+        if rows.dtype == total.dtype:
+            total.addmm_(rows.T, other)
+        else:
+            total.add_(rows.T @ other)
     return update
 
 
@@ -153,7 +158,7 @@ def _summed(per_token: Callable[[Inputs, tuple[int, ...], Mapping[str, torch.Ten
 
 def _cosines(x: Inputs, index: tuple[int, ...], _: Any = None) -> torch.Tensor:
     a, b = x[source(index[0])], x[target(index[1])]
-    norms = (a.norm(dim=1) * b.norm(dim=1)).clamp_min(torch.finfo(torch.float64).tiny)
+    norms = (a.norm(dim=1) * b.norm(dim=1)).clamp_min(torch.finfo(a.dtype).tiny)
     return ((a * b).sum(dim=1) / norms).clamp(-1.0, 1.0)
 
 

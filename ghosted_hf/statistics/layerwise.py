@@ -188,14 +188,14 @@ class LayerwisePass(CalibrationPass):
 
     def collect(self, batches: Iterable[Batch], plan: StatisticsPlan, *, patch: Patch | None = None,
                 device: str | torch.device | None = None, description: str = "Layer-wise calibration",
-                progress: bool = True) -> CalibrationStatistics:
+                progress: bool = True, partial: str = "float64") -> CalibrationStatistics:
         batches = list(batches)
         depth, hidden = self.config.num_hidden_layers, self.config.hidden_size
         reads = plan.reads()
         if patch is not None and patch.transforms:
             raise GhostedError("Layer-wise calibration cannot refit an operator kind that transforms an MLP output "
                                "sequentially (MLP outputs are not streamed layer by layer): pass fitting='independent'.")
-        accumulator = StatisticsAccumulator(plan, hidden, device if device is not None else "cpu")
+        accumulator = StatisticsAccumulator(plan, hidden, device if device is not None else "cpu", partial)
         # Each sum is added when its deepest read exists; the rows of a read are kept until then.
         last_use = {read: max(e.ready_at for e in plan if read in e.reads) for read in reads}
         run = min(plan.deepest(), depth)  # decoder layers to run: 0..run-1

@@ -41,7 +41,7 @@ class CalibrationPass(abc.ABC):
 
     @abc.abstractmethod
     def collect(self, batches: Iterable[Batch], plan: StatisticsPlan, *, patch: Patch | None = None,
-                device: str | torch.device | None = None, description: str = "Calibration pass",
+                device: str | torch.device | None = None, description: str = "Calibration pass", partial: str = "float64",
                 progress: bool = True) -> CalibrationStatistics:
         """The sums of `plan` over `batches`. With a `patch`, every source-side read (a fit's input X_s, MLP
         outputs) comes from the model pruned and patched by it, every target from the dense model: how a
@@ -138,11 +138,11 @@ class FullModelPass(CalibrationPass):
             self._remembering = False
 
     def collect(self, batches: Iterable[Batch], plan: StatisticsPlan, *, patch: Patch | None = None,
-                device: str | torch.device | None = None, description: str = "Calibration pass",
+                device: str | torch.device | None = None, description: str = "Calibration pass", partial: str = "float64",
                 progress: bool = True) -> CalibrationStatistics:
         model = self.model
         device = torch.device(device) if device is not None else input_device(model)
-        accumulator = StatisticsAccumulator(plan, model.get_input_embeddings().weight.shape[1], device)
+        accumulator = StatisticsAccumulator(plan, model.get_input_embeddings().weight.shape[1], device, partial)
         reads = plan.reads()
         mode = model.training
         try:
@@ -208,10 +208,10 @@ def as_calibration_pass(model: PreTrainedModel | CalibrationPass) -> Calibration
 
 def collect_statistics(model: PreTrainedModel | CalibrationPass, batches: Iterable[Batch], plan: StatisticsPlan, *,
                        patch: Patch | None = None, device: str | torch.device | None = None, progress: bool = True,
-                       description: str = "Calibration pass") -> CalibrationStatistics:
+                       description: str = "Calibration pass", partial: str = "float64") -> CalibrationStatistics:
     """Accumulate `plan` over `batches` with one truncated pass of `model` per batch (see `CalibrationPass.collect`)."""
     stats = as_calibration_pass(model).collect(batches, plan, patch=patch, device=device, description=description,
-                                               progress=progress)
+                                               progress=progress, partial=partial)
     if stats.tokens == 0:
         raise GhostedError("The calibration batches contain no real token (every position is padding).")
     return stats
@@ -225,8 +225,9 @@ class Calibrator:
 
     def __init__(self, calibration_pass: CalibrationPass, data: TokenBatches | None,
                  statistics: CalibrationStatistics | None = None, *, device: str | torch.device | None = None,
-                 shard: ShardSpec | None = None) -> None:
+                 shard: ShardSpec | None = None, partial: str = "float64") -> None:
         self.calibration_pass, self.data, self.statistics, self.device = calibration_pass, data, statistics, device
+        self.partial = partial  # the precision of each chunk's products (`StatisticsAccumulator`)
         self.shard = shard or ShardSpec()
         self.rank, self.world = process_rank()
         self.passes: list[dict[str, Any]] = []
@@ -285,7 +286,7 @@ class Calibrator:
     def first_batches(self, count: int) -> Calibrator:
         """A calibrator over the first `count` batches of this one's set (a cheaper pass), recording its passes here."""
         part = Calibrator(self.calibration_pass, dataclasses.replace(self.data, batches=self.data.batches[:count]),
-                          device=self.device, shard=self.shard)
+                          device=self.device, shard=self.shard, partial=self.partial)
         part.passes = self.passes
         return part
 
@@ -307,7 +308,7 @@ class Calibrator:
             raise GhostedError(f"Shard {self.shard} holds no batch: the calibration set has only "
                                f"{len(self.data.batches)} batches; use fewer shards or more sequences.")
         stats = self.calibration_pass.collect(batches, plan, patch=patch, device=self.device,
-                                              description=f"Calibration pass: {purpose}")
+                                              description=f"Calibration pass: {purpose}", partial=self.partial)
         stats.tensors, stats.tokens = all_reduce_sums(stats.tensors, stats.tokens)
         if stats.tokens == 0:
             raise GhostedError("The calibration batches contain no real token (every position is padding).")
