@@ -170,7 +170,7 @@ class PruneOptions(Options):
     operator_dtype: str = option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
     stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
     partial_sums: str = option("float64", "Precision each chunk of tokens' products is formed in before it is added "
-                               "to the float64 statistics (float32 runs at the float32 rate: tensor cores on a GPU).",
+                               "to the float64 statistics (float32: the float32 rate, twice float64's or more; measured in docs/benchmarks.md).",
                                PARTIAL_SUMS)
     damage_sequences: int = option(16, "Calibration sequences on which units 'subblock' and 'mixed' measure each candidate's "
                                    "damage (one forward over them per candidate).")

@@ -37,8 +37,8 @@ PARTIAL_SUMS = ("float64", "float32")  # the precision each chunk's products are
 class StatisticsAccumulator:
     """The sums of `plan`, every one present from the start (zeros: a process or shard with no batch still has
     every key to reduce), updated one batch of rows ({read: (N, C) tensor}) at a time. Each chunk of rows is summed
-    in `partial` precision and added to float64 totals (float32 partial sums run at the float32 rate: on a GPU's
-    tensor cores tens of times the float64 one)."""
+    in `partial` precision and added to float64 totals (float32 partial sums run at the float32 rate: twice the
+    float64 one on a CPU's vector units and on a GPU without float64 tensor cores, more where TF32 is allowed)."""
 
     # Fixed-size row chunks: the float64 copies are small and of one size for every batch, so the allocator
     # reuses the same blocks instead of fragmenting (peak memory does not grow with the number of tokens).
