@@ -28,6 +28,14 @@ def held_out_windows(tokenizer, windows: int) -> TokenBatches:
     return tokenize_texts(tokenizer, assets.wikipedia_split("evaluation"), 512, windows, 4)
 
 
+def held_out_sources(tokenizer, windows: int = 16) -> dict[str, list]:
+    """The equal-budget tables' two held-out sources, as batches of 4 windows of 512 tokens: the packaged Wikipedia
+    evaluation articles ("wiki") and gensim's news articles ("news"), each window starting with BOS where the
+    tokenizer adds one (Gemma, as it was trained)."""
+    return {source: tokenize_texts(tokenizer, texts, 512, windows, batch_size=4).batches
+            for source, texts in (("wiki", assets.wikipedia_split("evaluation")), ("news", assets.news_articles()))}
+
+
 def layer_ranges(layers: list[int]) -> str:
     """Removed layers as runs, e.g. [12, 13, 14, 25] -> "12-14,25"."""
     runs, start = [], layers[0]

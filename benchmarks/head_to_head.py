@@ -17,12 +17,12 @@ import argparse
 import time
 
 import torch
+from common import held_out_sources
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.evaluate import perplexity
 from ghosted_hf.model.loading import NO_HUB_KERNELS
-from ghosted_hf.text.tokens import tokenize_texts
 
 PUBLISHED = {  # model -> (who chose them, layers)
     "gemma3-270m": ("gem-3-small (optipfair)", [8, 9, 14, 16]),
@@ -43,9 +43,7 @@ def main() -> None:
         def load():
             return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **NO_HUB_KERNELS).eval()
 
-        held_out = {source: tokenize_texts(tokenizer, texts, 512, WINDOWS, batch_size=4).batches
-                    for source, texts in (("wiki", assets.wikipedia_split("evaluation")),
-                                          ("news", assets.news_articles()))}
+        held_out = held_out_sources(tokenizer, WINDOWS)
         dense = {source: perplexity(load(), batches, progress=False) for source, batches in held_out.items()}
         who, layers = PUBLISHED[name]
         print(f"## {name}: dense perplexity wiki {dense['wiki']:.2f}, news {dense['news']:.2f}\n")

@@ -20,6 +20,7 @@ import argparse
 import time
 
 import torch
+from common import held_out_sources
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets, ghost_prune
@@ -49,9 +50,7 @@ def main() -> None:
         def load():
             return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **NO_HUB_KERNELS).eval()
 
-        held_out = {source: tokenize_texts(tokenizer, texts, 512, WINDOWS, batch_size=4).batches
-                    for source, texts in (("wiki", assets.wikipedia_split("evaluation")),
-                                          ("news", assets.news_articles()))}
+        held_out = held_out_sources(tokenizer, WINDOWS)
         dense_model = load()
         dense = {source: perplexity(dense_model, batches, progress=False) for source, batches in held_out.items()}
         layers = assets.demo_layers(name)

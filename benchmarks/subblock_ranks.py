@@ -18,6 +18,7 @@ import argparse
 import statistics as stat
 
 import torch
+from common import held_out_sources
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets, ghost_prune
@@ -72,8 +73,7 @@ def main() -> None:
             f"{stat.median(kept[r]):.3f} / {min(kept[r]):.3f}" for r in args.ranks) + " |", flush=True)
 
     chosen = CHOSEN[args.model]
-    held_out = {source: tokenize_texts(tokenizer, texts, 512, 16, batch_size=4).batches
-                for source, texts in (("wiki", assets.wikipedia_split("evaluation")), ("news", assets.news_articles()))}
+    held_out = held_out_sources(tokenizer)
     reference = {source: perplexity(dense, b, progress=False) for source, b in held_out.items()}
     model = ghost_prune(load(), tokenizer, calibration, unit="subblock", criterion="manual", subblocks=chosen,
                         **CALIBRATION)
