@@ -12,6 +12,7 @@ products formed in float64 (today's default) and in float32, both added to float
   16 sequences, side by side in this run.
 
     python benchmarks/partial_sums.py > benchmarks/results/partial_sums.md
+    python benchmarks/partial_sums.py --models gemma3-270m --timing-only   # the CPU cost alone, each precision 3 times
 """
 
 from __future__ import annotations
@@ -38,11 +39,39 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def cpu_cost(model, batches, layers: int, order: tuple[str, ...] = PRECISIONS) -> str:
+    """One statistics pass of the ghost-aware criterion's plan per precision in `order` against one dense forward
+    over the same sequences, side by side."""
+    depth = model.config.num_hidden_layers
+    kind = operator_kind("ghost")
+    plan = StatisticsPlan.union(least_squares(a, a + layers) | kind.selection_statistics(a, a + layers)
+                                for a in range(depth - layers + 1))
+    with torch.no_grad():
+        model(**batches[0])  # warm-up
+        started = time.perf_counter()
+        for batch in batches:
+            model(**batch)
+        forward = time.perf_counter() - started
+    passes: dict[str, list[float]] = {}
+    for precision in order:
+        started = time.perf_counter()
+        collect_statistics(model, batches, plan, partial=precision, progress=False)
+        passes.setdefault(precision, []).append(time.perf_counter() - started)
+    return (f"CPU, {4 * len(batches)} x 512 tokens, the criterion's {len(plan)} sums: dense forward {forward:.1f} s; "
+            "statistics pass " + ", ".join(
+                f"{p} {' / '.join(f'{t:.1f}' for t in times)} s ({forward / min(times):.2f}x a forward's tokens/s)"
+                for p, times in passes.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(assets.PACKAGED_MODELS), choices=list(assets.PACKAGED_MODELS))
+    parser.add_argument("--timing-only", action="store_true",
+                        help="only the CPU cost, in a fresh process: the dense forward, then each precision's pass 3 "
+                             "times in alternating order")
     args = parser.parse_args()
-    print(f"`python benchmarks/partial_sums.py --models {' '.join(args.models)}` ({torch.get_num_threads()} threads)\n")
+    flag = " --timing-only" if args.timing_only else ""
+    print(f"`python benchmarks/partial_sums.py --models {' '.join(args.models)}{flag}` ({torch.get_num_threads()} threads)\n")
     for name in args.models:
         folder = assets.resolve_model(name)
         tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -50,11 +79,15 @@ def main() -> None:
         def load():
             return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **NO_HUB_KERNELS).eval()
 
-        held_out = held_out_sources(tokenizer, WINDOWS)
         dense_model = load()
-        dense = {source: perplexity(dense_model, batches, progress=False) for source, batches in held_out.items()}
         layers = assets.demo_layers(name)
         calibration = assets.wikipedia_split("calibration")
+        if args.timing_only:
+            batches = tokenize_texts(tokenizer, calibration, 512, 16, batch_size=4).batches
+            print(f"## {name}\n\n" + cpu_cost(dense_model, batches, layers, PRECISIONS * 3) + "\n", flush=True)
+            continue
+        held_out = held_out_sources(tokenizer, WINDOWS)
+        dense = {source: perplexity(dense_model, batches, progress=False) for source, batches in held_out.items()}
         print(f"## {name}: {layers} of {dense_model.config.num_hidden_layers} layers, dense perplexity "
               f"wiki {dense['wiki']:.2f}, news {dense['news']:.2f}\n")
 
@@ -86,26 +119,7 @@ def main() -> None:
         print(f"\nBoundary {s} -> {e}, 32 sequences: Gram relative change "
               f"{relative(sums['float32'][GRAM(s)], gram):.2e}, cross {relative(sums['float32'][CROSS(s, e)], sums['float64'][CROSS(s, e)]):.2e}, "
               f"Gram condition number {float(torch.linalg.cond(gram)):.3g}\n")
-
-        depth = dense_model.config.num_hidden_layers
-        kind = operator_kind("ghost")
-        plan = StatisticsPlan.union(least_squares(a, a + layers) | kind.selection_statistics(a, a + layers)
-                                    for a in range(depth - layers + 1))
-        batches = batches[:4]  # 16 sequences
-        with torch.no_grad():
-            dense_model(**batches[0])  # warm-up
-            started = time.perf_counter()
-            for batch in batches:
-                dense_model(**batch)
-            forward = time.perf_counter() - started
-        passes = {}
-        for precision in PRECISIONS:
-            started = time.perf_counter()
-            collect_statistics(dense_model, batches, plan, partial=precision, progress=False)
-            passes[precision] = time.perf_counter() - started
-        print(f"CPU, 16 x 512 tokens, the criterion's {len(plan)} sums: dense forward {forward:.1f} s; statistics pass "
-              + ", ".join(f"{p} {passes[p]:.1f} s ({forward / passes[p]:.2f}x a forward's tokens/s)" for p in PRECISIONS)
-              + "\n", flush=True)
+        print(cpu_cost(dense_model, batches[:4], layers) + "\n", flush=True)  # 16 sequences
 
 
 if __name__ == "__main__":

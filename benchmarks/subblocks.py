@@ -26,6 +26,11 @@ next-token loss, heal's default; kd: KL to the dense model's logits, `--teacher 
 sources: the news articles are text of another source than the healing text, so the gain healing keeps there says
 whether a healing default carries over. "gap closed" is (free - healed) / (free - 1) of the perplexity ratio.
 
+With `--map-rank auto` (or a rank) the sub-block and mixed rows use maps of that rank (`map_rank`): the candidates'
+maps and damages are measured at it and each priced net of its own map, as `ghost_prune` does; the chosen sub-blocks
+are then fitted by `criterion="manual"` with the same `map_rank`, so an 'auto' rank is chosen again on the model patched
+so far (where `ghost_prune` keeps the rank it priced).
+
     python benchmarks/subblocks.py --model smollm2-135m-instruct --budgets 25% --lambada 0 --heal lm kd \
         --rows "layers / ghost" "sub-blocks / ghost-aware" "mixed / ghost-aware" --output benchmarks/results/subblock_healing.md
 """
@@ -75,6 +80,7 @@ def main() -> None:
     parser.add_argument("--heal", nargs="+", choices=("lm", "kd"), default=[],
                         help="also heal each row with heal's defaults: lm (next-token loss) and/or kd (dense teacher)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
+    parser.add_argument("--map-rank", default="full", help="map_rank of the sub-block and mixed rows (full, auto, r)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = assets.resolve_model(args.model)
@@ -99,16 +105,18 @@ def main() -> None:
     # What ghost_prune(unit="subblock") computes before it chooses, once for every budget (the same for each): every
     # sub-block's map on the dense model, its relative residual, and its measured damage.
     options, started = PruneOptions(**CALIBRATION), time.perf_counter()
-    cache = Path("benchmark-cache") / f"subblock-criterion-{args.model}.json"  # reused by later runs on this model
+    rank = "" if args.map_rank == "full" else f"-rank-{args.map_rank}"
+    cache = Path("benchmark-cache") / f"subblock-criterion-{args.model}{rank}.json"  # reused by later runs on this model
     if cache.is_file():
         stored = json.loads(cache.read_text())
     else:
         data = tokenize_texts(tokenizer, calibration, **CALIBRATION)
         calibrator = Calibrator(FullModelPass(dense), data)
         candidates = sb.all_subblocks(dense.config.num_hidden_layers, whole_layers=True)
-        fits = sb.candidate_fits(calibrator, candidates, options.ridge)
+        fits = sb.candidate_fits(calibrator, candidates, options.ridge, sb.parse_map_rank(args.map_rank))
         scored = calibrator.first_batches(-(-options.damage_sequences // options.batch_size))
         stored = {"residual": {ref.name: fit.figures["relative_residual"] for ref, fit in fits.items()},
+                  "map_parameters": {ref.name: fit.parameters for ref, fit in fits.items()},
                   "damage": {ref.name: value for ref, value in sb.damages(scored, fits).items()},
                   "seconds": time.perf_counter() - started}
         cache.parent.mkdir(exist_ok=True)
@@ -116,7 +124,9 @@ def main() -> None:
         del calibrator, fits
     residual = {sb.parse_subblock(name, sb.CANDIDATE_KINDS): value for name, value in stored["residual"].items()}
     damage = {sb.parse_subblock(name, sb.CANDIDATE_KINDS): value for name, value in stored["damage"].items()}
-    saved = {ref: sb.subblock_parameters(dense, ref) - width * width for ref in residual}
+    maps = {sb.parse_subblock(name, sb.CANDIDATE_KINDS): value
+            for name, value in stored.get("map_parameters", {}).items()}  # (older caches: full maps)
+    saved = {ref: sb.subblock_parameters(dense, ref) - maps.get(ref, width * width) for ref in residual}
     alone = {ref: value for ref, value in damage.items() if ref.block != sb.LAYER}  # what unit 'subblock' weighs
     selection_seconds = stored["seconds"]
     del dense
@@ -124,14 +134,14 @@ def main() -> None:
     lines = [f"## {args.model} ({time.strftime('%Y-%m-%d')}): {total / 1e6:.1f} M decoder-layer parameters; dense "
              f"perplexity wiki {reference['wiki']:.2f}, news {reference['news']:.2f}, LAMBADA {reference['lambada']:.3f}, "
              f"KV {reference['kv']} B/token; the sub-block criterion's statistics, maps and damages: "
-             f"{selection_seconds:.0f} s (not in the rows' seconds)", "",
+             f"{selection_seconds:.0f} s (not in the rows' seconds); sub-block maps: {args.map_rank}", "",
              "| budget | unit / selection | removed (net) | wiki ppl ratio | news ppl ratio | LAMBADA | KV B/token | what | s |"
              + "".join(f" healed {h}: wiki / news ratio (gap closed) | {h} s |" for h in args.heal),
              "|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(args.heal)]
     print("\n".join(lines), flush=True)
     def mixed(chosen):
         return ghost_prune(load(), tokenizer, calibration, unit="mixed", criterion="manual",
-                           subblocks=[r.name for r in chosen if r.block != sb.LAYER],
+                           subblocks=[r.name for r in chosen if r.block != sb.LAYER], map_rank=args.map_rank,
                            layers=[r.layer for r in chosen if r.block == sb.LAYER], **CALIBRATION)
 
     for budget in args.budgets:
@@ -146,12 +156,14 @@ def main() -> None:
                                                           criterion="lorp", **CALIBRATION),
             "sub-blocks / ghost-aware": lambda: ghost_prune(
                 load(), tokenizer, calibration, unit="subblock", criterion="manual",
-                subblocks=[r.name for r in sb.choose_to_budget(alone, saved, target)], **CALIBRATION),
+                subblocks=[r.name for r in sb.choose_to_budget(alone, saved, target)], map_rank=args.map_rank,
+                **CALIBRATION),
             "mixed / ghost-aware": lambda: mixed(sb.choose_to_budget(damage, saved, target)),
             "sub-blocks / fit residual": lambda: ghost_prune(
                 load(), tokenizer, calibration, unit="subblock", criterion="manual",
                 subblocks=[r.name for r in sb.choose_to_budget(
-                    {r: v for r, v in residual.items() if r.block != sb.LAYER}, saved, target)], **CALIBRATION),
+                    {r: v for r, v in residual.items() if r.block != sb.LAYER}, saved, target)],
+                map_rank=args.map_rank, **CALIBRATION),
         }
         for name, run in runs.items():
             if args.rows and name not in args.rows:
@@ -163,7 +175,9 @@ def main() -> None:
             removed_net = provenance["parameters"]["dense"] - provenance["parameters"]["pruned"] - \
                 provenance["parameters"].get("operators", 0)
             picked = provenance["selection"]
-            what = ", ".join(([f"layers {picked['removed']}"] if picked["removed"] else []) + picked.get("subblocks", []))
+            ranks = {f"{r['original_layer']}.{r['block']}": r.get("rank") for r in getattr(model.config, "ghost_subblocks", [])}
+            what = ", ".join(([f"layers {picked['removed']}"] if picked["removed"] else [])
+                             + [f"{n} (rank {ranks[n]})" if ranks.get(n) else n for n in picked.get("subblocks", [])])
             result = score(model)
             free = {source: result[source] / reference[source] for source in held_out}
             lines.append(f"| {budget} | {name} | {removed_net / 1e6:.2f} M ({removed_net / total:.1%}) | "
@@ -185,7 +199,8 @@ def main() -> None:
     with Path(args.output).open("a") as handle:
         rows = " --rows " + " ".join(f"'{r}'" for r in args.rows) if args.rows else ""
         rows += (f" --budgets {' '.join(args.budgets)} --lambada {args.lambada}"
-                 + (f" --heal {' '.join(args.heal)}" if args.heal else "") + f" --threads {args.threads}")
+                 + (f" --heal {' '.join(args.heal)}" if args.heal else "") + f" --threads {args.threads}"
+                 + (f" --map-rank {args.map_rank}" if args.map_rank != "full" else ""))
         handle.write(f"\n`python benchmarks/subblocks.py --model {args.model}{rows}`\n\n" + "\n".join(lines) + "\n")
 
 

@@ -18,7 +18,7 @@ from .fitting.operators import OPERATOR_KINDS, Folded
 from .fitting.selection import CRITERIA
 from .fitting.units import UNITS, unit
 from .remote.format_ghosted import OPERATOR_DTYPES
-from .statistics.accumulate import PARTIAL_SUMS
+from .statistics.accumulate import DEFAULT_PARTIAL_SUMS, PARTIAL_SUMS
 
 FITTINGS = ("sequential", "independent")
 
@@ -169,9 +169,13 @@ class PruneOptions(Options):
     batch_size: int = option(4, "Calibration sequences per forward pass.")
     operator_dtype: str = option("float32", "Storage dtype of the operators.", OPERATOR_DTYPES)
     stats_device: str | None = option(None, "Device that accumulates the float64 statistics (None: the model's first).")
-    partial_sums: str = option("float64", "Precision each chunk of tokens' products is formed in before it is added "
-                               "to the float64 statistics (float32: the float32 rate, twice float64's or more; measured in docs/benchmarks.md).",
+    partial_sums: str = option(DEFAULT_PARTIAL_SUMS, "Precision each chunk of tokens' products is formed in before it is added "
+                               "to the float64 statistics (float32 runs at the float32 rate and chose the same layers and perplexities as "
+                               "float64 on both packaged models; float64: the reference; docs/benchmarks.md).",
                                PARTIAL_SUMS)
+    map_rank: str = option("full", "Rank of each sub-block's map with units 'subblock' and 'mixed': full (C x C), "
+                           "auto (per sub-block the smallest rank keeping 99% of the output energy its full map explains; "
+                           "the choice prices each map at its rank) or a rank such as 64 (2 C r values in place of C^2).")
     damage_sequences: int = option(16, "Calibration sequences on which units 'subblock' and 'mixed' measure each candidate's "
                                    "damage (one forward over them per candidate).")
 

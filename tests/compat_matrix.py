@@ -102,9 +102,11 @@ def save_fixtures(out: Path) -> dict:
         # qwen2 also carries normed terms (format 1.1) at two of its boundaries.
         normed = ({s: 0.1 * torch.randn(HIDDEN, HIDDEN, generator=g) for s in (0, 5)} if name == "qwen2" else None)
         # llama and qwen2 also replace sub-blocks (format 1.2): the attention of the first kept layer (where the
-        # cache's length is read) or of a sliding-window layer, and an MLP.
+        # cache's length is read) or of a sliding-window layer, and an MLP, llama's by a rank-4 map (format 1.4).
         subblocks = {"llama": {(1, "attention"): 2, (4, "mlp"): 0}, "qwen2": {(4, "attention"): 2}}.get(name, {})
-        subblocks = {key: (0.1 * torch.randn(HIDDEN, HIDDEN, generator=g), outputs) for key, outputs in subblocks.items()}
+        subblocks = {key: ((0.3 * torch.randn(HIDDEN, 4, generator=g), 0.3 * torch.randn(4, HIDDEN, generator=g))
+                           if key == (4, "mlp") else 0.1 * torch.randn(HIDDEN, HIDDEN, generator=g), outputs)
+                     for key, outputs in subblocks.items()}
         model = prune_layers(dense, REMOVED, operators, operator_kind="ghost", normed=normed, subblocks=subblocks).eval()
         folder = out / name
         model.save_pretrained(folder)

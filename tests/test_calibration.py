@@ -75,15 +75,17 @@ def test_streaming_equals_in_memory_and_padding_is_excluded() -> None:
     # One sequence per batch: the same float32 activations, so only float64 summation order differs.
     # Four per batch (right-padded): float32 kernels on other shapes differ in the last bits.
     for batch_size, tolerance in ((1, 1e-12), (4, 1e-5)):
-        stats = collect_statistics(model, batch_sequences(seqs, batch_size, PAD), PLAN, progress=False)
+        stats = collect_statistics(model, batch_sequences(seqs, batch_size, PAD), PLAN, progress=False,
+                                   partial="float64")
         assert stats.tokens == sum(map(len, seqs))
         for key, expected in reference.items():
             # (the loss's logits are made a few positions at a time: float32 products of other shapes)
             bound = max(tolerance, 1e-7) if key.startswith("loss") else tolerance
             assert relative_error(stats.tensors[key], expected) < bound, (batch_size, key)
         assert stats[COSINE(1, 2)] is stats.tensors["cos.1.2"]
-    # Each chunk's products formed in float32, added to float64 totals: float32 rounding of sums of <= 256 rows.
-    stats = collect_statistics(model, batch_sequences(seqs, 4, PAD), PLAN, progress=False, partial="float32")
+    # Each chunk's products formed in float32 (the default), added to float64 totals: float32 rounding of sums of
+    # <= 256 rows.
+    stats = collect_statistics(model, batch_sequences(seqs, 4, PAD), PLAN, progress=False)
     assert stats.origin["partial_sums"] == "float32" and all(t.dtype == torch.float64 for t in stats.tensors.values())
     worst = max((relative_error(stats.tensors[key], expected), key) for key, expected in reference.items())
     assert 1e-9 < worst[0] < 1e-5, worst

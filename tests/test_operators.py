@@ -26,9 +26,9 @@ def synthetic(n: int = 3000, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     return x, y
 
 
-def stats_of(x: torch.Tensor, y: torch.Tensor, batches: int = 7):
+def stats_of(x: torch.Tensor, y: torch.Tensor, batches: int = 7):  # float64 partial sums: exact to lstsq
     plan = least_squares(0, 1) | StatisticsPlan.of(ABS(0), ABS(1), ROTATED_ABS(0), ROTATED_ABS(1))
-    acc = StatisticsAccumulator(plan, C)
+    acc = StatisticsAccumulator(plan, C, partial="float64")
     for xs, ys in zip(x.chunk(batches), y.chunk(batches)):
         acc.add({source(0): xs, target(1): ys, source(1): ys})
         acc.tokens += xs.shape[0]
@@ -117,7 +117,7 @@ def test_normed_fits_are_the_least_squares_fits_on_the_tokens() -> None:
     x, y = synthetic()
     # A target that depends on the token norms, which a linear map of X alone cannot follow.
     y = y + 3.0 * rms_normalized(x) @ torch.randn(C, C, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    acc = StatisticsAccumulator(least_squares(0, 1) | normed_terms(0, 1), C)
+    acc = StatisticsAccumulator(least_squares(0, 1) | normed_terms(0, 1), C, partial="float64")
     for xs, ys in zip(x.chunk(7), y.chunk(7)):
         acc.add({source(0): xs, target(1): ys})
         acc.tokens += xs.shape[0]
@@ -169,7 +169,7 @@ def test_every_kind_declares_what_its_fit_reads() -> None:
         if not plan:  # plain pruning fits nothing
             assert kind.fit(None, 1, 2, 1e-8).operator is None
             continue
-        acc = StatisticsAccumulator(plan, C)
+        acc = StatisticsAccumulator(plan, C, partial="float64")
         for xs, ys, ms in zip(x.chunk(5), y.chunk(5), m.chunk(5)):
             acc.add({source(1): xs, target(2): ys, source(2): ys, mlp(0): ms})
             acc.tokens += xs.shape[0]

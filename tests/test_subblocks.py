@@ -30,7 +30,7 @@ def replaced_model(dense, names):
                        **CALIBRATION)
 
 
-def check_cache_and_reload(model, tmp_path, names) -> None:
+def check_cache_and_reload(model, tmp_path, names, version: str = "1.2") -> None:
     """Greedy generation with the cache equals it without; attention-free layers hold no cache bytes; a reload
     through the remote code gives the same logits."""
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -47,7 +47,7 @@ def check_cache_and_reload(model, tmp_path, names) -> None:
             assert keys.numel() == 0 and layer.values.numel() == 0
     model.save_pretrained(tmp_path / "model")
     config = json.loads((tmp_path / "model" / "config.json").read_text())
-    assert config["ghost_format_version"] == "1.2"
+    assert config["ghost_format_version"] == version
     assert [f"{r['original_layer']}.{r['block']}" for r in config["ghost_subblocks"]] == names
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", trust_remote_code=True)
     with torch.no_grad():
@@ -245,6 +245,9 @@ def test_a_share_of_parameters_sets_the_number_of_whole_layers() -> None:
     (dict(unit="mixed", criterion="manual", subblocks=["1.mlp"], layers=[1]), "removed whole"),
     (dict(unit="mixed", criterion="manual"), "layers="),
     (dict(unit="mixed", criterion="manual", layers=[9]), "out of range"),
+    (dict(map_rank="4"), "map_rank sets the rank of sub-blocks"),
+    (dict(unit="subblock", remove="25%", map_rank="half"), "map_rank is 'full'"),
+    (dict(unit="subblock", remove="25%", map_rank="0"), "map_rank is 'full'"),
 ])
 def test_bad_subblock_requests_are_refused_by_name(overrides, message) -> None:
     with pytest.raises(GhostedError, match=message):
@@ -404,3 +407,86 @@ def test_each_sequential_fit_starts_where_the_one_before_it_was_read() -> None:
     handle.remove()
     # layer 0 runs in the first fit's pass and in each sub-block's two-token probe of its output count only
     assert len(calls) == len(data.batches) + len(refs) and len(fits) == len(refs)
+
+
+def best_of_rank(a: torch.Tensor, h: torch.Tensor, rank: int) -> torch.Tensor:
+    """The least-squares map of rank `rank` from h: the full map `a` projected on the leading directions of h @ a."""
+    _, _, vt = torch.linalg.svd(h @ a, full_matrices=False)
+    return a @ vt[:rank].T @ vt[:rank]
+
+
+def test_rank_r_maps_are_the_best_of_their_rank_and_stored_as_two_factors(tmp_path) -> None:
+    from ghosted_hf.text.tokens import tokenize_texts
+
+    dense = build("llama")
+    batches = tokenize_texts(char_tokenizer(), texts(), 64, 8, 4).batches
+    model = ghost_prune(copy.deepcopy(dense), char_tokenizer(), texts(), unit="subblock", criterion="manual",
+                        subblocks=["1.attention", "4.mlp"], map_rank="4", **CALIBRATION)
+    assert [r["rank"] for r in model.config.ghost_subblocks] == [4, 4]
+    shapes = {k: tuple(v.shape) for k, v in model.ghost_operators().items()}
+    assert shapes == {"model.layers.1.self_attn.ghost.down": (HIDDEN, 4), "model.layers.1.self_attn.ghost.up": (4, HIDDEN),
+                      "model.layers.4.mlp.ghost.down": (HIDDEN, 4), "model.layers.4.mlp.ghost.up": (4, HIDDEN)}
+    # the first map is fitted on the dense model: the best map of rank 4 there
+    h, y = captured(dense, "1.attention", batches)
+    down, up = (model.get_parameter(f"model.layers.1.self_attn.ghost.{part}").double() for part in ("down", "up"))
+    torch.testing.assert_close(down @ up, best_of_rank(torch.linalg.lstsq(h, y).solution, h, 4), atol=2e-3, rtol=2e-3)
+    assert 0 < model.config.ghost_subblocks[0]["fit"]["energy_kept"] < 1
+    from ghosted_hf.pipelines.gguf import subblock_maps  # llama.cpp's linear attention: the map multiplied out
+    torch.testing.assert_close(subblock_maps(model).attention[1], (down @ up).float())
+
+    model.save_pretrained(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["ghost_format_version"] == "1.4"
+    assert all(len(r["down_sha256"]) == len(r["up_sha256"]) == 64 and "sha256" not in r for r in config["ghost_subblocks"])
+    ids = torch.randint(3, 100, (2, 7))
+    assert_loads_with_same_logits(tmp_path / "model", model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                  tmp_path)
+    check_cache_and_reload(model, tmp_path / "again", ["1.attention", "4.mlp"], version="1.4")
+
+    tensors = load_file(tmp_path / "model" / "model.safetensors")
+    tensors["model.layers.4.mlp.ghost.up"][0, 0] += 1
+    save_file(tensors, tmp_path / "model" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="mlp.ghost.up does not match the sha256"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "model", trust_remote_code=True)
+    del tensors["model.layers.4.mlp.ghost.up"]
+    save_file(tensors, tmp_path / "model" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="operator tensors missing.*layers.4.mlp.ghost.up"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "model", trust_remote_code=True)
+
+
+def test_the_choice_prices_each_map_at_its_rank() -> None:
+    dense = build("llama")
+    total = decoder_parameters(dense)
+    model = ghost_prune(copy.deepcopy(dense), char_tokenizer(), texts(), unit="subblock", remove="30%", map_rank="4",
+                        **CALIBRATION)
+    selection = model.config.ghost_provenance["selection"]
+    damage = {sb.parse_subblock(k): v for k, v in selection["scores"].items()}
+    saved = {ref: sb.subblock_parameters(dense, ref) - 2 * HIDDEN * 4 for ref in damage}  # net of a rank-4 map
+    assert selection["subblocks"] == [r.name for r in sb.choose_to_budget(damage, saved, round(0.3 * total))]
+    assert {r["rank"] for r in model.config.ghost_subblocks} == {4}
+    parameters = model.config.ghost_provenance["parameters"]
+    assert parameters["operators"] == len(selection["subblocks"]) * 2 * HIDDEN * 4
+    assert parameters["dense"] - parameters["pruned"] - parameters["operators"] >= 0.3 * total
+
+
+class Sums(dict):
+    tokens = 4096
+
+
+def test_an_auto_rank_keeps_what_the_full_map_explains_in_the_fewest_directions() -> None:
+    generator = torch.Generator().manual_seed(0)
+    h = torch.randn(4096, HIDDEN, generator=generator, dtype=torch.float64)
+    low = torch.randn(HIDDEN, 3, generator=generator, dtype=torch.float64) @ torch.randn(3, HIDDEN, generator=generator,
+                                                                                            dtype=torch.float64)
+    ref = sb.SubBlockRef(2, "mlp")
+    full = torch.randn(HIDDEN, HIDDEN, generator=generator, dtype=torch.float64)
+    for a, expected in ((low, 3), (full, None)):  # a rank-3 map; one that is not low-rank stays full
+        y = h @ a + 1e-3 * torch.randn(4096, HIDDEN, generator=generator, dtype=torch.float64)
+        gram, cross, energy = (statistic(2) for statistic in sb.SUBBLOCK_SUMS["mlp"])
+        stats = Sums({gram: h.T @ h, cross: h.T @ y, energy: (y * y).sum()})
+        fit = sb.fit_candidate(stats, ref, 1e-9, rank="auto")
+        assert fit.rank == expected
+        if expected:
+            assert fit.parameters == 2 * HIDDEN * 3 and fit.figures["energy_kept"] >= sb.AUTO_RANK_ENERGY
+            torch.testing.assert_close(fit.map[0] @ fit.map[1], low, atol=1e-3, rtol=1e-3)
+        assert sb.fit_candidate(stats, ref, 1e-9, rank=HIDDEN // 2).rank is None  # no smaller than the full map

@@ -93,16 +93,32 @@ def squared_residual(gram: torch.Tensor, cross: torch.Tensor, energy: float, w: 
     return float(((gram @ w) * w).sum() - 2.0 * (w * cross).sum()) + energy
 
 
+def map_spectrum(gram: torch.Tensor, cross: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(A, energies, directions): the full ridge least-squares map A and the eigen-decomposition of its fitted values'
+    Gram ``A^T (G + eps I) A``, largest first: the output energy the map explains along each direction."""
+    a, eps = ridge_solve(gram, cross, ridge)
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    energies, directions = torch.linalg.eigh(a.T @ (gram + eps * eye) @ a)
+    return a, energies.flip(0).clamp_min(0), directions.flip(1)  # (eigh sorts ascending)
+
+
 def reduced_rank(gram: torch.Tensor, cross: torch.Tensor, ridge: float, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, U), B of shape (C, r) and U (r, C): the map ``h -> h B U`` of rank at most r with the least ridge
     least-squares loss ``||Y - X A||^2 + eps ||A||^2`` (reduced-rank regression on the statistics alone). The ridge
     term is X with sqrt(eps) I appended and Y with zeros, so the full solution A is projected on the r leading
     eigenvectors of its fitted values' Gram ``A^T (G + eps I) A``: 2 C r parameters where the full map holds C^2."""
-    a, eps = ridge_solve(gram, cross, ridge)
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    _, vectors = torch.linalg.eigh(a.T @ (gram + eps * eye) @ a)
-    leading = vectors[:, vectors.shape[1] - rank:].flip(1)  # (eigh sorts ascending)
+    a, _, directions = map_spectrum(gram, cross, ridge)
+    leading = directions[:, :rank]
     return a @ leading, leading.T.contiguous()
+
+
+def energy_rank(energies: torch.Tensor, share: float) -> int:
+    """The fewest leading directions that keep `share` of the explained energy (`energies` largest first)."""
+    total = float(energies.sum())
+    if total <= 0:
+        return 1
+    kept = torch.cumsum(energies, 0) >= share * total
+    return int(torch.nonzero(kept)[0]) + 1
 
 
 def share_left(numerator: float, denominator: float) -> float:

@@ -25,11 +25,26 @@ from ..remote.format_ghosted import SUBBLOCK_KINDS, expected_boundaries
 from ..statistics import (LABELS, LOSS, SUBBLOCK_SUMS, CalibrationStatistics, Calibrator, Patch, StatisticsPlan,
                           least_squares, next_token_loss, subblock_terms)
 from ..statistics.patch import subblock_slot
-from .operators import operator_kind, ridge_solve, share_left, squared_residual
+from .operators import energy_rank, map_spectrum, operator_kind, share_left, squared_residual
 
 Batch = Mapping[str, torch.Tensor]
 LAYER = "layer"  # a whole decoder layer as a candidate (saved as a removed layer and its boundary's operator)
 CANDIDATE_KINDS = (*SUBBLOCK_KINDS, LAYER)  # a layer's own hooks run after its sub-blocks'
+# A map of rank 'auto' keeps this share of the output energy its full map explains. Set where a map's quality
+# saturates: on SmolLM2 maps keeping 99% matched the full maps' perplexity, 95% lost 5% (subblock_ranks.md).
+AUTO_RANK_ENERGY = 0.99
+MapRank = str | int  # "full", "auto" or a rank r
+
+
+def parse_map_rank(value: MapRank) -> MapRank:
+    """"full", "auto" or a positive rank (given as an int or its text), or a GhostedError saying what is accepted."""
+    text = str(value).strip()
+    if text in ("full", "auto"):
+        return text
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise GhostedError(f"map_rank is 'full' (C x C maps), 'auto' (per sub-block, the smallest rank keeping "
+                       f"{AUTO_RANK_ENERGY:.0%} of what its full map explains) or a positive rank such as 64, got {value!r}.")
 
 
 @dataclass(frozen=True)
@@ -100,12 +115,12 @@ def all_subblocks(depth: int, whole_layers: bool = False) -> list[SubBlockRef]:
 
 @dataclass
 class SubBlockFit:
-    """A candidate's fit: for a sub-block its map A (float64, C x C: y ~ h @ A) and how many values the sub-block
-    returns, for a whole layer (or a run of them, `end` the layer its boundary feeds) its boundary's operator W; and
-    the figures recorded in config.json."""
+    """A candidate's fit: for a sub-block its map A (float64, C x C: y ~ h @ A, or a rank-r map's factors (down, up))
+    and how many values the sub-block returns, for a whole layer (or a run of them, `end` the layer its boundary
+    feeds) its boundary's operator W; and the figures recorded in config.json."""
 
     ref: SubBlockRef
-    map: torch.Tensor
+    map: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     outputs: int = 0
     figures: dict[str, Any] = field(default_factory=dict)
     end: int | None = None
@@ -113,6 +128,16 @@ class SubBlockFit:
     def __post_init__(self) -> None:
         if self.end is None:
             self.end = self.ref.layer + 1
+
+    @property
+    def rank(self) -> int | None:
+        """The map's rank where it is stored as factors (None: a full map)."""
+        return self.map[0].shape[1] if isinstance(self.map, tuple) else None
+
+    @property
+    def parameters(self) -> int:
+        """What the map adds to the model."""
+        return sum(t.numel() for t in (self.map if isinstance(self.map, tuple) else (self.map,)))
 
 
 def candidate_statistics(ref: SubBlockRef, end: int | None = None) -> StatisticsPlan:
@@ -124,16 +149,25 @@ def candidate_statistics(ref: SubBlockRef, end: int | None = None) -> Statistics
 
 
 def fit_candidate(stats: CalibrationStatistics, ref: SubBlockRef, ridge: float, outputs: int = 0,
-                  end: int | None = None) -> SubBlockFit:
-    """A sub-block's ridge least-squares map h @ A ~ y, or a whole layer's (a run's) boundary operator by the Ghost kind:
-    the operators module's solvers, with its residual figures."""
+                  end: int | None = None, rank: MapRank = "full") -> SubBlockFit:
+    """A sub-block's ridge least-squares map h @ A ~ y (of `rank`: its best map of that rank, stored as two factors
+    where they hold fewer values than the full map), or a whole layer's (a run's) boundary operator by the Ghost
+    kind: the operators module's solvers, with its residual figures."""
     if ref.block == LAYER:
         boundary = operator_kind("ghost").fit(stats, ref.layer, end or ref.layer + 1, ridge)
         return SubBlockFit(ref, boundary.operator, 0, boundary.figures, end)
     gram, cross, energy = (stats[statistic(ref.layer)] for statistic in SUBBLOCK_SUMS[ref.block])
-    a, _ = ridge_solve(gram, cross, ridge)
-    relative = share_left(squared_residual(gram, cross, float(energy), a), float(energy))
-    return SubBlockFit(ref, a, outputs, {"relative_residual": round(relative, 6), "tokens": stats.tokens})
+    a, energies, directions = map_spectrum(gram, cross, ridge)
+    width = gram.shape[0]
+    r = energy_rank(energies, AUTO_RANK_ENERGY) if rank == "auto" else width if rank == "full" else int(rank)
+    figures = {}
+    if 2 * r < width:  # fewer values than the full map: (down, up)
+        leading = directions[:, :r]
+        a = (a @ leading, leading.T.contiguous())
+        figures["energy_kept"] = round(float(energies[:r].sum() / energies.sum().clamp_min(1e-300)), 6)
+    applied = a[0] @ a[1] if isinstance(a, tuple) else a
+    relative = share_left(squared_residual(gram, cross, float(energy), applied), float(energy))
+    return SubBlockFit(ref, a, outputs, {"relative_residual": round(relative, 6), **figures, "tokens": stats.tokens})
 
 
 def patch_of(fits: Iterable[SubBlockFit]) -> Patch:
@@ -150,12 +184,14 @@ def _outputs(calibrator: Calibrator, refs: Iterable[SubBlockRef]) -> dict[SubBlo
     return {ref: counts.get((ref.layer, ref.block), 0) for ref in refs}
 
 
-def candidate_fits(calibrator: Calibrator, candidates: list[SubBlockRef], ridge: float) -> dict[SubBlockRef, SubBlockFit]:
-    """Every candidate fitted on the dense model, from one pass for all their statistics."""
+def candidate_fits(calibrator: Calibrator, candidates: list[SubBlockRef], ridge: float,
+                   rank: MapRank = "full") -> dict[SubBlockRef, SubBlockFit]:
+    """Every candidate fitted on the dense model (each sub-block's map of `rank`), from one pass for all their
+    statistics."""
     plan = StatisticsPlan.union(candidate_statistics(ref) for ref in candidates)
     stats = calibrator.ensure(plan, "statistics of every candidate")
     outputs = _outputs(calibrator, candidates)
-    return {ref: fit_candidate(stats, ref, ridge, outputs[ref]) for ref in candidates}
+    return {ref: fit_candidate(stats, ref, ridge, outputs[ref], rank=rank) for ref in candidates}
 
 
 def mean_loss(stats: CalibrationStatistics, depth: int) -> float:
@@ -204,17 +240,20 @@ def sequential_steps(depth: int, refs: list[SubBlockRef]) -> list[tuple[SubBlock
                   + [(SubBlockRef(b["removed"][0], LAYER), b["removed"][-1] + 1) for b in expected_boundaries(depth, whole)])
 
 
-def fit_sequentially(calibrator: Calibrator, refs: list[SubBlockRef], ridge: float) -> list[SubBlockFit]:
+def fit_sequentially(calibrator: Calibrator, refs: list[SubBlockRef], ridge: float,
+                     rank: MapRank | Mapping[SubBlockRef, MapRank] = "full") -> list[SubBlockFit]:
     """Fit each chosen sub-block (each run of whole layers, as one boundary) down the network on the model with the ones
     before it in place (`Patch`): a sub-block maps what it reads to what it returns there, a boundary maps the patched
     stream onto the dense model's, as the Ghost kind fits sequentially. The first is fitted on the dense model (from the
-    statistics at hand where they hold it: the candidates' or precomputed ones)."""
+    statistics at hand where they hold it: the candidates' or precomputed ones). Each map has `rank` (per sub-block
+    where it is a mapping: the ranks the choice priced)."""
     fits: list[SubBlockFit] = []
     steps = sequential_steps(calibrator.depth, refs)
     for k, (ref, end) in enumerate(steps):
         plan, purpose = candidate_statistics(ref, end), f"sequential fit {k + 1}/{len(steps)}"
         at_hand = k == 0 and not calibrator.missing(plan)  # (else a pass, which keeps where the next one starts)
         stats = calibrator.statistics if at_hand else calibrator.collect(plan, purpose, patch_of(fits))
-        fits.append(fit_candidate(stats, ref, ridge, _outputs(calibrator, [ref])[ref], end))
+        fits.append(fit_candidate(stats, ref, ridge, _outputs(calibrator, [ref])[ref], end,
+                                  rank.get(ref, "full") if isinstance(rank, Mapping) else rank))
         fits[-1].figures["fitted_on"] = "dense model" if k == 0 else "model with the ones before it replaced"
     return fits

@@ -59,6 +59,9 @@ class Layers(Unit):
             raise GhostedError(f"criterion {options.criterion!r} needs the layer indices to remove (layers=[...]).")
         if options.subblocks:
             raise GhostedError("subblocks=[...] is only used with unit='subblock' or 'mixed' (and criterion='manual').")
+        if str(options.map_rank) != "full":
+            raise GhostedError("map_rank sets the rank of sub-blocks' maps: use it with unit='subblock' or 'mixed' (a "
+                               "whole layer's boundary operator is full).")
 
     def statistics(self, config: PretrainedConfig, options: Any) -> StatisticsPlan:
         """The criterion's statistics and the fit statistics of every boundary it may choose. ShortGPT's scattered
@@ -101,6 +104,7 @@ class SubBlocks(Unit):
                                "...]" + (", layers=[...]" if self.whole_layers else "") + ").")
         if not manual and options.remove is None and options.num_parameters is None:
             raise GhostedError(f"{unit} removes a parameter budget: pass remove='25%' or num_parameters.")
+        subblocks.parse_map_rank(options.map_rank)
         if options.operator != "ghost" or options.fitting != "sequential":
             raise GhostedError(f"{unit} fits each map sequentially down the network (a whole layer's map is its "
                                "boundary's operator): leave operator and fitting at their defaults.")

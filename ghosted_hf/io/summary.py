@@ -44,6 +44,7 @@ class SubBlockSummary:
     name: str  # "12.attention", dense numbering
     layer: str
     figures: str
+    map: str = "full"  # "full" (C x C) or "rank r" (format 1.4)
 
 
 @dataclass
@@ -134,7 +135,7 @@ def summarize(config: GhostedConfig | PretrainedConfig) -> ModelSummary:
 def _subblock(record: dict[str, Any]) -> SubBlockSummary:
     return SubBlockSummary(name=f"{record['original_layer']}.{record['block']}",
                            layer=f"pruned layer {record['layer']} (dense {record['original_layer']}).{record['module']}",
-                           figures=_figures(record))
+                           figures=_figures(record), map=f"rank {record['rank']}" if record.get("rank") else "full")
 
 
 def _fitting(fitting: str) -> str:
@@ -181,7 +182,7 @@ def render_text(summary: ModelSummary, tensors: dict[str, tuple[int, ...]] | Non
     if s.subblocks:
         lines.append("sub-blocks      : replaced by a linear map of their input (format 1.2)")
         for r in s.subblocks:
-            lines.append(f"  {r.name} -> {r.layer}: {r.figures}")
+            lines.append(f"  {r.name} -> {r.layer}, {r.map} map: {r.figures}")
     if tensors is not None:
         lines.append("operator tensors:")
         lines.extend(f"  {name} {list(shape)}" for name, shape in sorted(tensors.items()))

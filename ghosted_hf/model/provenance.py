@@ -12,7 +12,7 @@ from ..utils.diskio import check_shape, optional
 
 BOUNDARY = {"removed": [int], "target": str, "operator": str, "layer": optional(int), "original_layer": optional(int),
             "fit": optional(dict), "fused_into": optional(str)}
-SUBBLOCK = {"layer": int, "original_layer": int, "block": str, "module": str, "fit": optional(dict)}
+SUBBLOCK = {"layer": int, "original_layer": int, "block": str, "module": str, "fit": optional(dict), "rank": optional(int)}
 # The shape of every field a reader uses: checked on reading, so a damaged field is named, not a crash.
 SCHEMA = {
     "method": optional(str), "base_model": optional(str), "base_model_path": optional(str),

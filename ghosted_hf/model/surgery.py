@@ -20,12 +20,15 @@ from ..architectures import (Layout, architecture, check_layers_match, check_rem
                              is_multimodal, language_config, layer_of, layer_prefix, pruned_config)
 from ..errors import GhostedError, NonFiniteError, one_line
 from ..remote.configuration_ghosted import GhostedConfig
-from ..remote.format_ghosted import (GHOST_MODULE, GHOST_NORMED, OPERATOR_DTYPES, SUBBLOCK_KINDS, decoder_paths,
-                                     expected_boundaries, ghost_tensor_key, required_format_version)
+from ..remote.format_ghosted import (GHOST_DOWN, GHOST_MODULE, GHOST_NORMED, GHOST_UP, OPERATOR_DTYPES, SUBBLOCK_KINDS,
+                                     decoder_paths, expected_boundaries, ghost_tensor_key, ghost_tensor_keys,
+                                     required_format_version)
 from ..remote.modeling_ghosted import GhostedForCausalLM, GhostedForConditionalGeneration
 from . import verify
 
 logger = logging.getLogger(__name__)
+
+SubBlockMap = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a C x C map, or a rank-r map's (down, up)
 
 
 def as_layer_index(value: object) -> int:
@@ -55,14 +58,15 @@ def validate_removal(remove: Iterable[int], depth: int) -> list[int]:
     return sorted(remove)
 
 
-def _validate_ghost_tensor(tensor: torch.Tensor, width: int, what: str, where: str, dtype: torch.dtype) -> torch.Tensor:
-    """`tensor` cast to its storage `dtype`, after checking type, shape (width x width), dtype, device and finiteness
-    (of the stored values: a float64 tensor that overflows float32 is refused)."""
+def _validate_ghost_tensor(tensor: torch.Tensor, width: int, what: str, where: str, dtype: torch.dtype,
+                           shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """`tensor` cast to its storage `dtype`, after checking type, shape (width x width, or `shape`), dtype, device and
+    finiteness (of the stored values: a float64 tensor that overflows float32 is refused)."""
     if not isinstance(tensor, torch.Tensor):
         raise GhostedError(f"{what} for {where} must be a torch.Tensor, got {type(tensor).__name__}.")
-    if tuple(tensor.shape) != (width, width):
-        raise GhostedError(f"{what} for {where} has shape {tuple(tensor.shape)}; expected {(width, width)} (hidden "
-                           "size x hidden size).")
+    if tuple(tensor.shape) != (shape or (width, width)):
+        raise GhostedError(f"{what} for {where} has shape {tuple(tensor.shape)}; expected {shape or (width, width)} "
+                           + ("(hidden size x hidden size)." if shape is None else "(a rank-r map's factor)."))
     if not tensor.is_floating_point():
         raise GhostedError(f"{what} for {where} must be a floating-point tensor, got {tensor.dtype}.")
     if tensor.device.type == "meta":
@@ -172,7 +176,7 @@ def prune_layers(
     operator_kind: str = "custom",
     operator_dtype: torch.dtype = torch.float32,
     normed: Mapping[int, torch.Tensor] | None = None,
-    subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]] | None = None,
+    subblocks: Mapping[tuple[int, str], tuple[SubBlockMap, int]] | None = None,
 ) -> GhostedForCausalLM:
     """Remove decoder layers `remove` (dense numbering) and install one operator per boundary.
 
@@ -181,7 +185,8 @@ def prune_layers(
     without one get the identity (kind "none": plain pruning), the others are recorded as `operator_kind`. `normed`
     (same keys) adds a term ``n(x) @ A`` (format 1.1; the operator defaults to the identity). `subblocks` maps (kept
     dense layer, "attention" or "mlp") to (its C x C map, how many values the module returns): that sub-block becomes
-    ``h -> h @ map`` (format 1.2), and `remove` may be empty.
+    ``h -> h @ map`` (format 1.2), and `remove` may be empty; a map given as factors (down (C, r), up (r, C)) is
+    stored as them, ``h -> (h @ down) @ up`` (format 1.4).
 
     The returned model shares the dense model's tensors (no copy: peak memory stays one model): treat `model` as
     consumed.
@@ -247,9 +252,10 @@ def prune_layers(
         if boundary.get("normed"):
             _take_tensor(pruned, ghost_tensor_key(boundary, GHOST_NORMED, paths), terms[start_of(boundary)].to(device).clone())
 
-    for record, value in replaced:
+    for record, values in replaced:
         device = _weight_device(dense_layers[record["original_layer"]])
-        _take_tensor(pruned, ghost_tensor_key(record, paths=paths), nn.Parameter(value.to(device=device).clone()))
+        for key, value in zip(ghost_tensor_keys(record, paths).values(), values):
+            _take_tensor(pruned, key, nn.Parameter(value.to(device=device).clone()))
 
     still_meta = [n for n, t in [*pruned.named_parameters(), *pruned.named_buffers()] if t.device.type == "meta"]
     if still_meta:
@@ -269,9 +275,9 @@ def _weight_device(module: nn.Module) -> torch.device:
                 torch.device("cpu"))
 
 
-def _subblock_records(model: PreTrainedModel, subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]],
-                      kept: list[int], hidden: int, dtype: torch.dtype) -> list[tuple[dict, torch.Tensor]]:
-    """(config record, map checked and cast to `dtype`) per replaced sub-block, in network order."""
+def _subblock_records(model: PreTrainedModel, subblocks: Mapping[tuple[int, str], tuple[SubBlockMap, int]],
+                      kept: list[int], hidden: int, dtype: torch.dtype) -> list[tuple[dict, tuple[torch.Tensor, ...]]]:
+    """(config record, its map's tensors checked and cast to `dtype`) per replaced sub-block, in network order."""
     family, layers = architecture(model), decoder_layers(model)
     out = []
     for (layer, block), (value, outputs) in subblocks.items():
@@ -283,7 +289,18 @@ def _subblock_records(model: PreTrainedModel, subblocks: Mapping[tuple[int, str]
             raise GhostedError(f"A sub-block is {' or '.join(SUBBLOCK_KINDS)}, got {block!r}.")
         record = {"layer": kept.index(layer), "original_layer": layer, "block": block,
                   "module": getattr(family, block).attribute(layers[layer]), "outputs": int(outputs), "fit": {}}
-        out.append((record, _validate_ghost_tensor(value, hidden, "Map", f"the {block} of layer {layer}", dtype)))
+        where = f"the {block} of layer {layer}"
+        if isinstance(value, tuple):  # a rank-r map's factors (down, up)
+            rank = value[0].shape[-1] if len(value) == 2 and isinstance(value[0], torch.Tensor) else 0
+            if not 0 < rank < hidden:
+                raise GhostedError(f"A rank-r map for {where} is a pair (down (C, r), up (r, C)) with 0 < r < C = "
+                                   f"{hidden}, got {len(value)} values of rank {rank}.")
+            record["rank"] = rank
+            out.append((record, tuple(_validate_ghost_tensor(t, hidden, f"Map factor {part}", where, dtype, shape)
+                                      for t, part, shape in zip(value, (GHOST_DOWN, GHOST_UP),
+                                                                ((hidden, rank), (rank, hidden))))))
+        else:
+            out.append((record, (_validate_ghost_tensor(value, hidden, "Map", where, dtype),)))
     return sorted(out, key=lambda item: (item[0]["layer"], SUBBLOCK_KINDS.index(item[0]["block"])))  # network order
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import shutil
 import subprocess
@@ -37,7 +38,7 @@ from ..errors import GhostedError
 from ..model.checkpoint import made_as
 from ..model.provenance import Provenance
 from ..model.surgery import adopt_tensors
-from ..remote.format_ghosted import GHOST_NORMED, LAYER_TARGET, NORMED_EPS, ghost_tensor_key
+from ..remote.format_ghosted import GHOST_NORMED, LAYER_TARGET, NORMED_EPS, ghost_tensor_key, ghost_tensor_keys
 from ..remote.modeling_ghosted import GhostedForCausalLM
 from ..remote.staging_ghosted import scratch_folder
 from ..utils.diskio import atomic_write
@@ -89,11 +90,12 @@ class SubBlockMaps:
 
 
 def subblock_maps(model: GhostedForCausalLM) -> SubBlockMaps:
-    """Every replaced sub-block's map, read from the model."""
+    """Every replaced sub-block's map, read from the model (a rank-r map multiplied out: llama.cpp's linear attention
+    is one C x C matrix)."""
     maps = SubBlockMaps()
     for record in model.config.ghost_subblocks:
-        value = model.get_parameter(ghost_tensor_key(record)).detach().float().cpu()
-        getattr(maps, record["block"])[record["layer"]] = value
+        tensors = [model.get_parameter(key).detach().double().cpu() for key in ghost_tensor_keys(record).values()]
+        getattr(maps, record["block"])[record["layer"]] = functools.reduce(torch.matmul, tensors).float()
     return maps
 
 

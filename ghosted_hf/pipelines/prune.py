@@ -91,7 +91,7 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
     down the network -> the model. Every pass is a `Calibrator` pass."""
     unit = units.unit(options.unit)
     text = language_config(calibration_pass.config)
-    depth, width = text.num_hidden_layers, text.hidden_size
+    depth = text.num_hidden_layers
     if calibration is None or tokenizer is None:
         raise GhostedError(f"unit={unit.name!r} measures each replacement's damage and fits each map on the model "
                            "patched so far, on calibration text: pass a tokenizer and calibration text (with or "
@@ -102,21 +102,23 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
     calibrator.check_agreement(options)
     counted = calibration_pass.model_for_build(range(depth))  # layer by layer: no decoder layer read, freed below
     dense_parameters = count_parameters(counted)
-    saved = {ref: subblocks.subblock_parameters(counted, ref) - width * width
-             for ref in subblocks.all_subblocks(depth, whole_layers=True)}  # net of its map
+    sizes = {ref: subblocks.subblock_parameters(counted, ref) for ref in subblocks.all_subblocks(depth, whole_layers=True)}
     budget = parameter_budget(counted, options) if options.criterion != "manual" else 0
     del counted
+    rank = subblocks.parse_map_rank(options.map_rank)
     if options.criterion == "manual":
         chosen = subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
         selection = Selection([], "manual", {}, "n/a")
     else:
-        fits = subblocks.candidate_fits(calibrator, unit.candidates(depth), options.ridge)
+        fits = subblocks.candidate_fits(calibrator, unit.candidates(depth), options.ridge, rank)
         scored = calibrator.first_batches(max(1, -(-options.damage_sequences // options.batch_size)))
         damage = subblocks.damages(scored, fits)
+        saved = {ref: sizes[ref] - fit.parameters for ref, fit in fits.items()}  # net of its map, at its rank
         chosen = subblocks.choose_to_budget(damage, saved, budget)
+        rank = {ref: fits[ref].rank or "full" for ref in chosen}  # the ranks the choice priced
         selection = Selection([], "ghost-aware", {ref.name: round(value, 6) for ref, value in damage.items()}, "lower")
     first = len(calibrator.passes)
-    fitted = subblocks.fit_sequentially(calibrator, chosen, options.ridge)
+    fitted = subblocks.fit_sequentially(calibrator, chosen, options.ridge, rank)
     calibrator.merge_passes(first, "sequential fits")
     whole, maps = ([f for f in fitted if (f.ref.block == subblocks.LAYER) == layer] for layer in (True, False))
     selection.removed, selection.subblocks = [i for f in whole for i in range(f.ref.layer, f.end)], [f.ref.name for f in maps]

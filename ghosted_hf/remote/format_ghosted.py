@@ -18,7 +18,7 @@ NORM_TARGET = "norm"
 LAYER_TARGET = "layer"
 # The saved format's version, "MAJOR.MINOR". This code reads every checkpoint of its major version (a minor
 # version only adds what older readers may ignore) and refuses a newer major version.
-FORMAT_VERSION = "1.3"
+FORMAT_VERSION = "1.4"
 # 1.1 adds the normed term of a boundary, ``x -> x @ operator + n(x) @ normed`` with n(x) = x / rms(x), read with
 # this epsilon (fitted with it too: part of the format, not of the base model).
 NORMED_EPS = 1e-6
@@ -27,6 +27,9 @@ SUBBLOCK_KINDS = ("attention", "mlp")
 # 1.3 adds `ghost_layout`: where a family keeps its decoder layers and final norm when not where Llama does (GPT-2's
 # `transformer.h` and `transformer.ln_f`); the ghost tensors' names follow it. Absent: Llama's layout.
 DEFAULT_LAYOUT = {"layers": "model.layers", "norm": "model.norm"}
+# 1.4 adds rank-r sub-block maps: a record with `rank` r holds its map as two factors, `....ghost.down` (C, r) and
+# `....ghost.up` (r, C), applied as h -> (h @ down) @ up: 2 C r values where the full map holds C^2.
+GHOST_DOWN, GHOST_UP = "down", "up"
 # Sizes a config states that something proportional to is built: each must be a positive integer where present.
 SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
                "num_key_value_heads", "head_dim")
@@ -53,9 +56,11 @@ def check_format_version(version: Any) -> None:
 
 def required_format_version(boundaries: list[dict[str, Any]], subblocks: list[dict[str, Any]] = (),
                             layout: dict[str, str] | None = None) -> str:
-    """The oldest format version that describes a checkpoint: 1.3 with a layout other than Llama's (a multimodal
-    base's included), 1.2 with replaced sub-blocks, 1.1 where a boundary has a normed term, else 1.0 (which every 1.x
-    reader loads)."""
+    """The oldest format version that describes a checkpoint: 1.4 with a rank-r sub-block map, 1.3 with a layout other
+    than Llama's (a multimodal base's included), 1.2 with replaced sub-blocks, 1.1 where a boundary has a normed term,
+    else 1.0 (which every 1.x reader loads)."""
+    if any(s.get("rank") for s in subblocks):
+        return "1.4"
     if layout:
         return "1.3"
     if subblocks:
@@ -96,6 +101,9 @@ def check_subblocks(records: list[dict[str, Any]], original: list[int]) -> None:
         outputs = record.get("outputs", 0)
         if not isinstance(outputs, int) or isinstance(outputs, bool) or outputs < 0:
             raise ValueError(f"ghost_subblocks: outputs must be a count (0 for a bare tensor), got {outputs!r}.")
+        rank = record.get("rank")
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
+            raise ValueError(f"ghost_subblocks: rank must be a positive count (absent for a full map), got {rank!r}.")
         if (layer, block) in seen:
             raise ValueError(f"ghost_subblocks: the {block} of layer {layer} is listed twice.")
         seen.add((layer, block))
@@ -248,7 +256,9 @@ def ghost_tensor_key(boundary: dict[str, Any], param: str = GHOST_PARAM, paths: 
 
 
 def ghost_tensor_keys(boundary: dict[str, Any], paths: dict[str, str] | None = None) -> dict[str, str]:
-    """{the config field holding its sha256: state-dict key} of every tensor of a boundary."""
+    """{the config field holding its sha256: state-dict key} of every tensor of a boundary (or sub-block record)."""
+    if boundary.get("rank"):  # a rank-r map: its two factors
+        return {f"{part}_sha256": ghost_tensor_key(boundary, part, paths) for part in (GHOST_DOWN, GHOST_UP)}
     keys = {"sha256": ghost_tensor_key(boundary, paths=paths)}
     if boundary.get("normed"):
         keys["normed_sha256"] = ghost_tensor_key(boundary, GHOST_NORMED, paths)

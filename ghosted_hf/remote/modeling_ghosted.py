@@ -13,7 +13,7 @@ the tensor ``model.layers.{i}.ghost.operator`` (applied to the hidden state ente
 ``x -> x @ operator + n(x) @ normed``, n(x) = x / sqrt(mean(x^2) + NORMED_EPS). A replaced sub-block (format 1.2)
 is the tensor ``model.layers.{i}.{module}.ghost.operator`` (e.g. ``model.layers.3.self_attn.ghost.operator``): the
 module returns ``h @ operator`` for the input ``h`` it was given, and an attention-free layer stores no keys or values
-in the KV cache. config.json records each tensor's sha256 and the format version (docs/reference/format.md).
+in the KV cache; a rank-r map (format 1.4) is ``....ghost.down`` (C, r) and ``....ghost.up`` (r, C), ``(h @ down) @ up``. config.json records each tensor's sha256 and the format version (docs/reference/format.md).
 """
 
 from __future__ import annotations
@@ -102,8 +102,35 @@ class GhostOperator(nn.Module):
         return f"{self.operator.shape[0]}, dtype={self.operator.dtype}{normed}"
 
 
-class GhostMap(GhostOperator):
-    """The map that stands in for a removed sub-block (a freshly built one is zero: the sub-block removed)."""
+class GhostMap(nn.Module):
+    """The map that stands in for a removed sub-block, ``h -> h @ operator`` (C x C), or of rank r (format 1.4)
+    ``h -> (h @ down) @ up`` with down (C, r) and up (r, C). A freshly built one is zero: the sub-block removed.
+    Computed in the map's dtype and cast back, as a boundary's operator is."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32, rank: int | None = None) -> None:
+        super().__init__()
+        if rank is None:
+            self.operator = nn.Parameter(torch.empty(hidden_size, hidden_size, dtype=dtype))
+        else:
+            self.down = nn.Parameter(torch.empty(hidden_size, rank, dtype=dtype))
+            self.up = nn.Parameter(torch.empty(rank, hidden_size, dtype=dtype))
+
+    @property
+    def factors(self) -> tuple[nn.Parameter, ...]:
+        """The map's tensors, applied one after the other: (operator,) or (down, up)."""
+        return (self.operator,) if "operator" in self._parameters else (self.down, self.up)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        factors = self.factors
+        mapped = hidden_states.to(device=factors[0].device, dtype=factors[0].dtype)
+        for factor in factors:
+            mapped = mapped @ factor
+        return mapped.to(device=hidden_states.device, dtype=hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        factors = self.factors
+        rank = f", rank={factors[0].shape[1]}" if len(factors) == 2 else ""
+        return f"{factors[0].shape[0]}, dtype={factors[0].dtype}{rank}"
 
 
 if DynamicLayer is not None:
@@ -124,9 +151,10 @@ class SubBlockBypass(nn.Module):
     The map is the child `ghost` (its tensor ``....ghost.operator``). In place of attention it gives the KV cache
     zero-width keys and values, so the cache's length (positions, masks) stays right and holds no bytes for it."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, block: str, layer_idx: int, outputs: int) -> None:
+    def __init__(self, hidden_size: int, dtype: torch.dtype, block: str, layer_idx: int, outputs: int,
+                 rank: int | None = None) -> None:
         super().__init__()
-        self.ghost = GhostMap(hidden_size, dtype)
+        self.ghost = GhostMap(hidden_size, dtype, rank)
         self.block, self.layer_idx, self.outputs = block, layer_idx, outputs
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -198,7 +226,8 @@ class GhostedPreTrainedModel(PreTrainedModel):
         # A freshly built model is the plainly pruned one. Loading never relies on this: `from_pretrained`
         # refuses checkpoints whose operators are missing.
         if isinstance(module, GhostMap):
-            nn.init.zeros_(module.operator)
+            for factor in module.factors:
+                nn.init.zeros_(factor)
         elif isinstance(module, GhostOperator):
             nn.init.eye_(module.operator)
             if module.normed is not None:
@@ -234,7 +263,8 @@ class GhostedPreTrainedModel(PreTrainedModel):
                 raise ValueError(f"Layer {record['layer']} ({type(layer).__name__}) has no sub-block "
                                  f"{record['module']!r} to replace: the config does not match this model family.")
             setattr(layer, record["module"], SubBlockBypass(text_config.hidden_size, operator_dtype, record["block"],
-                                                            record["layer"], record.get("outputs", 0)))
+                                                            record["layer"], record.get("outputs", 0),
+                                                            record.get("rank")))
 
     def ghost_operators(self) -> dict[str, nn.Parameter]:
         """Every ghost tensor (each boundary's operator and its normed term where it has one, each replaced

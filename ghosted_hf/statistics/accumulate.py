@@ -32,6 +32,8 @@ class _LazyCopies(dict):
 
 
 PARTIAL_SUMS = ("float64", "float32")  # the precision each chunk's products are formed in; totals are float64
+# float32 chose the same layers and perplexities as float64 on both packaged models (benchmarks/results/partial_sums.md)
+DEFAULT_PARTIAL_SUMS = "float32"
 
 
 class StatisticsAccumulator:
@@ -45,7 +47,7 @@ class StatisticsAccumulator:
     CHUNK = 256
 
     def __init__(self, plan: StatisticsPlan, hidden_size: int, device: str | torch.device = "cpu",
-                 partial: str = "float64") -> None:
+                 partial: str = DEFAULT_PARTIAL_SUMS) -> None:
         if not plan:
             raise GhostedError("The statistics plan is empty: nothing to collect.")
         if partial not in PARTIAL_SUMS:

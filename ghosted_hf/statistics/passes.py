@@ -23,7 +23,7 @@ from ..errors import GhostedError
 from ..text.tokens import TokenBatches
 from ..utils.distributed import all_reduce_sums, check_agreement, process_rank
 from ..utils.hashing import string_sha256
-from .accumulate import StatisticsAccumulator
+from .accumulate import DEFAULT_PARTIAL_SUMS, StatisticsAccumulator
 from .capture import capture_hidden_states, input_device, release_freed_memory, resumed, watch_subblocks
 from .declarations import Read, block_output
 from .patch import Patch, patched_stream, same_below
@@ -41,7 +41,7 @@ class CalibrationPass(abc.ABC):
 
     @abc.abstractmethod
     def collect(self, batches: Iterable[Batch], plan: StatisticsPlan, *, patch: Patch | None = None,
-                device: str | torch.device | None = None, description: str = "Calibration pass", partial: str = "float64",
+                device: str | torch.device | None = None, description: str = "Calibration pass", partial: str = DEFAULT_PARTIAL_SUMS,
                 progress: bool = True) -> CalibrationStatistics:
         """The sums of `plan` over `batches`. With a `patch`, every source-side read (a fit's input X_s, MLP
         outputs) comes from the model pruned and patched by it, every target from the dense model: how a
@@ -138,7 +138,7 @@ class FullModelPass(CalibrationPass):
             self._remembering = False
 
     def collect(self, batches: Iterable[Batch], plan: StatisticsPlan, *, patch: Patch | None = None,
-                device: str | torch.device | None = None, description: str = "Calibration pass", partial: str = "float64",
+                device: str | torch.device | None = None, description: str = "Calibration pass", partial: str = DEFAULT_PARTIAL_SUMS,
                 progress: bool = True) -> CalibrationStatistics:
         model = self.model
         device = torch.device(device) if device is not None else input_device(model)
@@ -208,7 +208,7 @@ def as_calibration_pass(model: PreTrainedModel | CalibrationPass) -> Calibration
 
 def collect_statistics(model: PreTrainedModel | CalibrationPass, batches: Iterable[Batch], plan: StatisticsPlan, *,
                        patch: Patch | None = None, device: str | torch.device | None = None, progress: bool = True,
-                       description: str = "Calibration pass", partial: str = "float64") -> CalibrationStatistics:
+                       description: str = "Calibration pass", partial: str = DEFAULT_PARTIAL_SUMS) -> CalibrationStatistics:
     """Accumulate `plan` over `batches` with one truncated pass of `model` per batch (see `CalibrationPass.collect`)."""
     stats = as_calibration_pass(model).collect(batches, plan, patch=patch, device=device, description=description,
                                                progress=progress, partial=partial)
@@ -225,7 +225,7 @@ class Calibrator:
 
     def __init__(self, calibration_pass: CalibrationPass, data: TokenBatches | None,
                  statistics: CalibrationStatistics | None = None, *, device: str | torch.device | None = None,
-                 shard: ShardSpec | None = None, partial: str = "float64") -> None:
+                 shard: ShardSpec | None = None, partial: str = DEFAULT_PARTIAL_SUMS) -> None:
         self.calibration_pass, self.data, self.statistics, self.device = calibration_pass, data, statistics, device
         self.partial = partial  # the precision of each chunk's products (`StatisticsAccumulator`)
         self.shard = shard or ShardSpec()

@@ -24,13 +24,13 @@ class Patch:
     layer]` applied to the stream it feeds (plus its normed term `normed[first removed layer]`), the MLP
     output of layer j multiplied by `transforms[j]` (the transforms that fold into the MLP's output weights), and
     sub-block `kind` of layer j replaced by the served module, a `SubBlockBypass` with the map and output count
-    `subblocks[(j, kind)]`."""
+    `subblocks[(j, kind)]` (a C x C map, or a rank-r map's factors (down, up))."""
 
     removed: tuple[int, ...] = ()
     operators: Mapping[int, torch.Tensor] = field(default_factory=dict)
     transforms: Mapping[int, torch.Tensor] = field(default_factory=dict)
     normed: Mapping[int, torch.Tensor] = field(default_factory=dict)
-    subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]] = field(default_factory=dict)
+    subblocks: Mapping[tuple[int, str], tuple[torch.Tensor | tuple[torch.Tensor, ...], int]] = field(default_factory=dict)
 
     def fed(self, depth: int) -> dict[int, int]:
         """First removed layer of each boundary -> the index it feeds (depth: the final norm)."""
@@ -51,10 +51,14 @@ def same_below(a: Patch, b: Patch, j: int) -> bool:
         return ({i for i in patch.removed if i < j},
                 *({k: v for k, v in changes.items() if k < j}
                   for changes in (patch.operators, patch.normed, patch.transforms)),
-                {k: v[0] for k, v in patch.subblocks.items() if k[0] < j})
+                {k: factors(v[0]) for k, v in patch.subblocks.items() if k[0] < j})
+
+    def equal(x: torch.Tensor | tuple[torch.Tensor, ...], y: torch.Tensor | tuple[torch.Tensor, ...]) -> bool:
+        x, y = factors(x), factors(y)
+        return len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y))
 
     def same(x: Mapping, y: Mapping) -> bool:
-        return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        return x.keys() == y.keys() and all(equal(x[k], y[k]) for k in x)
 
     first, second = below(a), below(b)
     return first[0] == second[0] and all(same(x, y) for x, y in zip(first[1:], second[1:]))
@@ -71,16 +75,24 @@ def subblock_slot(model: nn.Module, layer: int, kind: str) -> tuple[nn.Module, s
     return module, getattr(architecture(model), kind).attribute(module)
 
 
-def bypassed(model: nn.Module, subblocks: Mapping[tuple[int, str], tuple[torch.Tensor, int]],
+def factors(value: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A sub-block's map as the tensors applied one after the other: (map,) or a rank-r map's (down, up)."""
+    return tuple(value) if isinstance(value, tuple) else (value,)
+
+
+def bypassed(model: nn.Module, subblocks: Mapping[tuple[int, str], tuple[torch.Tensor | tuple[torch.Tensor, ...], int]],
              ) -> contextlib.AbstractContextManager:
     """Within the context, sub-block `kind` of layer j is a `SubBlockBypass` (the module a ghosted model serves)
     applying the map of `subblocks[(j, kind)]` (in float32, as saved); the sub-blocks are put back on exit."""
     children = []
-    for (j, kind), (matrix, outputs) in sorted(subblocks.items()):
+    for (j, kind), (value, outputs) in sorted(subblocks.items(), key=lambda item: item[0]):
         layer, name = subblock_slot(model, j, kind)
-        bypass = SubBlockBypass(matrix.shape[0], torch.float32, kind, j, outputs)
+        tensors = factors(value)
+        bypass = SubBlockBypass(tensors[0].shape[0], torch.float32, kind, j, outputs,
+                                tensors[0].shape[1] if len(tensors) == 2 else None)
         device = next(getattr(layer, name).parameters()).device
-        bypass.ghost.operator.data = matrix.to(device=device, dtype=torch.float32)
+        for parameter, tensor in zip(bypass.ghost.factors, tensors):
+            parameter.data = tensor.to(device=device, dtype=torch.float32)
         children.append((layer, name, bypass))
     return replaced(children)
 
