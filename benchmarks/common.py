@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -85,3 +86,21 @@ def benchmark_setup(args: argparse.Namespace) -> Setup:
     data = tokenize_texts(tokenizer, calibration, options.seq_len, options.num_sequences, options.batch_size)
     held_out = held_out_windows(tokenizer, args.eval_windows).batches
     return Setup(tokenizer, load, calibration, held_out, options, data, perplexity(load(), held_out, progress=False))
+
+
+def transformers_speed(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s), the best of 3."""
+    ids = torch.tensor([prompt])
+    prefill = decode = 0.0
+    for _ in range(3):
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = model(ids, use_cache=True)
+            middle = time.perf_counter()
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            for _ in range(new_tokens):
+                out = model(token, past_key_values=cache, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            end = time.perf_counter()
+        prefill, decode = max(prefill, len(prompt) / (middle - start)), max(decode, new_tokens / (end - middle))
+    return prefill, decode

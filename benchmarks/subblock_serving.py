@@ -22,34 +22,15 @@ import argparse
 import hashlib
 import re
 import sys
-import time
 from pathlib import Path
 
 import torch
-from common import packaged_model
+from common import packaged_model, transformers_speed
 from serving import add_bos, llama_perplexity, llama_speed, run, transformers_perplexity
 from transformers import AutoModelForCausalLM
 
 from ghosted_hf import assets, ghost_prune, save_with_card
 from ghosted_hf.model.loading import NO_HUB_KERNELS
-
-
-def transformers_speed(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s), the best of 3."""
-    ids = torch.tensor([prompt])
-    prefill = decode = 0.0
-    for _ in range(3):
-        with torch.no_grad():
-            start = time.perf_counter()
-            out = model(ids, use_cache=True)
-            middle = time.perf_counter()
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            for _ in range(new_tokens):
-                out = model(token, past_key_values=cache, use_cache=True)
-                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            end = time.perf_counter()
-        prefill, decode = max(prefill, len(prompt) / (middle - start)), max(decode, new_tokens / (end - middle))
-    return prefill, decode
 
 
 def transformers_kv_bytes(model, prompt: list[int]) -> float:

@@ -26,6 +26,15 @@ next-token loss, heal's default; kd: KL to the dense model's logits, `--teacher 
 sources: the news articles are text of another source than the healing text, so the gain healing keeps there says
 whether a healing default carries over. "gap closed" is (free - healed) / (free - 1) of the perplexity ratio.
 
+With `--kv` the budgets are shares of the KV cache's bytes per token (`remove_kv`) and the rows are layers / ghost
+(`ghost_prune(remove_kv=b)`), sub-blocks / ghost-aware (attention sub-blocks, the least damage per cache byte freed) and
+mixed / ghost-aware (attention sub-blocks and whole layers); the criterion then scores only what frees cache. With
+`--speed` each row also gets transformers' prefill (512 held-out tokens) and decode (64 greedy tokens with the cache)
+tokens/s, the best of 3, on the threads given:
+
+    python benchmarks/subblocks.py --model smollm2-135m-instruct --kv --budgets 25% 50% --speed \
+        --rows "layers / ghost" "sub-blocks / ghost-aware" "mixed / ghost-aware" --output benchmarks/results/kv_budget.md
+
 With `--map-rank auto` (or a rank) the sub-block and mixed rows use maps of that rank (`map_rank`): the candidates'
 maps and damages are measured at it and each priced net of its own map, as `ghost_prune` does; the chosen sub-blocks
 are then fitted by `criterion="manual"` with the same `map_rank`, so an 'auto' rank is chosen again on the model patched
@@ -43,9 +52,11 @@ import time
 from pathlib import Path
 
 import torch
+from common import transformers_speed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets, ghost_prune
+from ghosted_hf.architectures import kv_per_token
 from ghosted_hf.evaluate import lambada, perplexity
 from ghosted_hf.fitting import subblocks as sb
 from ghosted_hf.model.loading import NO_HUB_KERNELS
@@ -81,6 +92,8 @@ def main() -> None:
                         help="also heal each row with heal's defaults: lm (next-token loss) and/or kd (dense teacher)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     parser.add_argument("--map-rank", default="full", help="map_rank of the sub-block and mixed rows (full, auto, r)")
+    parser.add_argument("--kv", action="store_true", help="budgets are shares of the KV cache (remove_kv)")
+    parser.add_argument("--speed", action="store_true", help="also transformers' prefill and decode tokens/s")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = assets.resolve_model(args.model)
@@ -102,17 +115,20 @@ def main() -> None:
                 "kv": kv_bytes_per_token(model, tokenizer)}
 
     reference = score(dense)
+    prompt = held_out["wiki"][0]["input_ids"][0].tolist()  # 512 held-out tokens
+    speed = " dense prefill / decode {:.0f} / {:.1f} t/s;".format(*transformers_speed(dense, prompt, 64)) if args.speed else ""
     # What ghost_prune(unit="subblock") computes before it chooses, once for every budget (the same for each): every
     # sub-block's map on the dense model, its relative residual, and its measured damage.
     options, started = PruneOptions(**CALIBRATION), time.perf_counter()
-    rank = "" if args.map_rank == "full" else f"-rank-{args.map_rank}"
+    rank = ("" if args.map_rank == "full" else f"-rank-{args.map_rank}") + ("-kv" if args.kv else "")
     cache = Path("benchmark-cache") / f"subblock-criterion-{args.model}{rank}.json"  # reused by later runs on this model
     if cache.is_file():
         stored = json.loads(cache.read_text())
     else:
         data = tokenize_texts(tokenizer, calibration, **CALIBRATION)
         calibrator = Calibrator(FullModelPass(dense), data)
-        candidates = sb.all_subblocks(dense.config.num_hidden_layers, whole_layers=True)
+        candidates = [ref for ref in sb.all_subblocks(dense.config.num_hidden_layers, whole_layers=True)
+                      if not (args.kv and ref.block == "mlp")]  # (what frees cache)
         fits = sb.candidate_fits(calibrator, candidates, options.ridge, sb.parse_map_rank(args.map_rank))
         scored = calibrator.first_batches(-(-options.damage_sequences // options.batch_size))
         stored = {"residual": {ref.name: fit.figures["relative_residual"] for ref, fit in fits.items()},
@@ -128,16 +144,19 @@ def main() -> None:
             for name, value in stored.get("map_parameters", {}).items()}  # (older caches: full maps)
     saved = {ref: sb.subblock_parameters(dense, ref) - maps.get(ref, width * width) for ref in residual}
     alone = {ref: value for ref, value in damage.items() if ref.block != sb.LAYER}  # what unit 'subblock' weighs
+    per_layer = kv_per_token(dense.config)
+    frees = {ref: per_layer[ref.layer] for ref in damage if ref.block != "mlp"}  # KV values per token a removal frees
     selection_seconds = stored["seconds"]
     del dense
 
     lines = [f"## {args.model} ({time.strftime('%Y-%m-%d')}): {total / 1e6:.1f} M decoder-layer parameters; dense "
              f"perplexity wiki {reference['wiki']:.2f}, news {reference['news']:.2f}, LAMBADA {reference['lambada']:.3f}, "
-             f"KV {reference['kv']} B/token; the sub-block criterion's statistics, maps and damages: "
+             f"KV {reference['kv']} B/token;{speed} the sub-block criterion's statistics, maps and damages: "
              f"{selection_seconds:.0f} s (not in the rows' seconds); sub-block maps: {args.map_rank}", "",
              "| budget | unit / selection | removed (net) | wiki ppl ratio | news ppl ratio | LAMBADA | KV B/token | what | s |"
+             + (" prefill / decode t/s |" if args.speed else "")
              + "".join(f" healed {h}: wiki / news ratio (gap closed) | {h} s |" for h in args.heal),
-             "|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(args.heal)]
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * args.speed + "---|---|" * len(args.heal)]
     print("\n".join(lines), flush=True)
     def mixed(chosen):
         return ghost_prune(load(), tokenizer, calibration, unit="mixed", criterion="manual",
@@ -146,25 +165,35 @@ def main() -> None:
 
     for budget in args.budgets:
         target = round(budget_share(budget) * total)
-        runs = {
-            "layers / ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget, **CALIBRATION),
-            "layers / plain ShortGPT": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
-                                                            criterion="shortgpt", operator="none", **CALIBRATION),
-            "layers / plain LoRP": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
-                                                        criterion="lorp", operator="none", **CALIBRATION),
-            "layers / LoRP + ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
-                                                          criterion="lorp", **CALIBRATION),
-            "sub-blocks / ghost-aware": lambda: ghost_prune(
-                load(), tokenizer, calibration, unit="subblock", criterion="manual",
-                subblocks=[r.name for r in sb.choose_to_budget(alone, saved, target)], map_rank=args.map_rank,
-                **CALIBRATION),
-            "mixed / ghost-aware": lambda: mixed(sb.choose_to_budget(damage, saved, target)),
-            "sub-blocks / fit residual": lambda: ghost_prune(
-                load(), tokenizer, calibration, unit="subblock", criterion="manual",
-                subblocks=[r.name for r in sb.choose_to_budget(
-                    {r: v for r, v in residual.items() if r.block != sb.LAYER}, saved, target)],
-                map_rank=args.map_rank, **CALIBRATION),
-        }
+        if args.kv:
+            cached = round(budget_share(budget, "remove_kv") * sum(per_layer))
+            runs = {
+                "layers / ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove_kv=budget, **CALIBRATION),
+                "sub-blocks / ghost-aware": lambda: ghost_prune(
+                    load(), tokenizer, calibration, unit="subblock", criterion="manual", map_rank=args.map_rank,
+                    subblocks=[r.name for r in sb.choose_to_budget(alone, frees, cached, "KV values")], **CALIBRATION),
+                "mixed / ghost-aware": lambda: mixed(sb.choose_to_budget(damage, frees, cached, "KV values")),
+            }
+        else:
+            runs = {
+                "layers / ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget, **CALIBRATION),
+                "layers / plain ShortGPT": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
+                                                                criterion="shortgpt", operator="none", **CALIBRATION),
+                "layers / plain LoRP": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
+                                                            criterion="lorp", operator="none", **CALIBRATION),
+                "layers / LoRP + ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
+                                                              criterion="lorp", **CALIBRATION),
+                "sub-blocks / ghost-aware": lambda: ghost_prune(
+                    load(), tokenizer, calibration, unit="subblock", criterion="manual",
+                    subblocks=[r.name for r in sb.choose_to_budget(alone, saved, target)], map_rank=args.map_rank,
+                    **CALIBRATION),
+                "mixed / ghost-aware": lambda: mixed(sb.choose_to_budget(damage, saved, target)),
+                "sub-blocks / fit residual": lambda: ghost_prune(
+                    load(), tokenizer, calibration, unit="subblock", criterion="manual",
+                    subblocks=[r.name for r in sb.choose_to_budget(
+                        {r: v for r, v in residual.items() if r.block != sb.LAYER}, saved, target)],
+                    map_rank=args.map_rank, **CALIBRATION),
+            }
         for name, run in runs.items():
             if args.rows and name not in args.rows:
                 continue
@@ -183,6 +212,8 @@ def main() -> None:
             lines.append(f"| {budget} | {name} | {removed_net / 1e6:.2f} M ({removed_net / total:.1%}) | "
                          f"{free['wiki']:.3f} | {free['news']:.3f} | "
                          f"{result['lambada']:.3f} | {result['kv']} | {what} | {seconds:.0f} |")
+            if args.speed:
+                lines[-1] += " {:.0f} / {:.1f} |".format(*transformers_speed(model, prompt, 64))
             del model
             for loss in args.heal:
                 teacher = load() if loss == "kd" else None
@@ -200,7 +231,8 @@ def main() -> None:
         rows = " --rows " + " ".join(f"'{r}'" for r in args.rows) if args.rows else ""
         rows += (f" --budgets {' '.join(args.budgets)} --lambada {args.lambada}"
                  + (f" --heal {' '.join(args.heal)}" if args.heal else "") + f" --threads {args.threads}"
-                 + (f" --map-rank {args.map_rank}" if args.map_rank != "full" else ""))
+                 + (f" --map-rank {args.map_rank}" if args.map_rank != "full" else "")
+                 + (" --kv" if args.kv else "") + (" --speed" if args.speed else ""))
         handle.write(f"\n`python benchmarks/subblocks.py --model {args.model}{rows}`\n\n" + "\n".join(lines) + "\n")
 
 

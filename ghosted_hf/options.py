@@ -149,6 +149,9 @@ class PruneOptions(Options):
                                 "operators and maps added: '25%' or 0.25. Instead of --num-layers.")
     num_parameters: int | None = option(None, "How many decoder parameters to remove, net of the operators and maps "
                                         "added. Instead of --num-layers.")
+    remove_kv: str | None = option(None, "How much of the KV cache to remove, as a share of its bytes per token: '50%' "
+                                   "or 0.5 (whole layers, or attention sub-blocks with unit 'subblock' or 'mixed', "
+                                   "chosen by their damage per cache byte freed). Instead of --num-layers.")
     subblocks: list[str] | None = option(None, "Sub-blocks to replace with unit 'subblock' or 'mixed' and criterion "
                                          "'manual', as LAYER.KIND in dense numbering (12.attention 3.mlp).")
     criterion: str = option("ghost-aware", "How to choose the layers to remove.", lambda: tuple(CRITERIA))
@@ -179,25 +182,32 @@ class PruneOptions(Options):
     damage_sequences: int = option(16, "Calibration sequences on which units 'subblock' and 'mixed' measure each candidate's "
                                    "damage (one forward over them per candidate).")
 
+    @property
+    def budgeted(self) -> bool:
+        """Whether a budget (remove, num_parameters, remove_kv) sets how much goes, instead of num_layers."""
+        return any(getattr(self, name) is not None for name in ("remove", "num_parameters", "remove_kv"))
+
     def check(self) -> None:
         takes_layers = CRITERIA[self.criterion].takes_layers
         unit(self.unit).check(self)
         if self.layers and not takes_layers:
             raise GhostedError(f"layers=[...] is only used with criterion='manual', not {self.criterion!r}.")
-        if takes_layers and (self.remove is not None or self.num_parameters is not None):
-            raise GhostedError("criterion 'manual' is given what to remove: a budget (remove, num_parameters) is for "
-                               "the criteria that choose.")
-        if self.remove is not None and self.num_parameters is not None:
-            raise GhostedError("Give remove (a share) or num_parameters (a count), not both.")
-        if self.remove is not None:
-            budget_share(self.remove)
+        budgets = [name for name in ("remove", "num_parameters", "remove_kv") if getattr(self, name) is not None]
+        if takes_layers and budgets:
+            raise GhostedError("criterion 'manual' is given what to remove: a budget (remove, num_parameters, "
+                               "remove_kv) is for the criteria that choose.")
+        if len(budgets) > 1:
+            raise GhostedError(f"Give one budget: {' and '.join(budgets)} were given, not both.")
+        for name in ("remove", "remove_kv"):
+            if getattr(self, name) is not None:
+                budget_share(getattr(self, name), name)
         if self.num_parameters is not None:
             positive(self, "num_parameters")
         positive(self, "damage_sequences")
         check_calibration(self)
 
 
-def budget_share(text: str) -> float:
+def budget_share(text: str, name: str = "remove") -> float:
     """'25%' or '0.25' as 0.25; refuses anything outside (0, 1)."""
     value = str(text).strip()
     try:
@@ -205,8 +215,8 @@ def budget_share(text: str) -> float:
     except ValueError:
         share = math.nan
     if not 0 < share < 1:
-        raise GhostedError(f"remove is a share of the decoder's parameters, '25%' or 0.25 (above 0, below 100%), "
-                           f"got {text!r}.")
+        what = "the KV cache's bytes per token" if name == "remove_kv" else "the decoder's parameters"
+        raise GhostedError(f"{name} is a share of {what}, '25%' or 0.25 (above 0, below 100%), got {text!r}.")
     return share
 
 

@@ -229,7 +229,7 @@ def test_a_share_of_parameters_sets_the_number_of_whole_layers() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (dict(unit="subblock"), "parameter budget"),
+    (dict(unit="subblock"), "removes a budget"),
     (dict(unit="subblock", criterion="shortgpt", remove="25%"), "criterion"),
     (dict(unit="subblock", criterion="manual"), "needs what to replace"),
     (dict(unit="subblock", remove="25%", operator="normed"), "defaults"),
@@ -490,3 +490,55 @@ def test_an_auto_rank_keeps_what_the_full_map_explains_in_the_fewest_directions(
             assert fit.parameters == 2 * HIDDEN * 3 and fit.figures["energy_kept"] >= sb.AUTO_RANK_ENERGY
             torch.testing.assert_close(fit.map[0] @ fit.map[1], low, atol=1e-3, rtol=1e-3)
         assert sb.fit_candidate(stats, ref, 1e-9, rank=HIDDEN // 2).rank is None  # no smaller than the full map
+
+
+def cache_values_per_token(model) -> int:
+    """Values the model's cache holds per token (keys and values of every layer that keeps them), measured."""
+    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    return sum(t.numel() for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+               if t is not None) // 8
+
+
+def test_kv_per_token_is_what_each_layer_caches() -> None:
+    from ghosted_hf.architectures import kv_per_token
+
+    dense = build("llama")
+    per_layer = kv_per_token(dense.config)
+    heads, width = dense.config.num_key_value_heads, dense.config.hidden_size // dense.config.num_attention_heads
+    assert per_layer == [2 * heads * width] * dense.config.num_hidden_layers
+    assert sum(per_layer) == cache_values_per_token(dense)
+    hybrid = tiny_family("qwen3_next").config  # linear-attention layers keep a fixed state, no per-token cache
+    kinds = hybrid.layer_types
+    assert [value > 0 for value in kv_per_token(hybrid)] == [kind == "full_attention" for kind in kinds]
+    assert "linear_attention" in kinds
+
+
+@pytest.mark.parametrize("unit", ["layer", "subblock", "mixed"])
+def test_a_kv_budget_removes_that_share_of_the_cache(unit) -> None:
+    from ghosted_hf.architectures import kv_per_token
+
+    dense = build("llama")
+    per_layer = kv_per_token(dense.config)
+    model = ghost_prune(copy.deepcopy(dense), char_tokenizer(), texts(), unit=unit, remove_kv="50%", **CALIBRATION)
+    assert cache_values_per_token(model) <= 0.5 * sum(per_layer)
+    if unit == "layer":
+        assert len(model.config.removed_layers) == 3
+        return
+    selection = model.config.ghost_provenance["selection"]
+    damage = {sb.parse_subblock(k, sb.CANDIDATE_KINDS): v for k, v in selection["scores"].items()}
+    assert {r.block for r in damage} == ({"attention", sb.LAYER} if unit == "mixed" else {"attention"})  # what frees cache
+    chosen = sb.choose_to_budget(damage, {ref: per_layer[ref.layer] for ref in damage}, round(0.5 * sum(per_layer)))
+    assert selection["subblocks"] == [r.name for r in chosen if r.block != sb.LAYER]
+    assert model.config.removed_layers == [r.layer for r in chosen if r.block == sb.LAYER]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(remove_kv="50%", remove="25%"), "one budget: remove and remove_kv"),
+    (dict(remove_kv="150%"), "remove_kv is a share of the KV cache"),
+    (dict(remove_kv="50%", criterion="manual", layers=[1]), "criterion 'manual'"),
+])
+def test_bad_kv_budgets_are_refused_by_name(overrides, message) -> None:
+    with pytest.raises(GhostedError, match=message):
+        ghost_prune(build("llama"), char_tokenizer(), texts(), **CALIBRATION, **overrides)

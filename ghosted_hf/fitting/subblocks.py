@@ -213,9 +213,11 @@ def damages(calibrator: Calibrator, fits: Mapping[SubBlockRef, SubBlockFit]) -> 
     return result
 
 
-def choose_to_budget(damage: Mapping[SubBlockRef, float], saved: Mapping[SubBlockRef, int], budget: int) -> list[SubBlockRef]:
-    """The sub-blocks that remove at least `budget` parameters (net of their maps) with the least damage per parameter
-    saved, cheapest first; a whole layer and its own sub-blocks exclude each other."""
+def choose_to_budget(damage: Mapping[SubBlockRef, float], saved: Mapping[SubBlockRef, int], budget: int,
+                     what: str = "parameters") -> list[SubBlockRef]:
+    """The sub-blocks that remove at least `budget` parameters (net of their maps; or of `what` they save, such as
+    KV-cache values) with the least damage per unit saved, cheapest first; a whole layer and its own sub-blocks
+    exclude each other."""
     order = sorted((ref for ref in damage if saved[ref] > 0), key=lambda ref: (max(damage[ref], 0.0) / saved[ref], ref))
     chosen, total, taken = [], 0, {}  # taken: layer -> a block chosen there
     for ref in order:
@@ -227,8 +229,8 @@ def choose_to_budget(damage: Mapping[SubBlockRef, float], saved: Mapping[SubBloc
         chosen.append(ref)
         total += saved[ref]
     if total < budget:
-        raise GhostedError(f"Replacing every sub-block whose map is smaller than it saves {total:,} parameters, short of "
-                           f"the {budget:,} asked for: ask for less, or remove whole layers (unit 'layer').")
+        raise GhostedError(f"Replacing every sub-block that saves any saves {total:,} {what}, short of the "
+                           f"{budget:,} asked for: ask for less, or remove whole layers (unit 'layer').")
     return sorted(chosen)
 
 

@@ -102,8 +102,8 @@ class SubBlocks(Unit):
         if manual and not (options.subblocks or options.layers):
             raise GhostedError(f"{unit} with criterion 'manual' needs what to replace (subblocks=['12.attention', "
                                "...]" + (", layers=[...]" if self.whole_layers else "") + ").")
-        if not manual and options.remove is None and options.num_parameters is None:
-            raise GhostedError(f"{unit} removes a parameter budget: pass remove='25%' or num_parameters.")
+        if not manual and not options.budgeted:
+            raise GhostedError(f"{unit} removes a budget: pass remove='25%', num_parameters or remove_kv='50%'.")
         subblocks.parse_map_rank(options.map_rank)
         if options.operator != "ghost" or options.fitting != "sequential":
             raise GhostedError(f"{unit} fits each map sequentially down the network (a whole layer's map is its "

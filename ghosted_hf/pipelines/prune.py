@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..architectures import architecture, check_removal, decoder_layers, language_config, refuse_fold
+from ..architectures import architecture, check_removal, decoder_layers, kv_per_token, language_config, refuse_fold
 from ..assets import base_model_info
 from ..errors import GhostedError
 from ..fitting import subblocks, units
@@ -103,18 +103,26 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
     counted = calibration_pass.model_for_build(range(depth))  # layer by layer: no decoder layer read, freed below
     dense_parameters = count_parameters(counted)
     sizes = {ref: subblocks.subblock_parameters(counted, ref) for ref in subblocks.all_subblocks(depth, whole_layers=True)}
-    budget = parameter_budget(counted, options) if options.criterion != "manual" else 0
+    budget = parameter_budget(counted, options) if options.criterion != "manual" and options.remove_kv is None else 0
     del counted
     rank = subblocks.parse_map_rank(options.map_rank)
     if options.criterion == "manual":
         chosen = subblocks.validate_subblocks(options.subblocks or [], depth, options.layers or [])
         selection = Selection([], "manual", {}, "n/a")
     else:
-        fits = subblocks.candidate_fits(calibrator, unit.candidates(depth), options.ridge, rank)
+        candidates, frees = unit.candidates(depth), None
+        if options.remove_kv is not None:  # the candidates that free cache: attention sub-blocks, whole layers
+            per_layer, budget = kv_budget(calibration_pass.config, options)
+            frees = {ref: per_layer[ref.layer] for ref in candidates if ref.block != "mlp" and per_layer[ref.layer]}
+            candidates = sorted(frees)
+            if not candidates:
+                raise GhostedError("No layer of this model holds a KV cache that grows with the tokens: remove_kv has "
+                                   "nothing to remove; give a parameter budget (remove, num_parameters).")
+        fits = subblocks.candidate_fits(calibrator, candidates, options.ridge, rank)
         scored = calibrator.first_batches(max(1, -(-options.damage_sequences // options.batch_size)))
         damage = subblocks.damages(scored, fits)
-        saved = {ref: sizes[ref] - fit.parameters for ref, fit in fits.items()}  # net of its map, at its rank
-        chosen = subblocks.choose_to_budget(damage, saved, budget)
+        saved = frees if frees is not None else {ref: sizes[ref] - fit.parameters for ref, fit in fits.items()}
+        chosen = subblocks.choose_to_budget(damage, saved, budget, "parameters" if frees is None else "KV-cache values")
         rank = {ref: fits[ref].rank or "full" for ref in chosen}  # the ranks the choice priced
         selection = Selection([], "ghost-aware", {ref.name: round(value, 6) for ref, value in damage.items()}, "lower")
     first = len(calibrator.passes)
@@ -149,21 +157,33 @@ def parameter_budget(model: PreTrainedModel, options: PruneOptions) -> int:
     return round(budget_share(options.remove) * decoder_parameters(model))
 
 
+def kv_budget(config: PretrainedConfig, options: PruneOptions) -> tuple[list[int], int]:
+    """(the KV-cache values each layer adds per token, how many of them to remove) for `remove_kv`."""
+    per_layer = kv_per_token(config)
+    return per_layer, round(budget_share(options.remove_kv, "remove_kv") * sum(per_layer))
+
+
 def resolve_budget(calibration_pass: CalibrationPass, options: PruneOptions) -> PruneOptions:
-    """Whole layers at a parameter budget: the fewest layers whose parameters, net of one boundary's operator, reach
-    it (every layer of a family has the same count but MoE's dense first layers: their mean is used)."""
-    if units.unit(options.unit).subblocks or (options.remove is None and options.num_parameters is None):
+    """Whole layers at a budget: the fewest layers whose parameters, net of one boundary's operator, reach it (every
+    layer of a family has the same count but MoE's dense first layers: their mean is used), or whose KV cache does
+    (the mean over the layers: a hybrid's recurrent layers hold none)."""
+    if units.unit(options.unit).subblocks or not options.budgeted:
         return options
     text = language_config(calibration_pass.config)
     depth, width = text.num_hidden_layers, text.hidden_size
-    model = calibration_pass.model_for_build(range(depth))  # (layer by layer: no decoder layer read, only counted)
-    kind, budget = operator_kind(options.operator), parameter_budget(model, options)
-    added = 0 if kind.stock else kind.regressors * width * width
-    num_layers = max(1, math.ceil((budget + added) / (decoder_parameters(model) / depth)))
+    kind = operator_kind(options.operator)
+    if options.remove_kv is not None:
+        per_layer, budget = kv_budget(calibration_pass.config, options)
+        num_layers, what = max(1, math.ceil(budget / (sum(per_layer) / depth))), "KV-cache values per token"
+    else:
+        model = calibration_pass.model_for_build(range(depth))  # (layer by layer: no decoder layer read, only counted)
+        budget, what = parameter_budget(model, options), "parameters"
+        added = 0 if kind.stock else kind.regressors * width * width
+        num_layers = max(1, math.ceil((budget + added) / (decoder_parameters(model) / depth)))
     if num_layers >= depth - kind.first_removable:  # what check_request refuses for num_layers, said for a budget
-        raise GhostedError(f"Removing {budget:,} parameters takes {num_layers} whole layers of the "
+        raise GhostedError(f"Removing {budget:,} {what} takes {num_layers} whole layers of the "
                            f"{depth - kind.first_removable} that operator {kind.name!r} can remove: ask for less.")
-    logger.info("A budget of %d parameters: %d whole layers.", budget, num_layers)
+    logger.info("A budget of %d %s: %d whole layers.", budget, what, num_layers)
     return PruneOptions.build(options, num_layers=num_layers)
 
 
@@ -270,7 +290,7 @@ def check_request(config: PretrainedConfig, options: PruneOptions) -> None:
         refuse_fold(family, kind.name)
     if not criterion(options.criterion).takes_layers:
         room = depth - kind.first_removable  # (not checked with a budget, which sets num_layers once counted)
-        if options.remove is None and options.num_parameters is None and not 1 <= options.num_layers < room:
+        if not options.budgeted and not 1 <= options.num_layers < room:
             raise GhostedError(f"num_layers must be between 1 and {room - 1} for a model with {room} layers, got "
                                f"{options.num_layers}.")
         return
