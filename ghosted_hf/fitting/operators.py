@@ -108,6 +108,11 @@ def reduced_rank(gram: torch.Tensor, cross: torch.Tensor, ridge: float, rank: in
     term is X with sqrt(eps) I appended and Y with zeros, so the full solution A is projected on the r leading
     eigenvectors of its fitted values' Gram ``A^T (G + eps I) A``: 2 C r parameters where the full map holds C^2."""
     a, _, directions = map_spectrum(gram, cross, ridge)
+    return rank_factors(a, directions, rank)
+
+
+def rank_factors(a: torch.Tensor, directions: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A V_r, V_r^T): map A projected on its `rank` leading output directions (`map_spectrum`), as two factors."""
     leading = directions[:, :rank]
     return a @ leading, leading.T.contiguous()
 

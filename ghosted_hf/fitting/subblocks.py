@@ -25,7 +25,7 @@ from ..remote.format_ghosted import SUBBLOCK_KINDS, expected_boundaries
 from ..statistics import (LABELS, LOSS, SUBBLOCK_SUMS, CalibrationStatistics, Calibrator, Patch, StatisticsPlan,
                           least_squares, next_token_loss, subblock_terms)
 from ..statistics.patch import subblock_slot
-from .operators import energy_rank, map_spectrum, operator_kind, share_left, squared_residual
+from .operators import energy_rank, map_spectrum, operator_kind, rank_factors, ridge_solve, share_left, squared_residual
 
 Batch = Mapping[str, torch.Tensor]
 LAYER = "layer"  # a whole decoder layer as a candidate (saved as a removed layer and its boundary's operator)
@@ -157,14 +157,15 @@ def fit_candidate(stats: CalibrationStatistics, ref: SubBlockRef, ridge: float, 
         boundary = operator_kind("ghost").fit(stats, ref.layer, end or ref.layer + 1, ridge)
         return SubBlockFit(ref, boundary.operator, 0, boundary.figures, end)
     gram, cross, energy = (stats[statistic(ref.layer)] for statistic in SUBBLOCK_SUMS[ref.block])
-    a, energies, directions = map_spectrum(gram, cross, ridge)
-    width = gram.shape[0]
-    r = energy_rank(energies, AUTO_RANK_ENERGY) if rank == "auto" else width if rank == "full" else int(rank)
     figures = {}
-    if 2 * r < width:  # fewer values than the full map: (down, up)
-        leading = directions[:, :r]
-        a = (a @ leading, leading.T.contiguous())
-        figures["energy_kept"] = round(float(energies[:r].sum() / energies.sum().clamp_min(1e-300)), 6)
+    if rank == "full":
+        a, _ = ridge_solve(gram, cross, ridge)
+    else:
+        a, energies, directions = map_spectrum(gram, cross, ridge)
+        r = energy_rank(energies, AUTO_RANK_ENERGY) if rank == "auto" else int(rank)
+        if 2 * r < gram.shape[0]:  # fewer values than the full map: (down, up)
+            a = rank_factors(a, directions, r)
+            figures["energy_kept"] = round(float(energies[:r].sum() / energies.sum().clamp_min(1e-300)), 6)
     applied = a[0] @ a[1] if isinstance(a, tuple) else a
     relative = share_left(squared_residual(gram, cross, float(energy), applied), float(energy))
     return SubBlockFit(ref, a, outputs, {"relative_residual": round(relative, 6), **figures, "tokens": stats.tokens})

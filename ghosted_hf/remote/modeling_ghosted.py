@@ -13,7 +13,8 @@ the tensor ``model.layers.{i}.ghost.operator`` (applied to the hidden state ente
 ``x -> x @ operator + n(x) @ normed``, n(x) = x / sqrt(mean(x^2) + NORMED_EPS). A replaced sub-block (format 1.2)
 is the tensor ``model.layers.{i}.{module}.ghost.operator`` (e.g. ``model.layers.3.self_attn.ghost.operator``): the
 module returns ``h @ operator`` for the input ``h`` it was given, and an attention-free layer stores no keys or values
-in the KV cache; a rank-r map (format 1.4) is ``....ghost.down`` (C, r) and ``....ghost.up`` (r, C), ``(h @ down) @ up``. config.json records each tensor's sha256 and the format version (docs/reference/format.md).
+in the KV cache; a rank-r map (format 1.4) is ``....ghost.down`` (C, r) and ``....ghost.up`` (r, C), applied as
+``(h @ down) @ up``. config.json records each tensor's sha256 and the format version (docs/reference/format.md).
 """
 
 from __future__ import annotations
