@@ -89,6 +89,8 @@ def test_streaming_equals_in_memory_and_padding_is_excluded() -> None:
     assert stats.origin["partial_sums"] == "float32" and all(t.dtype == torch.float64 for t in stats.tensors.values())
     worst = max((relative_error(stats.tensors[key], expected), key) for key, expected in reference.items())
     assert 1e-9 < worst[0] < 1e-5, worst
+    reference_sums = collect_statistics(model, batch_sequences(seqs, 4, PAD), PLAN, progress=False, partial="float64")
+    assert stats.with_tensors(reference_sums).origin["partial_sums"] == "float32 and float64"  # a merge says both
     with pytest.raises(GhostedError, match="Partial sums are formed in float64 or float32, got 'bfloat16'"):
         collect_statistics(model, batch_sequences(seqs, 4, PAD), PLAN, progress=False, partial="bfloat16")
 

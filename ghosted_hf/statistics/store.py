@@ -133,6 +133,9 @@ class CalibrationStatistics:
         if "plan" in self.origin and "plan" in other.origin:
             origin["plan"] = (StatisticsPlan.from_json(self.origin["plan"])
                               | StatisticsPlan.from_json(other.origin["plan"])).to_json()
+        precisions = {o["partial_sums"] for o in (self.origin, other.origin) if "partial_sums" in o}
+        if len(precisions) > 1:  # sums formed in both precisions: say so, not one of them
+            origin["partial_sums"] = " and ".join(sorted(precisions))
         return dataclasses.replace(self, tensors={**self.tensors, **other.tensors}, rotation_kind=rotation_kind,
                                    origin=origin)
 
