@@ -353,13 +353,17 @@ def test_verify_folder_refuses_a_sub_block_map_the_config_does_not_list(tmp_path
         verify_folder(folder)
 
 
-def test_a_sub_block_model_heals_merges_and_reloads(tmp_path) -> None:
+@pytest.mark.parametrize("rank", ["full", "4"])
+def test_a_sub_block_model_heals_merges_and_reloads(rank, tmp_path) -> None:
     from ghosted_hf.pipelines.healing import heal, merge
 
-    model = replaced_model(build("llama"), ["1.attention", "4.mlp"])
+    model = ghost_prune(build("llama"), char_tokenizer(), texts(), unit="subblock", criterion="manual",
+                        subblocks=["1.attention", "4.mlp"], map_rank=rank, **CALIBRATION)
     healed = heal(model, char_tokenizer(), texts(), max_steps=3, seq_len=48, train_operators=True, progress=False)
     trained = {n for n, p in healed.model.named_parameters() if p.requires_grad}
-    assert any("layers.1.self_attn.ghost." in n for n in trained) and any("layers.4.mlp.ghost." in n for n in trained)
+    tensors = ("operator",) if rank == "full" else ("down", "up")  # a rank-r map trains both factors
+    assert all(any(f"layers.{where}.ghost." in n and n.endswith(t) for n in trained)
+               for where in ("1.self_attn", "4.mlp") for t in tensors), trained
     assert not any("layers.1.self_attn.q_proj" in n for n in trained)  # nothing of the replaced attention is left
     merged = merge(healed)
     merged.save_pretrained(tmp_path / "healed")
