@@ -112,12 +112,8 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
     else:
         candidates, frees = unit.candidates(depth), None
         if options.remove_kv is not None:  # the candidates that free cache: attention sub-blocks, whole layers
-            per_layer, budget = kv_budget(calibration_pass.config, options)
-            frees = {ref: per_layer[ref.layer] for ref in candidates if ref.block != "mlp" and per_layer[ref.layer]}
+            frees, budget = cache_savings(calibration_pass.config, candidates, options)
             candidates = sorted(frees)
-            if not candidates:
-                raise GhostedError("No layer of this model holds a KV cache that grows with the tokens: remove_kv has "
-                                   "nothing to remove; give a parameter budget (remove, num_parameters).")
         fits = subblocks.candidate_fits(calibrator, candidates, options.ridge, rank)
         scored = calibrator.first_batches(max(1, -(-options.damage_sequences // options.batch_size)))
         damage = subblocks.damages(scored, fits)
@@ -161,6 +157,18 @@ def kv_budget(config: PretrainedConfig, options: PruneOptions) -> tuple[list[int
     """(the KV-cache values each layer adds per token, how many of them to remove) for `remove_kv`."""
     per_layer = kv_per_token(config)
     return per_layer, round(budget_share(options.remove_kv, "remove_kv") * sum(per_layer))
+
+
+def cache_savings(config: PretrainedConfig, candidates: list[subblocks.SubBlockRef],
+                  options: PruneOptions) -> tuple[dict[subblocks.SubBlockRef, int], int]:
+    """(the KV-cache values per token each candidate that frees any frees: an attention sub-block or a whole layer of
+    a layer that holds a cache; how many to remove) for `remove_kv`."""
+    per_layer, budget = kv_budget(config, options)
+    frees = {ref: per_layer[ref.layer] for ref in candidates if ref.block != "mlp" and per_layer[ref.layer]}
+    if not frees:
+        raise GhostedError("No layer of this model holds a KV cache that grows with the tokens: remove_kv has nothing "
+                           "to remove; give a parameter budget (remove, num_parameters).")
+    return frees, budget
 
 
 def resolve_budget(calibration_pass: CalibrationPass, options: PruneOptions) -> PruneOptions:
