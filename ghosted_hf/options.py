@@ -183,16 +183,20 @@ class PruneOptions(Options):
                                    "damage (one forward over them per candidate).")
 
     @property
+    def budgets(self) -> list[str]:
+        """The budgets given (remove, num_parameters, remove_kv): what sets how much goes, instead of num_layers."""
+        return [name for name in ("remove", "num_parameters", "remove_kv") if getattr(self, name) is not None]
+
+    @property
     def budgeted(self) -> bool:
-        """Whether a budget (remove, num_parameters, remove_kv) sets how much goes, instead of num_layers."""
-        return any(getattr(self, name) is not None for name in ("remove", "num_parameters", "remove_kv"))
+        return bool(self.budgets)
 
     def check(self) -> None:
         takes_layers = CRITERIA[self.criterion].takes_layers
         unit(self.unit).check(self)
         if self.layers and not takes_layers:
             raise GhostedError(f"layers=[...] is only used with criterion='manual', not {self.criterion!r}.")
-        budgets = [name for name in ("remove", "num_parameters", "remove_kv") if getattr(self, name) is not None]
+        budgets = self.budgets
         if takes_layers and budgets:
             raise GhostedError("criterion 'manual' is given what to remove: a budget (remove, num_parameters, "
                                "remove_kv) is for the criteria that choose.")

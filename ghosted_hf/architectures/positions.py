@@ -195,20 +195,20 @@ def kv_per_token(config: PretrainedConfig) -> list[int]:
     head counts: the cache the family's own model fills, built on the meta device (no memory, no arithmetic), from one
     token to two."""
     text = language_config(config)
-    with quiet_transformers(), torch.device("meta"):
-        # (bf16: the dtype every kernel takes, grouped expert products included; no value is computed on meta)
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(text), dtype=torch.bfloat16)
     sizes = []
-    try:
-        with torch.no_grad(), quiet_transformers():
+    with quiet_transformers(), torch.no_grad():
+        with torch.device("meta"):
+            # (bf16: the dtype every kernel takes, grouped expert products included; no value is computed on meta)
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(text), dtype=torch.bfloat16)
+        try:
             for length in (1, 2):  # (within any sliding window)
                 output = model(input_ids=torch.zeros(1, length, dtype=torch.long, device="meta"), use_cache=True)
                 cache = output.cache if getattr(output, "cache", None) is not None else output.past_key_values
                 sizes.append([sum(t.numel() for t in vars(layer).values() if isinstance(t, torch.Tensor))
                               for layer in cache.layers])
-    except Exception as error:  # a family whose forward needs values (not shapes) to run
-        raise GhostedError(f"The KV cache of a {text.model_type} model could not be measured on the meta device "
-                           f"({one_line(error)}): give a parameter budget (remove, num_parameters) instead.") from error
+        except Exception as error:  # a family whose forward needs values (not shapes) to run
+            raise GhostedError(f"The KV cache of a {text.model_type} model could not be measured on the meta device "
+                               f"({one_line(error)}): give a parameter budget (remove, num_parameters) instead.") from error
     if len(sizes[0]) != text.num_hidden_layers:
         raise GhostedError(f"A {text.model_type} model's cache has {len(sizes[0])} layers for its "
                            f"{text.num_hidden_layers} decoder layers, so what each layer holds is not known: give a "

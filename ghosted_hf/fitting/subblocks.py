@@ -24,7 +24,7 @@ from ..errors import GhostedError
 from ..remote.format_ghosted import SUBBLOCK_KINDS, expected_boundaries
 from ..statistics import (LABELS, LOSS, SUBBLOCK_SUMS, CalibrationStatistics, Calibrator, Patch, StatisticsPlan,
                           least_squares, next_token_loss, subblock_terms)
-from ..statistics.patch import subblock_slot
+from ..statistics.patch import factors, subblock_slot
 from .operators import energy_rank, map_spectrum, operator_kind, rank_factors, ridge_solve, share_left, squared_residual
 
 Batch = Mapping[str, torch.Tensor]
@@ -132,12 +132,12 @@ class SubBlockFit:
     @property
     def rank(self) -> int | None:
         """The map's rank where it is stored as factors (None: a full map)."""
-        return self.map[0].shape[1] if isinstance(self.map, tuple) else None
+        return self.map[0].shape[1] if len(factors(self.map)) == 2 else None
 
     @property
     def parameters(self) -> int:
         """What the map adds to the model."""
-        return sum(t.numel() for t in (self.map if isinstance(self.map, tuple) else (self.map,)))
+        return sum(t.numel() for t in factors(self.map))
 
 
 def candidate_statistics(ref: SubBlockRef, end: int | None = None) -> StatisticsPlan:
