@@ -62,22 +62,34 @@ def _gpu_tests_run() -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every compat, distributed or real-model test is slow too: `pytest -m "not slow"` leaves them all out, and
     the slow ones run first.
-    The gpu tests (tests/test_gpu.py) are deselected where no CUDA device can run them, and the header says so."""
+    The gpu tests (tests/test_gpu.py) are deselected where no CUDA device can run them, the torchvision ones where it
+    does not import, and the header says so."""
     for item in items:
         if any(item.get_closest_marker(name) for name in ("compat", "distributed", "real_model")):
             item.add_marker(pytest.mark.slow)
     # The slow tests first (in their order), so that no long test starts last while the other worker has nothing left.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    if not _gpu_tests_run():
-        gpu = [item for item in items if item.get_closest_marker("gpu")]
-        if gpu:
-            config.hook.pytest_deselected(items=gpu)
-            items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    for marker, runs in (("gpu", _gpu_tests_run()), ("torchvision", _torchvision_imports())):
+        out = [item for item in items if item.get_closest_marker(marker)] if not runs else []
+        if out:
+            config.hook.pytest_deselected(items=out)
+            items[:] = [item for item in items if not item.get_closest_marker(marker)]
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    return ("gpu tests: collected (CUDA available)" if _gpu_tests_run() else
-            "gpu tests: deselected (no CUDA device; `pytest -m gpu` on a GPU machine runs them)")
+def _torchvision_imports() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # absent, or a wheel built for another torch ("operator torchvision::nms does not exist")
+        return False
+    return True
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [("gpu tests: collected (CUDA available)" if _gpu_tests_run() else
+             "gpu tests: deselected (no CUDA device; `pytest -m gpu` on a GPU machine runs them)"),
+            ("torchvision tests: collected" if _torchvision_imports() else
+             "torchvision tests: deselected (torchvision does not import; `pip install torch==2.14.1 "
+             "torchvision==0.29.1` and `pytest -m torchvision` run them)")]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -23,10 +23,11 @@ from ghosted_hf.architectures import (ARCHITECTURES, LAYER_FIELDS, architecture,
                                      reads_layer_by_layer)
 from ghosted_hf.io.summary import summarize
 from ghosted_hf.pipelines.healing import heal
-from ghosted_hf.remote.format_ghosted import expected_boundaries
+from ghosted_hf.remote.format_ghosted import check_sizes_against_weights, expected_boundaries
 from ghosted_hf.remote.modeling_ghosted import rms_normalized
 from ghosted_hf.statistics import collect_statistics, least_squares
 from ghosted_hf.statistics.layerwise import LayerwisePass
+from ghosted_hf.statistics.patch import apply_matrix
 from ghosted_hf.text.tokens import batch_sequences
 
 FAMILIES = sorted(ARCHITECTURES)
@@ -370,3 +371,44 @@ def test_derived_families_prune_calibrate_save_and_reload_without_ghosted_hf(tmp
         saved.append((tmp_path / model_type, ghosted, batch()))
     printed = assert_all_load_with_same_logits(saved, tmp_path)
     assert printed.count("LOADED transformers_modules") == len(DERIVED_END_TO_END)
+
+
+def test_hyper_connections_streams_set_the_operator_width_and_a_claimed_count_is_checked(tmp_path: Path) -> None:
+    """Qwen4-exp carries 4 hidden-size streams between layers (hyper-connections): the derived layout finds them and
+    the mixer that reads the last layer's output; boundary operators map the 4 C wide stream (format 1.5), equal to
+    the skip reference; a sub-block's map stays C x C; whole layers and sub-blocks in one pass are refused by name;
+    a config.json claiming another stream count is refused from the headers, before anything of that size is built."""
+    import json
+
+    from ghosted_hf.io.files import verify_folder
+
+    dense = tiny_family("qwen4_exp_text")
+    layout = architecture(dense).layout
+    assert (layout.streams, layout.norm) == (4, "model.hyper_connection_mixer")
+    width, removed = 4 * HIDDEN, [1, 2, 5]  # (layer 3, indexed attention, stays: the masks are built from it)
+    operators = {1: random_operator(1, width=width), 5: random_operator(2, width=width)}
+    expected = skipped_reference(dense, removed, {3: apply_matrix(operators[1]), 6: apply_matrix(operators[5])},
+                                 batch(), decoder_layers(dense), dense.get_submodule(layout.norm))
+    ghosted = prune_layers(dense, removed, operators, operator_kind="ghost")
+    with torch.no_grad():
+        torch.testing.assert_close(ghosted(**batch()).logits, expected, rtol=1e-5, atol=1e-5)
+    assert ghosted.get_parameter("model.hyper_connection_mixer.ghost.operator").shape == (width, width)
+    save_with_card(ghosted, tmp_path / "ghosted", char_tokenizer())
+    config = verify_folder(tmp_path / "ghosted")
+    assert config["ghost_format_version"] == "1.5" and config["ghost_layout"]["streams"] == 4
+
+    replaced = ghost_prune(tiny_family("qwen4_exp_text"), char_tokenizer(), texts(), unit="subblock",
+                           criterion="manual", subblocks=["3.mlp"], seq_len=48, num_sequences=24)
+    assert replaced.get_parameter("model.layers.3.mlp.ghost.operator").shape == (HIDDEN, HIDDEN)
+    with pytest.raises(GhostedError, match="carries 4 streams of 32 between layers.*use unit 'layer' or 'subblock'"):
+        ghost_prune(tiny_family("qwen4_exp_text"), char_tokenizer(), texts(), unit="mixed", remove="20%",
+                    seq_len=48, num_sequences=24)
+
+    claimed = json.loads((tmp_path / "ghosted" / "config.json").read_text())
+    claimed["ghost_layout"]["streams"] = 64  # (a 2048 x 2048 operator per boundary, were it built)
+    (tmp_path / "ghosted" / "config.json").write_text(json.dumps(claimed))
+    with pytest.raises(GhostedError, match="does not belong to these weights"):
+        verify_folder(tmp_path / "ghosted")
+    with pytest.raises(ValueError, match=r"wrong shape: \['model.layers.1.ghost.operator \(checkpoint "
+                                         r"\(128, 128\), config \(2048, 2048\)\)"):
+        check_sizes_against_weights(str(tmp_path / "ghosted"), {})  # (what the remote code checks, without us)

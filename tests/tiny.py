@@ -83,9 +83,9 @@ def batch(seed: int = 1, rows: int = 3, length: int = 12, pad_first: int = 4) ->
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def random_operator(seed: int, scale: float = 0.2) -> torch.Tensor:
+def random_operator(seed: int, scale: float = 0.2, width: int = HIDDEN) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.eye(HIDDEN) + scale * torch.randn(HIDDEN, HIDDEN, generator=g)
+    return torch.eye(width) + scale * torch.randn(width, width, generator=g)
 
 
 def deleted_reference(dense: PreTrainedModel, removed: list[int]) -> PreTrainedModel:
@@ -173,6 +173,9 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "qwen3_next": {"decoder_sparse_step": 1, "mlp_only_layers": [2], "full_attention_interval": 2},
     "qwen3_5_text": {"full_attention_interval": 2},
     "qwen3_5_moe_text": {"full_attention_interval": 2},
+    # four hyper-connection streams between layers, indexed (QSA) attention every other layer
+    "qwen4_exp_text": {"full_attention_interval": 2, "hc_lowrank": 8, "indexer_n_heads": 2, "indexer_kv_heads": 1,
+                       "indexer_head_dim": 8, "indexer_budget": 16, "indexer_compress_ratio": 4},
     "smollm3": {"no_rope_layer_interval": 2},
     # MLA: one latent per head; head sizes whose products differ from the width (a fold's check names every weight
     # of the stream's width: a coincidence would be a false alarm)
@@ -238,7 +241,7 @@ MULTIMODAL: dict[str, dict] = {
                     image_token_id=IMAGE, video_token_id=IMAGE + 1, vision_start_token_id=IMAGE + 2,
                     vision_end_token_id=IMAGE + 3),
 }
-MULTIMODAL["qwen3_5_moe"] = MULTIMODAL["qwen3_5"]
+MULTIMODAL["qwen3_5_moe"] = MULTIMODAL["qwen4_exp"] = MULTIMODAL["qwen3_5"]
 MULTIMODAL["gemma4"] = dict(vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                                num_attention_heads=2, num_key_value_heads=2, head_dim=8, patch_size=4,
                                                pooling_kernel_size=2, position_embedding_size=64),
@@ -246,7 +249,7 @@ MULTIMODAL["gemma4"] = dict(vision_config=dict(hidden_size=16, intermediate_size
                             video_token_id=IMAGE + 3, audio_token_id=IMAGE + 4, boa_token_id=IMAGE + 5,
                             eoa_token_index=IMAGE + 6)
 MULTIMODAL_TEXT = {"gemma3": "gemma3_text", "llama4": "llama4_text", "qwen3_5": "qwen3_5_text",
-                   "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text"}
+                   "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text", "qwen4_exp": "qwen4_exp_text"}
 
 
 def tiny_multimodal(model_type: str, seed: int = 0) -> PreTrainedModel:
@@ -300,14 +303,46 @@ def image_inputs(model_type: str) -> dict[str, torch.Tensor]:
     ids = torch.cat([text[:, :3], image, text[:, 3:]], dim=1)
     marks = (ids == IMAGE).long()  # where the image is (Gemma 3's token types, Qwen3.5's multimodal RoPE)
     extra = {"token_type_ids": marks} if model_type == "gemma3" else {"mm_token_type_ids": marks} \
-        if model_type.startswith("qwen3_5") else {}
+        if model_type.startswith(("qwen3_5", "qwen4")) else {}
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **pixels, **extra}
+
+
+def multimodal_processor(model_type: str):
+    """The processor of `tiny_multimodal(model_type)`: the character tokenizer with the family's image tokens (at the
+    ids the model reserves) and an image processor giving its tiny vision tower's input: Gemma 3's (32 x 32 images,
+    four image tokens), Llama 4's (one 16 x 16 tile, four patch tokens; needs torchvision), Qwen3.5's and Qwen4-exp's
+    (32 x 32 images, one merged token; their processor needs torchvision for its video processor)."""
+    if model_type == "gemma3":
+        return gemma3_processor()
+    image_part = {"type": "image"}
+    if model_type == "llama4":
+        from transformers import Llama4ImageProcessor, Llama4Processor
+
+        names = ["<|patch|>", "<|image_start|>", "<|image_end|>", "<|image|>", "<|tile_x_separator|>",
+                 "<|tile_y_separator|>"]
+        tokenizer = _tokenizer_with({name: IMAGE + i for i, name in enumerate(names)}, {})
+        return Llama4Processor(image_processor=Llama4ImageProcessor(size={"height": 16, "width": 16}, max_patches=1),
+                               tokenizer=tokenizer, patch_size=4, chat_template=_template(image_part, "<|image|>"))
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    tokens = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_start_token": "<|vision_start|>",
+              "vision_end_token": "<|vision_end|>"}
+    tokenizer = _tokenizer_with({name: IMAGE + i for i, name in enumerate(tokens.values())}, tokens)
+    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(size={"shortest_edge": 1024, "longest_edge": 1024},
+                                                                  patch_size=16, merge_size=2, temporal_patch_size=2),
+                            tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(),
+                            chat_template=_template(image_part, "<|vision_start|><|image_pad|><|vision_end|>"))
+
+
+def _template(part: dict, image: str) -> str:
+    """A chat template writing each message's text and `image` for each of its parts like `part`."""
+    return ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == '" + part["type"] + "' %}" + image +
+            "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
 
 
 def gemma3_processor():
     """A Gemma 3 processor for `tiny_multimodal("gemma3")`: the character tokenizer with Gemma's image tokens (at the
-    ids the model reserves), 32 x 32 images, four image tokens each. (Llama 4's and Qwen3.5's processors need
-    torchvision, which the CPU wheels here lack.)"""
+    ids the model reserves), 32 x 32 images, four image tokens each."""
     from transformers import Gemma3ImageProcessor, Gemma3Processor
 
     tokenizer = _tokenizer_with({"<image_soft_token>": IMAGE, "<start_of_image>": IMAGE + 1, "<end_of_image>": IMAGE + 2},

@@ -5,7 +5,8 @@ a decoder family, in one package (`registry`: what is declared; `positions`: wha
 
 from .lookup import (Verdict, architecture, centered_norm, decoder, decoder_layers, decoder_only_types,
                      derived_architecture, derived_layout, final_norm, find_layout, lora_target_parameters, lora_targets,
-                     quiet_transformers, reads_layer_by_layer, refuse_fold, shallow_layers, small_configs)
+                     quiet_transformers, reads_layer_by_layer, refuse_fold, shallow_layers, small_configs,
+                     stream_width)
 from .positions import (LAYER_FIELDS, SOFTMAX_LAYER_TYPES, Rule, check_layers_match, check_removal, kv_per_token,
                         kv_sources, layers_to_keep_one_of, pruned_config, removal_problem)
 from .registry import (ARCHITECTURES, EMBEDDING_WEIGHT, ENTRIES, GAINS, NORM_PLACEMENTS, Architecture, Layout,
@@ -19,4 +20,4 @@ __all__ = ["ARCHITECTURES", "EMBEDDING_WEIGHT", "ENTRIES", "GAINS", "LAYER_FIELD
            "derived_layout", "final_norm", "find_layout", "is_multimodal", "kv_per_token", "kv_sources", "language_config",
            "layer_of", "layer_prefix", "layers_to_keep_one_of", "lora_target_parameters", "lora_targets",
            "pruned_config", "quiet_transformers", "reads_layer_by_layer", "refuse_fold", "refuse_non_decoder",
-           "removal_problem", "shallow_layers", "small_configs", "stream_weights"]
+           "removal_problem", "shallow_layers", "small_configs", "stream_weights", "stream_width"]

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.fx.experimental._config  # noqa: F401  (meta_nonzero_assume_all_nonzero)
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -50,6 +51,13 @@ def architecture(config_or_model: Any) -> Architecture:
         raise GhostedError(f"Unsupported architecture {model_type!r}: this transformers has no causal LM of that type "
                            "(a model with remote code, or a newer family: update transformers).")
     return derived_architecture(config)
+
+
+def stream_width(config_or_model: Any) -> int:
+    """The width of the residual stream between decoder layers, which a boundary's operator maps: the language
+    decoder's hidden size times its streams (several with hyper-connections)."""
+    config = getattr(config_or_model, "config", config_or_model)
+    return language_config(config).hidden_size * architecture(config).layout.streams
 
 
 @functools.cache
@@ -113,7 +121,9 @@ def derived_layout(config: PretrainedConfig) -> Layout:
     if model_type not in _LAYOUTS:
         try:
             with quiet_transformers():
-                _LAYOUTS[model_type] = find_layout(*_shallow_instance(config))
+                model, depth = _shallow_instance(config)
+                # (bf16 on meta: the dtype every kernel takes, grouped expert products included; nothing allocated)
+                _LAYOUTS[model_type] = with_streams(model.to(torch.bfloat16), find_layout(model, depth))
         except GhostedError as error:
             _LAYOUTS[model_type] = str(error)
         except Exception as error:  # the family's own config and model classes, whatever they raise
@@ -158,7 +168,8 @@ _SMALL_SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_at
                     vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, max_position_embeddings=256,
                     rotary_dim=4, attention_hidden_size=32, d_head=8, attention_head_dim=8, lru_width=32,
                     num_heads=8, state_size=16, mamba_n_heads=8, mamba_d_head=8, mamba_headdim=8, mamba_d_state=16,
-                    mamba_d_ssm=64)
+                    mamba_d_ssm=64, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8,
+                    indexer_budget=16, indexer_compress_ratio=4)
 _FAMILY_SIZED = ("head_dim", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
                  "qk_nope_head_dim", "v_head_dim", "rotary_dim", "d_head", "attention_head_dim", "num_heads")
 
@@ -222,6 +233,44 @@ def find_layout(model: nn.Module, depth: int) -> Layout:
         return Layout(shallowest[0], f"{parent}.{norms[0]}")
     head = model.get_output_embeddings()
     return Layout(shallowest[0], next(name for name, module in model.named_modules() if module is head))
+
+
+def with_streams(model: nn.Module, layout: Layout) -> Layout:
+    """`layout` with the residual's streams, seen in one forward on the meta device (no value computed): the width
+    the first layer is given, in multiples of the embedding's; with several (hyper-connections), what reads the last
+    layer's output is the module beside the layers given that very tensor (a stream mixer before the final norm). A
+    family whose forward cannot run on the meta device keeps one stream (its check runs the layout on values)."""
+    layers, parent = model.get_submodule(layout.layers), model.get_submodule(layout.layers.rpartition(".")[0])
+    seen: dict[str, Any] = {}
+
+    def given(name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            seen.setdefault(name, args[0] if args else kwargs.get("hidden_states"))
+        return hook
+
+    handles = [layers[0].register_forward_pre_hook(given("first"), with_kwargs=True),
+               layers[-1].register_forward_hook(lambda m, a, out: seen.setdefault("last", _first(out))),
+               *(child.register_forward_pre_hook(given(name), with_kwargs=True)
+                 for name, child in parent.named_children() if child is not layers)]
+    try:  # (a router's nonzero has no shape on meta: every expert taken, which only shapes matter for)
+        with torch.no_grad(), torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta"))
+    except Exception:  # the family's forward on shapes alone (one stream: what a failed reading cannot tell)
+        return layout
+    finally:
+        for handle in handles:
+            handle.remove()
+    width, hidden = getattr(seen.get("first"), "shape", (0,))[-1], model.get_input_embeddings().weight.shape[-1]
+    if width <= hidden or width % hidden:
+        return layout
+    readers = [name for name, value in seen.items() if name not in ("first", "last") and value is seen.get("last")]
+    if len(readers) != 1:
+        return layout  # (the check refuses the family: its operators would not fit the stream they are given)
+    return replace(layout, norm=f"{layout.layers.rpartition('.')[0]}.{readers[0]}", streams=width // hidden)
+
+
+def _first(output: Any) -> Any:
+    return output[0] if isinstance(output, tuple) else output
 
 
 def _is_norm(module: nn.Module) -> bool:

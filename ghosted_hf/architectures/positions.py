@@ -163,8 +163,8 @@ def pruned_config(config: PretrainedConfig, kept: list[int]) -> PretrainedConfig
     return pruned
 
 
-SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # `layer_types` of softmax attention
-_MASKING_TYPES = ("full_attention", "hybrid", "attention")  # the layer kinds a hybrid builds its masks from
+SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")  # `layer_types` of softmax attention
+_MASKING_TYPES = ("full_attention", "indexed_attention", "hybrid", "attention")  # the layer kinds a hybrid builds its masks from
 
 
 def layers_to_keep_one_of(config: PretrainedConfig) -> list[int]:

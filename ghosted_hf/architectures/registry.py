@@ -53,14 +53,19 @@ class Layout:
 
     layers: str = DEFAULT_LAYOUT["layers"]
     norm: str = DEFAULT_LAYOUT["norm"]
+    # How many hidden_size-wide streams the residual carries between layers (hyper-connections: Qwen4-exp's 4), so
+    # a boundary's operator is (streams C) x (streams C); `norm` is then what reads the last layer's output.
+    streams: int = 1
 
     @property
     def is_default(self) -> bool:
         return self == Layout()
 
-    def as_config(self) -> dict[str, str] | None:
+    def as_config(self) -> dict[str, Any] | None:
         """The `ghost_layout` config field: None for Llama's layout (older readers' only one)."""
-        return None if self.is_default else {"layers": self.layers, "norm": self.norm}
+        if self.is_default:
+            return None
+        return {"layers": self.layers, "norm": self.norm, **({"streams": self.streams} if self.streams > 1 else {})}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import GhostedError, MissingFileError, one_line
 from ..model.checkpoint import check_folder, index_weight_map, made_as, weight_map
-from ..remote.format_ghosted import (check_sizes_against_weights, decoder_paths, ghost_records, ghost_tensor_keys,
+from ..remote.format_ghosted import (check_sizes_against_weights, decoder_paths, ghost_tensor_keys, ghost_tensor_shapes,
                                      operator_sha256)
 from ..remote.staging_ghosted import staged_folder as remote_staged_folder
 from ..utils.inputs import check_apart, check_write, note_output
@@ -112,14 +112,13 @@ def check_ghosted_layout(folder: Path, config: dict[str, Any], operators: dict[s
         check_sizes_against_weights(str(folder), {})  # the check from_pretrained makes: layers, vocabulary, width
     except ValueError as error:
         raise GhostedError(f"{error} Save the model again.") from None
-    expected = {key for b in ghost_records(ghosted) for key in ghost_tensor_keys(b, decoder_paths(ghosted)).values()}
-    if set(operators) != expected:
+    expected = ghost_tensor_shapes(ghosted, ghosted.get_text_config().hidden_size)
+    if set(operators) != set(expected):
         raise GhostedError(f"The weight files hold the operators {sorted(operators)}, but config.json has boundaries "
                            f"and sub-blocks for {sorted(expected)}; save the model again.")
-    c = ghosted.get_text_config().hidden_size
     for key, tensor in operators.items():
-        if tuple(tensor.shape) != (c, c):
-            raise GhostedError(f"Operator tensor {key} has shape {tuple(tensor.shape)}, not ({c}, {c}); save the "
+        if tuple(tensor.shape) != expected[key]:
+            raise GhostedError(f"Operator tensor {key} has shape {tuple(tensor.shape)}, not {expected[key]}; save the "
                                "model again.")
 
 

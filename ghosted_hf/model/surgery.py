@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..architectures import (Layout, architecture, check_layers_match, check_removal, decoder, decoder_layers,
+from ..architectures import (Layout, architecture, check_layers_match, check_removal, decoder, decoder_layers, stream_width,
                              is_multimodal, language_config, layer_of, layer_prefix, pruned_config)
 from ..errors import GhostedError, NonFiniteError, one_line
 from ..remote.configuration_ghosted import GhostedConfig
@@ -66,7 +66,7 @@ def _validate_ghost_tensor(tensor: torch.Tensor, width: int, what: str, where: s
         raise GhostedError(f"{what} for {where} must be a torch.Tensor, got {type(tensor).__name__}.")
     if tuple(tensor.shape) != (shape or (width, width)):
         raise GhostedError(f"{what} for {where} has shape {tuple(tensor.shape)}; expected {shape or (width, width)} "
-                           + ("(hidden size x hidden size)." if shape is None else "(a rank-r map's factor)."))
+                           + ("(the residual stream's width, squared)." if shape is None else "(a rank-r map's factor)."))
     if not tensor.is_floating_point():
         raise GhostedError(f"{what} for {where} must be a floating-point tensor, got {tensor.dtype}.")
     if tensor.device.type == "meta":
@@ -198,7 +198,7 @@ def prune_layers(
         check_derived_layout(model.config, subblocks=True)
     base_config = model.config
     text = language_config(base_config)  # (a multimodal model's language decoder's)
-    depth, hidden = text.num_hidden_layers, text.hidden_size
+    depth, hidden, width = text.num_hidden_layers, text.hidden_size, stream_width(base_config)
     if isinstance(remove, Iterable) and not isinstance(remove, (str, bytes)):
         remove = list(remove)
     removed = [] if subblocks and remove == [] else validate_removal(remove, depth)
@@ -210,8 +210,8 @@ def prune_layers(
     replaced = _subblock_records(model, subblocks or {}, kept, hidden, operator_dtype)
 
     boundaries = expected_boundaries(depth, removed)
-    stored = _stored_operators(operators, boundaries, hidden, operator_dtype)
-    terms = _stored_operators(normed, boundaries, hidden, operator_dtype, "Normed term")
+    stored = _stored_operators(operators, boundaries, width, operator_dtype)
+    terms = _stored_operators(normed, boundaries, width, operator_dtype, "Normed term")
     start_of = lambda b: b["removed"][0]  # noqa: E731
     records = [{**b, "operator": operator_kind if start_of(b) in stored.keys() | terms.keys() else "none", "fit": {},
                 **({"normed": True} if start_of(b) in terms else {})} for b in boundaries]
@@ -247,7 +247,7 @@ def prune_layers(
     for boundary in records:
         key = ghost_tensor_key(boundary, paths=paths)
         device = _weight_device(pruned.get_submodule(key.rsplit(".", 2)[0]))
-        value = stored.get(start_of(boundary), torch.eye(hidden, dtype=operator_dtype))
+        value = stored.get(start_of(boundary), torch.eye(width, dtype=operator_dtype))
         _take_tensor(pruned, key, nn.Parameter(value.to(device=device).clone()))
         if boundary.get("normed"):
             _take_tensor(pruned, ghost_tensor_key(boundary, GHOST_NORMED, paths), terms[start_of(boundary)].to(device).clone())

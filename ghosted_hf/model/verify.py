@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..architectures import (ARCHITECTURES, Verdict, architecture, decoder_layers, language_config, quiet_transformers,
-                             removal_problem, small_configs)
+                             removal_problem, small_configs, stream_width)
 from ..errors import GhostedError, one_line
 from ..remote.format_ghosted import expected_boundaries
 from ..statistics.patch import apply_matrix, input_hook, output_hook, with_hidden
@@ -125,7 +125,7 @@ def _twin_inputs(model: PreTrainedModel) -> dict[str, torch.Tensor]:
 def _compare_with_skip_reference(twin: PreTrainedModel, prune: Prune, subblocks: bool = False) -> None:
     """Prune `twin` (whole layers, or with `subblocks` two sub-blocks) and compare it with its dense self with the
     removed layers skipped, or the sub-blocks' outputs replaced, by hooks (the definition)."""
-    depth, width = twin.config.num_hidden_layers, twin.config.hidden_size
+    depth, width = twin.config.num_hidden_layers, stream_width(twin)
     removed = [] if subblocks else next(sorted(set(r)) for r in ([1, depth - 1], [depth - 1], [1])  # middle, last
                                         if len(set(r)) < depth and removal_problem(twin.config, r) is None)
     generator = torch.Generator().manual_seed(1)
@@ -144,7 +144,8 @@ def _compare_with_skip_reference(twin: PreTrainedModel, prune: Prune, subblocks:
     if subblocks:
         family = architecture(twin)
         for layer, block in ((0, "attention"), (depth - 1, "mlp")):
-            maps[layer, block] = 0.5 * torch.randn(width, width, generator=generator)
+            hidden = language_config(twin.config).hidden_size  # (what a sub-block reads: one stream's width)
+            maps[layer, block] = 0.5 * torch.randn(hidden, hidden, generator=generator)
             module = getattr(family, block).module(layers[layer])
             hooks.append(module.register_forward_hook(_replaced(maps[layer, block], outputs, (layer, block)),
                                                       with_kwargs=True))
@@ -160,8 +161,8 @@ def _compare_with_skip_reference(twin: PreTrainedModel, prune: Prune, subblocks:
         got = pruned(**inputs, use_cache=False).logits
     gap = float((got - expected).abs().max())
     if not gap <= 1e-4 * max(1.0, float(expected.abs().max())):
-        raise GhostedError(f"{'replacing sub-blocks' if subblocks else f'removing layers {removed}'} gives logits {gap:.3g} away from the dense instance "
-                           "with those layers skipped")
+        raise GhostedError(f"{'replacing sub-blocks' if subblocks else f'removing layers {removed}'} gives logits "
+                           f"{gap:.3g} away from the dense instance with those layers skipped")
     prompt = inputs["input_ids"][:1]
     # (two new tokens: the second is the first computed from the cache)
     cached = pruned.generate(input_ids=prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)

@@ -16,7 +16,8 @@ import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..architectures import architecture, check_removal, decoder_layers, kv_per_token, language_config, refuse_fold
+from ..architectures import (architecture, check_removal, decoder_layers, kv_per_token, language_config, refuse_fold,
+                             stream_width)
 from ..assets import base_model_info
 from ..errors import GhostedError
 from ..fitting import subblocks, units
@@ -178,7 +179,7 @@ def resolve_budget(calibration_pass: CalibrationPass, options: PruneOptions) -> 
     if units.unit(options.unit).subblocks or not options.budgeted:
         return options
     text = language_config(calibration_pass.config)
-    depth, width = text.num_hidden_layers, text.hidden_size
+    depth, width = text.num_hidden_layers, stream_width(calibration_pass.config)
     kind = operator_kind(options.operator)
     if options.remove_kv is not None:
         per_layer, budget = kv_budget(calibration_pass.config, options)
@@ -317,10 +318,11 @@ def prepare_calibration(calibration_pass: CalibrationPass, tokenizer: Any, calib
         statistics = CalibrationStatistics.load(statistics, device=options.stats_device or "cpu")
     if statistics is not None:
         config = language_config(calibration_pass.config)
-        if (statistics.depth, statistics.hidden_size) != (config.num_hidden_layers, config.hidden_size):
+        widths = {config.hidden_size, stream_width(config)}  # (a sub-block's sums, a stream's)
+        if statistics.depth != config.num_hidden_layers or statistics.hidden_size not in widths:
             raise GhostedError(f"The given statistics were collected on a model of {statistics.depth} layers of "
                                f"width {statistics.hidden_size}, not this one ({config.num_hidden_layers} x "
-                               f"{config.hidden_size}): collect statistics on this model.")
+                               f"{' or '.join(map(str, sorted(widths)))}): collect statistics on this model.")
         check_same_model(statistics, calibration_pass.fingerprint(), "The given statistics")
     if statistics is not None and "shard" in statistics.origin and statistics.origin["shard"] != "0/1":
         raise GhostedError(f"The given statistics are shard {statistics.origin['shard']} only: merge all shards first "
@@ -380,7 +382,7 @@ def calibration_tokens(tokenizer: Any, calibration: TextSource, options: PruneOp
     if top >= vocab_size:  # a tokenizer of another model
         raise GhostedError(f"The tokenizer produced token id {top}, but the model's embedding has {vocab_size} rows: "
                            "the tokenizer does not belong to this model. Load the tokenizer from the model's own folder.")
-    check_token_budget(data.num_tokens, config.hidden_size, regressors)
+    check_token_budget(data.num_tokens, stream_width(config), regressors)
     check_positions(config, options.seq_len)  # before any forward, as the batch's memory
     check_batch_memory(*data.batches[0]["input_ids"].shape, config, "batch_size")
     return data

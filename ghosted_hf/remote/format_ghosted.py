@@ -18,7 +18,7 @@ NORM_TARGET = "norm"
 LAYER_TARGET = "layer"
 # The saved format's version, "MAJOR.MINOR". This code reads every checkpoint of its major version (a minor
 # version only adds what older readers may ignore) and refuses a newer major version.
-FORMAT_VERSION = "1.4"
+FORMAT_VERSION = "1.5"
 # 1.1 adds the normed term of a boundary, ``x -> x @ operator + n(x) @ normed`` with n(x) = x / rms(x), read with
 # this epsilon (fitted with it too: part of the format, not of the base model).
 NORMED_EPS = 1e-6
@@ -30,6 +30,8 @@ DEFAULT_LAYOUT = {"layers": "model.layers", "norm": "model.norm"}
 # 1.4 adds rank-r sub-block maps: a record with `rank` r holds its map as two factors, `....ghost.down` (C, r) and
 # `....ghost.up` (r, C), applied as h -> (h @ down) @ up: 2 C r values where the full map holds C^2.
 GHOST_DOWN, GHOST_UP = "down", "up"
+# 1.5 adds `streams` to `ghost_layout`: a residual of k hidden_size-wide streams between layers (hyper-connections),
+# so each boundary's operator is (k C) x (k C), and `norm` names what reads the last layer's output (a stream mixer).
 # Sizes a config states that something proportional to is built: each must be a positive integer where present.
 SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
                "num_key_value_heads", "head_dim")
@@ -56,9 +58,11 @@ def check_format_version(version: Any) -> None:
 
 def required_format_version(boundaries: list[dict[str, Any]], subblocks: list[dict[str, Any]] = (),
                             layout: dict[str, str] | None = None) -> str:
-    """The oldest format version that describes a checkpoint: 1.4 with a rank-r sub-block map, 1.3 with a layout other
-    than Llama's (a multimodal base's included), 1.2 with replaced sub-blocks, 1.1 where a boundary has a normed term,
-    else 1.0 (which every 1.x reader loads)."""
+    """The oldest format version that describes a checkpoint: 1.5 with several residual streams, 1.4 with a rank-r
+    sub-block map, 1.3 with a layout other than Llama's (a multimodal base's included), 1.2 with replaced sub-blocks,
+    1.1 where a boundary has a normed term, else 1.0 (which every 1.x reader loads)."""
+    if layout and layout.get("streams", 1) > 1:
+        return "1.5"
     if any(s.get("rank") for s in subblocks):
         return "1.4"
     if layout:
@@ -71,15 +75,30 @@ def required_format_version(boundaries: list[dict[str, Any]], subblocks: list[di
 def decoder_paths(config: Any) -> dict[str, str]:
     """{"layers": path, "norm": path} of a ghosted config (a `GhostedConfig` or its dict): its `ghost_layout`, or
     Llama's; a ValueError naming a malformed one."""
+    layout = _ghost_layout(config)
+    return {key: layout[key] for key in DEFAULT_LAYOUT} if layout is not None else dict(DEFAULT_LAYOUT)
+
+
+def stream_count(config: Any) -> int:
+    """How many hidden_size-wide streams a ghosted config's residual carries between layers (format 1.5): 1 but for
+    hyper-connections."""
+    layout = _ghost_layout(config)
+    return layout.get("streams", 1) if layout is not None else 1
+
+
+def _ghost_layout(config: Any) -> dict[str, Any] | None:
     layout = config.get("ghost_layout") if isinstance(config, dict) else getattr(config, "ghost_layout", None)
     if layout is None:
-        return dict(DEFAULT_LAYOUT)
-    if not isinstance(layout, dict) or set(layout) != set(DEFAULT_LAYOUT) or not all(
-            isinstance(v, str) and all(part.isidentifier() for part in v.split(".")) for v in layout.values()) \
-            or "." not in layout["layers"]:
-        raise ValueError(f"ghost_layout must map 'layers' and 'norm' to module paths such as 'transformer.h', got "
-                         f"{layout!r}: the config.json is damaged.")
-    return dict(layout)
+        return None
+    streams = layout.get("streams", 1) if isinstance(layout, dict) else None
+    if not isinstance(layout, dict) or set(layout) - {"streams"} != set(DEFAULT_LAYOUT) or not all(
+            isinstance(layout[k], str) and all(part.isidentifier() for part in layout[k].split("."))
+            for k in DEFAULT_LAYOUT) or "." not in layout["layers"] \
+            or not isinstance(streams, int) or isinstance(streams, bool) or streams < 1:
+        raise ValueError(f"ghost_layout must map 'layers' and 'norm' to module paths such as 'transformer.h' (and "
+                         f"'streams' to a positive count where there are several), got {layout!r}: the config.json "
+                         "is damaged.")
+    return layout
 
 
 def check_subblocks(records: list[dict[str, Any]], original: list[int]) -> None:
@@ -169,9 +188,9 @@ def _locator(path: str, kwargs: dict[str, Any]):
     return lambda name: cached_file(path, name, _raise_exceptions_for_missing_entries=False, **options)
 
 
-def _checkpoint_layout(locate) -> tuple[list[str], list[int] | None] | None:
-    """(the tensor names of a checkpoint's safetensors files, the embedding's shape), reading only the index and
-    headers; None where they cannot be located here. Every name an index lists must be in its file's header."""
+def _checkpoint_layout(locate) -> dict[str, list[int]] | None:
+    """The tensor names of a checkpoint's safetensors files with their shapes, reading only the index and headers;
+    None where they cannot be located here. Every name an index lists must be in its file's header."""
     try:
         index = locate("model.safetensors.index.json")
         single = None if index is not None else locate("model.safetensors")
@@ -181,7 +200,7 @@ def _checkpoint_layout(locate) -> tuple[list[str], list[int] | None] | None:
         return None
     if index is None:
         header = safetensors_header(single)
-        return [k for k in header if k != "__metadata__"], (header.get(_EMBEDDING) or {}).get("shape")
+        return {k: _shape(v) for k, v in header.items() if k != "__metadata__"}
     try:
         weight_map = json.loads(Path(index).read_text())["weight_map"]
         files = sorted(set(weight_map.values()))
@@ -197,8 +216,11 @@ def _checkpoint_layout(locate) -> tuple[list[str], list[int] | None] | None:
     if absent:
         raise ValueError(f"{index} names {len(absent)} tensors that its files do not hold (e.g. {absent[:3]}): the "
                          "index does not belong to these files; download or save the model again.")
-    holder = weight_map.get(_EMBEDDING)
-    return list(weight_map), (headers[holder].get(_EMBEDDING) or {}).get("shape") if holder else None
+    return {key: _shape(headers[name][key]) for key, name in weight_map.items()}
+
+
+def _shape(entry: Any) -> list[int] | None:
+    return entry.get("shape") if isinstance(entry, dict) else None
 
 
 def check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
@@ -223,10 +245,9 @@ def check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
     layout = _checkpoint_layout(locate)
     if layout is None:
         return
-    names, embedding = layout
-    claimed = text.get("num_hidden_layers")
+    claimed, embedding = text.get("num_hidden_layers"), layout.get(_EMBEDDING)
     prefix = decoder_paths(config)["layers"] + "."
-    held = {int(index) for index, _, rest in (n[len(prefix):].partition(".") for n in names if n.startswith(prefix))
+    held = {int(index) for index, _, rest in (n[len(prefix):].partition(".") for n in layout if n.startswith(prefix))
             if index.isdigit() and rest}
     if isinstance(claimed, int) and (len(held) != claimed or (held and max(held) != claimed - 1)):
         raise ValueError(f"config.json claims {claimed} decoder layers (text_config.num_hidden_layers), but the "
@@ -235,6 +256,12 @@ def check_sizes_against_weights(path: str, kwargs: dict[str, Any]) -> None:
     if embedding is not None and sizes != list(embedding):
         raise ValueError(f"config.json claims a vocabulary of {sizes[0]} and a hidden size of {sizes[1]}, but the "
                          f"weight files' embedding is {list(embedding)}: the config does not belong to these weights.")
+    if isinstance(sizes[1], int):  # (each held ghost tensor's size, before one is built: a claimed stream count too)
+        wrong = [f"{name} (checkpoint {tuple(layout[name])}, config {shape})" for name, shape
+                 in ghost_tensor_shapes(config, sizes[1]).items() if layout.get(name, list(shape)) != list(shape)]
+        if wrong:
+            raise ValueError(f"Ghost tensors of the wrong shape: {wrong[:3]}: the config does not belong to these "
+                             "weights.")
 
 
 def operator_sha256(operator: torch.Tensor, dtype: str) -> str:
@@ -263,6 +290,21 @@ def ghost_tensor_keys(boundary: dict[str, Any], paths: dict[str, str] | None = N
     if boundary.get("normed"):
         keys["normed_sha256"] = ghost_tensor_key(boundary, GHOST_NORMED, paths)
     return keys
+
+
+def ghost_tensor_shapes(config: Any, hidden: int) -> dict[str, tuple[int, int]]:
+    """The shape of every ghost tensor of a ghosted config (a `GhostedConfig` or its dict) whose language decoder is
+    `hidden` wide: a boundary's operator and normed term map the residual stream (its streams x `hidden`), a
+    sub-block's map what the sub-block reads and returns (`hidden`), as two factors where it has a rank."""
+    get = config.get if isinstance(config, dict) else lambda name, default: getattr(config, name, default)
+    width, paths, shapes = hidden * stream_count(config), decoder_paths(config), {}
+    for record in get("ghost_boundaries", None) or []:
+        shapes.update(dict.fromkeys(ghost_tensor_keys(record, paths).values(), (width, width)))
+    for record in get("ghost_subblocks", None) or []:
+        rank = record.get("rank")
+        parts = ((hidden, rank), (rank, hidden)) if rank else ((hidden, hidden),)
+        shapes.update(zip(ghost_tensor_keys(record, paths).values(), parts))
+    return shapes
 
 
 def ghost_records(config: Any) -> list[dict[str, Any]]:

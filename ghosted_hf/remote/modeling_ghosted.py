@@ -32,7 +32,7 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForImageText
 
 from .configuration_ghosted import GhostedConfig
 from .format_ghosted import (GHOST_MODULE, LAYER_TARGET, NORMED_EPS, check_sizes_against_weights, decoder_paths,
-                             ghost_records, ghost_tensor_keys)
+                             ghost_records, ghost_tensor_keys, stream_count)
 from .integrity_ghosted import check_loaded, operator_value_problems, refresh_integrity
 from .staging_ghosted import carry_over, staged_folder
 
@@ -255,8 +255,8 @@ class GhostedPreTrainedModel(PreTrainedModel):
                 raise ValueError(f"This {text_config.model_type} model has no `{paths['norm']}`, which the boundary "
                                  f"after removed layers {boundary['removed']} feeds (ghost_layout): load it with the "
                                  "class of its config's auto_map that has it (AutoModelForCausalLM).")
-            parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size, operator_dtype,
-                                                          normed=bool(boundary.get("normed"))))
+            parent.add_module(GHOST_MODULE, GhostOperator(text_config.hidden_size * stream_count(config),
+                                                          operator_dtype, normed=bool(boundary.get("normed"))))
             parent.register_forward_pre_hook(apply_ghost_operator, with_kwargs=True)
         for record in config.ghost_subblocks:
             layer = layers[record["layer"]]

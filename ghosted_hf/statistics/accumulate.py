@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
+from ..architectures import language_config, stream_width
 from ..errors import GhostedError
 from ..utils.hadamard import rotation
-from .declarations import ROTATED_ABS, Read
+from .declarations import ROTATED_ABS, SUBBLOCK_ROLES, Read
 from .origin import config_sha256
 from .plan import StatisticsPlan
 from .store import CalibrationStatistics
@@ -34,6 +35,19 @@ class _LazyCopies(dict):
 PARTIAL_SUMS = ("float64", "float32")  # the precision each chunk's products are formed in; totals are float64
 # float32 chose the same layers and perplexities as float64 on both packaged models (benchmarks/results/partial_sums.md)
 DEFAULT_PARTIAL_SUMS = "float32"
+
+
+def sums_width(plan: StatisticsPlan, config: Any) -> int:
+    """The width of `plan`'s sums on a model of `config`: the residual stream's where they read it, the hidden size
+    where they read sub-blocks only (what a sub-block is given and returns). Where the two differ (hyper-connections'
+    several streams), a plan reading both is refused by name."""
+    hidden, width = language_config(config).hidden_size, stream_width(config)
+    on_stream = {any(role not in SUBBLOCK_ROLES for role, _ in e.reads) for e in plan if not e.statistic.scalar}
+    if width != hidden and on_stream == {True, False}:
+        raise GhostedError(f"This model's residual carries {width // hidden} streams of {hidden} between layers, "
+                           "and its sub-blocks read one: whole layers and sub-blocks cannot be fitted in one pass "
+                           "here; use unit 'layer' or 'subblock'.")
+    return width if True in on_stream else hidden
 
 
 class StatisticsAccumulator:

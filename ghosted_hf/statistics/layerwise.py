@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ..architectures import architecture, decoder, decoder_layers, final_norm, layer_of
 from ..errors import GhostedError, MissingFileError
 from ..model.checkpoint import check_folder, weight_map
-from .accumulate import DEFAULT_PARTIAL_SUMS, StatisticsAccumulator
+from .accumulate import DEFAULT_PARTIAL_SUMS, StatisticsAccumulator, sums_width
 from .capture import _StopForward, finite_rows, release_freed_memory, subblock_place, token_losses, watch_subblocks
 from .declarations import SUBBLOCK_ROLES, Read, source, target, token_loss
 from .patch import Patch, bypassed, served_operator
@@ -190,7 +190,7 @@ class LayerwisePass(CalibrationPass):
                 device: str | torch.device | None = None, description: str = "Layer-wise calibration",
                 progress: bool = True, partial: str = DEFAULT_PARTIAL_SUMS) -> CalibrationStatistics:
         batches = list(batches)
-        depth, hidden = self.config.num_hidden_layers, self.config.hidden_size
+        depth, hidden = self.config.num_hidden_layers, sums_width(plan, self.config)
         reads = plan.reads()
         if patch is not None and patch.transforms:
             raise GhostedError("Layer-wise calibration cannot refit an operator kind that transforms an MLP output "

@@ -23,7 +23,7 @@ from ..errors import GhostedError
 from ..text.tokens import TokenBatches
 from ..utils.distributed import all_reduce_sums, check_agreement, process_rank
 from ..utils.hashing import string_sha256
-from .accumulate import DEFAULT_PARTIAL_SUMS, StatisticsAccumulator
+from .accumulate import DEFAULT_PARTIAL_SUMS, StatisticsAccumulator, sums_width
 from .capture import capture_hidden_states, input_device, release_freed_memory, resumed, watch_subblocks
 from .declarations import Read, block_output
 from .patch import Patch, patched_stream, same_below
@@ -142,7 +142,7 @@ class FullModelPass(CalibrationPass):
                 progress: bool = True) -> CalibrationStatistics:
         model = self.model
         device = torch.device(device) if device is not None else input_device(model)
-        accumulator = StatisticsAccumulator(plan, model.get_input_embeddings().weight.shape[1], device, partial)
+        accumulator = StatisticsAccumulator(plan, sums_width(plan, model.config), device, partial)
         reads = plan.reads()
         mode = model.training
         try:
