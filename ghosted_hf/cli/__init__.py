@@ -13,7 +13,7 @@ from ..options import PruneOptions, add_arguments
 from ..utils.inputs import command_paths
 from .demo import DemoArgs, cmd_demo
 from .evaluate import EvalArgs, cmd_eval
-from .export import ExportArgs, GgufArgs, cmd_export_gguf, cmd_export_stock
+from .export import DecilmArgs, ExportArgs, GgufArgs, cmd_export_decilm, cmd_export_gguf, cmd_export_stock
 from .heal import HealArgs, cmd_heal
 from .inspect import InspectArgs, cmd_inspect
 from .prune import PruneArgs, cmd_prune
@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("export-gguf", "Write a ghosted model whose boundaries are `normed` as one llama.cpp GGUF: each boundary a "
                         "DeciLM linear-attention block, the base converted by llama.cpp's own converter.",
          [GgufArgs], cmd_export_gguf),
+        ("export-decilm", "Write a ghosted model whose boundaries are `normed` (or plain), with any replaced "
+                          "sub-blocks, as a Nemotron-NAS (DeciLM) checkpoint: removed layers as no-op blocks, each "
+                          "map a linear attention, read by llama.cpp's converter, mlx-lm and TensorRT-LLM.",
+         [DecilmArgs], cmd_export_decilm),
         ("inspect", "Print what a saved ghosted model (or stock checkpoint ghosted_hf made) contains and how it was "
                     "made.", [InspectArgs], cmd_inspect),
         ("stats", "Calibration statistics in shards, for machines that share no network.", stats, None),

@@ -1,4 +1,4 @@
-"""`ghosted export-stock` and `ghosted export-gguf`."""
+"""`ghosted export-stock`, `ghosted export-gguf` and `ghosted export-decilm`."""
 
 from __future__ import annotations
 
@@ -35,6 +35,18 @@ class GgufArgs(LoadArgs, OutputArgs):
     timeout: float = option(3600.0, "Seconds llama.cpp's converter may run.")
 
 
+@dataclass(kw_only=True)
+class DecilmArgs(LoadArgs, OutputArgs):
+    """Arguments of `ghosted export-decilm`."""
+
+    folder: str = option(help="Saved ghosted model folder or Hub id whose boundaries are all `normed` (or plain), "
+                              "with any replaced sub-blocks.")
+    output: str | None = option(None, "New folder for the Nemotron-NAS (DeciLM) checkpoint.", required=True)
+    tensor_names: str = option("nemotron", "The linear attentions' tensor names: as NVIDIA's published checkpoints "
+                                           "(llama.cpp's converter, TensorRT-LLM), or as mlx-lm 0.32 loads them.",
+                               ("nemotron", "mlx-lm"))
+
+
 def cmd_export_stock(args: argparse.Namespace) -> int:
     """`ghosted export-stock`: refit a ghosted model's operators as foldable ones and save a stock checkpoint."""
     from ..io.card import save_with_card
@@ -66,4 +78,17 @@ def cmd_export_gguf(args: argparse.Namespace) -> int:
     export_gguf(model, tokenizer, output, run.llama_cpp, run.outtype, run.timeout)
     print(f"Wrote {output} (llama.cpp architecture deci; run it with llama-cli / llama-server, quantize it with "
           "llama-quantize).")
+    return 0
+
+
+def cmd_export_decilm(args: argparse.Namespace) -> int:
+    """`ghosted export-decilm`: a normed or sub-block ghosted model as a Nemotron-NAS (DeciLM) checkpoint."""
+    from ..pipelines.decilm import export_decilm
+
+    run = from_namespace(DecilmArgs, args)
+    output = check_output(run.output, (run.folder,), overwrite=run.overwrite)
+    model, tokenizer = run.load(run.folder)
+    export_decilm(model, tokenizer, output, run.tensor_names)
+    readers = "mlx-lm" if run.tensor_names == "mlx-lm" else "llama.cpp's convert_hf_to_gguf.py, TensorRT-LLM"
+    print(f"Wrote {output} (Nemotron-NAS / DeciLM: {readers}, and transformers with trust_remote_code=True).")
     return 0

@@ -30,16 +30,12 @@ from torch import nn
 from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationMixin, LlamaForCausalLM,
                           PreTrainedModel)
 
+from .cache_ghosted import track_positions
 from .configuration_ghosted import GhostedConfig
 from .format_ghosted import (GHOST_MODULE, LAYER_TARGET, NORMED_EPS, check_sizes_against_weights, decoder_paths,
                              ghost_records, ghost_tensor_keys, stream_count)
 from .integrity_ghosted import check_loaded, operator_value_problems, refresh_integrity
 from .staging_ghosted import carry_over, staged_folder
-
-try:  # transformers >= 4.56: a cache is a list of layers
-    from transformers.cache_utils import DynamicLayer
-except ImportError:  # pragma: no cover
-    DynamicLayer = None
 
 logger = logging.getLogger(__name__)
 
@@ -134,17 +130,6 @@ class GhostMap(nn.Module):
         return f"{factors[0].shape[0]}, dtype={factors[0].dtype}{rank}"
 
 
-if DynamicLayer is not None:
-    class _PositionOnlyLayer(DynamicLayer):
-        """A KV-cache layer of an attention-free layer: it is given zero-width keys and values, so it holds no bytes,
-        and reads its length off their shape (the parent counts elements, which are none): masks and positions
-        that transformers reads from this layer stay right."""
-
-        def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
-            keys = getattr(self, "keys", None)
-            return int(keys.shape[-2]) if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
-
-
 class SubBlockBypass(nn.Module):
     """A removed attention or MLP sub-block: returns ``h @ A`` for the input ``h`` it is given (its norm's output, or
     the stream in post-norm families), shaped as the sub-block's output was (`outputs` values, the rest None).
@@ -161,27 +146,9 @@ class SubBlockBypass(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden_states = args[0] if args else kwargs["hidden_states"]
         if self.block == "attention":
-            self._track_positions(hidden_states, kwargs)
+            track_positions(hidden_states, kwargs, self.layer_idx)
         mapped = self.ghost(hidden_states)
         return (mapped, *([None] * (self.outputs - 1))) if self.outputs else mapped
-
-    def _track_positions(self, hidden_states: torch.Tensor, kwargs: dict[str, Any]) -> None:
-        # the KV cache, by this transformers' name for it (5.25 renamed past_key_values to cache)
-        cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None),
-                     None)
-        layers = getattr(cache, "layers", None)
-        if cache is None or not callable(getattr(cache, "update", None)):
-            return
-        if layers is not None and self.layer_idx < len(layers) and not callable(getattr(layers[self.layer_idx], "update", None)):
-            # a linear-attention layer (transformers >= 5.25): no state to keep, only the length it reports
-            length = getattr(layers[self.layer_idx], "cumulative_length_linear", None)
-            if isinstance(length, torch.Tensor):
-                length.add_(hidden_states.shape[1])
-            return
-        empty = hidden_states.new_zeros((hidden_states.shape[0], 0, hidden_states.shape[1], 0))
-        cache.update(empty, empty, self.layer_idx, {"cache_position": kwargs.get("cache_position")})
-        if DynamicLayer is not None and layers is not None and type(layers[self.layer_idx]) is DynamicLayer:
-            layers[self.layer_idx].__class__ = _PositionOnlyLayer
 
     def extra_repr(self) -> str:
         return f"{self.block} replaced by a linear map"
