@@ -187,8 +187,8 @@ def test_remote_code_load_without_ghosted_hf(arch: str, tmp_path: Path) -> None:
     folder = _save(ghosted, tmp_path / "model")
     files = sorted(p.name for p in folder.iterdir())
     assert files == sorted(["config.json", "generation_config.json", "model.safetensors", *REMOTE_FILES])
-    assert set(REMOTE_FILES) == {"configuration_ghosted.py", "format_ghosted.py", "integrity_ghosted.py",
-                                 "modeling_ghosted.py", "staging_ghosted.py"}
+    assert set(REMOTE_FILES) == {"cache_ghosted.py", "configuration_ghosted.py", "format_ghosted.py",
+                                 "integrity_ghosted.py", "modeling_ghosted.py", "staging_ghosted.py"}
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"] == {
         "AutoConfig": "configuration_ghosted.GhostedConfig",
