@@ -214,7 +214,10 @@ def export_decilm(model: Any, tokenizer: Any, output: str | Path, tensor_names: 
         for name in REMOTE_FILES:
             shutil.copyfile(Path(__file__).parents[1] / "remote" / name, folder / name)
         if tokenizer is not None:
+            from ..io.card import name_tokenizer_class_for_every_reader
+
             tokenizer.save_pretrained(folder)
+            name_tokenizer_class_for_every_reader(folder)  # (AutoTokenizer then reads no model code)
         (folder / "README.md").write_text(decilm_card(pruned, layers, linear_name))
     logger.info("Wrote %s: %d DeciLM layers (%d linear-attention, %d no-op).", output, len(layers),
                 sum(bool(x.attention["replace_with_linear"]) for x in layers), sum(x.attention["no_op"] for x in layers))
