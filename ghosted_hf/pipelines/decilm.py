@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ..architectures import architecture
+from ..architectures import EMBEDDING_WEIGHT, architecture, layer_of, layer_prefix
 from ..errors import GhostedError
 from ..model.checkpoint import made_as
 from ..remote.format_ghosted import NORMED_EPS
 from ..remote.modeling_decilm import ffn_width
-from .gguf import SubBlockMaps, normed_blocks, subblock_maps
+from .gguf import SubBlockMaps, llama_cpp_families, normed_blocks, subblock_maps
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ def check_expressible(model: Any, text: Any) -> None:
     """Refuse, naming why, a model whose layers DeciLM's (Llama's) cannot be."""
     if architecture(model).gguf_architecture != "llama":
         raise GhostedError(f"export-decilm writes Llama layers (DeciLM's); a pruned {text.model_type} model's are "
-                           "not (families: llama, mistral). Serve it with transformers (trust_remote_code=True).")
+                           f"not (families: {llama_cpp_families()}). Serve it with transformers "
+                           "(trust_remote_code=True).")
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     problems = [what for what, wrong in (
         ("attention or MLP biases", getattr(text, "attention_bias", False) or getattr(text, "mlp_bias", False)),
@@ -116,7 +117,7 @@ def decilm_layers(model: Any, pruned: Pruned, linear_name: str = TENSOR_NAMES["n
     dense_ffn, zero = ffn_mult(text.intermediate_size, hidden), ffn_mult(ZERO_FFN_WIDTH, hidden)
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     kept = [i for i in range(pruned.depth) if i not in set(pruned.removed)]
-    dtype = state["model.embed_tokens.weight"].dtype
+    dtype = state[EMBEDDING_WEIGHT].dtype
 
     def linear(gain: torch.Tensor | None, a: torch.Tensor) -> DeciLayer:
         gain = torch.ones(hidden, dtype=dtype) if gain is None else gain
@@ -136,8 +137,8 @@ def decilm_layers(model: Any, pruned: Pruned, linear_name: str = TENSOR_NAMES["n
             layers.append(linear(None, blocks.pop(i)))
         if d == pruned.depth:
             break
-        own = {name.removeprefix(f"model.layers.{i}."): t for name, t in state.items()
-               if name.startswith(f"model.layers.{i}.") and ".ghost." not in name}
+        own = {name.removeprefix(layer_prefix(i)): t for name, t in state.items()
+               if name.startswith(layer_prefix(i)) and ".ghost." not in name}
         layer = DeciLayer({"no_op": False, "replace_with_linear": False, "n_heads_in_group": groups},
                           {"no_op": False, "replace_with_linear": False, "ffn_mult": dense_ffn}, own)
         if i in maps.attention:
@@ -202,11 +203,11 @@ def export_decilm(model: Any, tokenizer: Any, output: str | Path, tensor_names: 
         logger.info("DeciLM normalises the linear-attention blocks with the model's eps %g, not the format's %g: "
                     "negligible unless the stream's mean square is that small.", eps, NORMED_EPS)
     tensors = {name: tensor for name, tensor in model.state_dict().items()
-               if not name.startswith("model.layers.") and ".ghost." not in name}
+               if layer_of(name) is None and ".ghost." not in name}
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     for j, layer in enumerate(layers):
-        tensors.update({f"model.layers.{j}.{name}": t for name, t in layer.tensors.items()})
+        tensors.update({f"{layer_prefix(j)}{name}": t for name, t in layer.tensors.items()})
     with staged_folder(output) as folder:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
                   metadata={"format": "pt"})
