@@ -72,21 +72,26 @@ def run(command: list[str], **kwargs) -> str:
 
 
 def add_bos(gguf_path: Path) -> tuple[bool, int | None]:
-    """Whether llama.cpp puts BOS before a chunk (the vocabulary's flag), and the BOS id."""
+    """Whether llama.cpp puts BOS before a chunk (the vocabulary's flag; without one, llama.cpp's default for a
+    sentencepiece-style vocabulary is yes), and the BOS id."""
     from gguf import GGUFReader
 
     fields = GGUFReader(str(gguf_path)).fields
 
     def value(name: str):
         field = fields.get(name)
-        return None if field is None else field.parts[field.data[0]][0]
+        return None if field is None else field.contents()
 
-    return bool(value("tokenizer.ggml.add_bos_token")), value("tokenizer.ggml.bos_token_id")
+    flag = value("tokenizer.ggml.add_bos_token")
+    wants = value("tokenizer.ggml.model") == "llama" if flag is None else bool(flag)
+    return wants, value("tokenizer.ggml.bos_token_id")
 
 
 def transformers_perplexity(model: torch.nn.Module, tokens: list[int], ctx: int, chunks: int,
                             bos: int | None) -> float:
-    """llama-perplexity's perplexity computed with transformers (fp32) on the same token ids."""
+    """llama-perplexity's perplexity computed with transformers (fp32) on the same token ids (where the vocabulary
+    asks for BOS, llama-perplexity puts one before the text too, and then over each chunk's first token)."""
+    tokens = tokens if bos is None else [bos, *tokens]
     nll, count, first = 0.0, 0, ctx // 2
     with torch.no_grad():
         for i in range(chunks):

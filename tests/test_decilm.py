@@ -14,9 +14,7 @@ import pytest
 import torch
 from isolated import run_without_ghosted
 from safetensors.torch import load_file, save_file
-from tiny import HIDDEN, VOCAB, batch, char_tokenizer, requires, texts, tiny_family
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
-from transformers import PreTrainedTokenizerFast
+from tiny import HIDDEN, VOCAB, batch, char_tokenizer, llama2_tokenizer, requires, texts, tiny_family
 
 from ghosted_hf import GhostedError, ghost_prune, prune_layers
 from ghosted_hf.pipelines.decilm import ZERO_FFN_WIDTH, export_decilm
@@ -138,21 +136,6 @@ def test_mlx_lm_loads_a_decilm_export_with_the_ghosted_model_s_logits_and_no_cac
     cached = json.loads(done.stdout.split("CACHED", 1)[1].strip())
     assert [j for j, n in enumerate(cached) if n == 0] == [0, 3, 7]  # the linear attentions (layer 0, two MLP maps)
     assert all(n > 0 for j, n in enumerate(cached) if j not in (0, 3, 7))
-
-
-def llama2_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-fallback BPE tokenizer as Llama 2's (and DeciLM-7B's): the one llama.cpp's DeciLM converter takes for
-    a vocabulary other than Llama 3's."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-    for char in ["▁", *map(chr, range(33, 127))]:
-        vocab[char] = len(vocab)
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    core.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    core.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                      decoders.Strip(" ", 1, 0)])
-    core.add_special_tokens([AddedToken(token, special=True) for token in ("<unk>", "<s>", "</s>")])
-    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<unk>")
 
 
 LLAMA_CPP = os.environ.get("GHOSTED_LLAMA_CPP")

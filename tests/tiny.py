@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -71,6 +71,21 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", padding_side="left"
     )
+
+
+def llama2_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-fallback BPE tokenizer as Llama 2's (and DeciLM-7B's): the one llama.cpp's DeciLM converter takes for
+    a vocabulary other than Llama 3's."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for char in ["▁", *map(chr, range(33, 127))]:
+        vocab[char] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    core.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    core.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    core.add_special_tokens([AddedToken(token, special=True) for token in ("<unk>", "<s>", "</s>")])
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<unk>")
 
 
 def batch(seed: int = 1, rows: int = 3, length: int = 12, pad_first: int = 4) -> dict[str, torch.Tensor]:
