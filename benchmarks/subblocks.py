@@ -35,6 +35,15 @@ tokens/s, the best of 3, on the threads given:
     python benchmarks/subblocks.py --model smollm2-135m-instruct --kv --budgets 25% 50% --speed \
         --rows "layers / ghost" "sub-blocks / ghost-aware" "mixed / ghost-aware" --output benchmarks/results/kv_budget.md
 
+With `--joint-rounds 2 4` the sub-block and mixed choices are also made as `joint_rounds=2` and `4` make them: the
+budget met in that many equal steps, each step's damages measured with the earlier steps' picks in place (the first
+step's are the stored damages alone; the rows' names give the later steps' seconds), then fitted by
+`criterion="manual"` as the other rows:
+
+    python benchmarks/subblocks.py --model smollm2-135m-instruct --budgets 25% --joint-rounds 2 4 \
+        --rows "sub-blocks / ghost-aware" "sub-blocks / joint, 2 rounds" "sub-blocks / joint, 4 rounds" \
+        --output benchmarks/results/joint_choice.md
+
 With `--map-rank auto` (or a rank) the sub-block and mixed rows use maps of that rank (`map_rank`): the candidates'
 maps and damages are measured at it and each priced net of its own map, as `ghost_prune` does; the chosen sub-blocks
 are then fitted by `criterion="manual"` with the same `map_rank`, so an 'auto' rank is chosen again on the model patched
@@ -94,6 +103,8 @@ def main() -> None:
     parser.add_argument("--map-rank", default="full", help="map_rank of the sub-block and mixed rows (full, auto, r)")
     parser.add_argument("--kv", action="store_true", help="budgets are shares of the KV cache (remove_kv)")
     parser.add_argument("--speed", action="store_true", help="also transformers' prefill and decode tokens/s")
+    parser.add_argument("--joint-rounds", type=int, nargs="*", default=[],
+                        help="also the sub-block and mixed choices made in these numbers of rounds (joint_rounds)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = assets.resolve_model(args.model)
@@ -158,6 +169,24 @@ def main() -> None:
              + "".join(f" healed {h}: wiki / news ratio (gap closed) | {h} s |" for h in args.heal),
              "|---|---|---|---|---|---|---|---|---|" + "---|" * args.speed + "---|---|" * len(args.heal)]
     print("\n".join(lines), flush=True)
+    joint_state: dict = {}
+
+    def joint(rounds: int, whole_layers: bool, budget: int):
+        """The sub-blocks (and whole layers) `joint_rounds=rounds` chooses: the first round from the stored damages
+        alone, the later ones measured as ghost_prune measures them (their seconds recorded in `joint_state`)."""
+        if "fits" not in joint_state:
+            data = tokenize_texts(tokenizer, calibration, **CALIBRATION)
+            calibrator = Calibrator(FullModelPass(load()), data)
+            joint_state["fits"] = sb.candidate_fits(calibrator, sorted(damage), options.ridge,
+                                                    sb.parse_map_rank(args.map_rank))
+            joint_state["scored"] = calibrator.first_batches(-(-options.damage_sequences // options.batch_size))
+        fits = {ref: fit for ref, fit in joint_state["fits"].items() if whole_layers or ref.block != sb.LAYER}
+        started = time.perf_counter()
+        chosen, _ = sb.choose_jointly(joint_state["scored"], fits, saved, budget, rounds,
+                                      alone={ref: damage[ref] for ref in fits})
+        joint_state["seconds"] = time.perf_counter() - started
+        return chosen
+
     def mixed(chosen):
         return ghost_prune(load(), tokenizer, calibration, unit="mixed", criterion="manual",
                            subblocks=[r.name for r in chosen if r.block != sb.LAYER], map_rank=args.map_rank,
@@ -188,6 +217,10 @@ def main() -> None:
                     subblocks=[r.name for r in sb.choose_to_budget(alone, saved, target)], map_rank=args.map_rank,
                     **CALIBRATION),
                 "mixed / ghost-aware": lambda: mixed(sb.choose_to_budget(damage, saved, target)),
+                **{f"sub-blocks / joint, {n} rounds": lambda n=n: ghost_prune(
+                    load(), tokenizer, calibration, unit="subblock", criterion="manual", map_rank=args.map_rank,
+                    subblocks=[r.name for r in joint(n, False, target)], **CALIBRATION) for n in args.joint_rounds},
+                **{f"mixed / joint, {n} rounds": lambda n=n: mixed(joint(n, True, target)) for n in args.joint_rounds},
                 "sub-blocks / fit residual": lambda: ghost_prune(
                     load(), tokenizer, calibration, unit="subblock", criterion="manual",
                     subblocks=[r.name for r in sb.choose_to_budget(
@@ -200,6 +233,8 @@ def main() -> None:
             started = time.perf_counter()
             model = run().eval()
             seconds = time.perf_counter() - started
+            if "joint" in name:
+                name = f"{name} (+{joint_state.pop('seconds'):.0f} s of damages)"
             provenance = model.config.ghost_provenance  # a stock export (operator none) keeps it too
             removed_net = provenance["parameters"]["dense"] - provenance["parameters"]["pruned"] - \
                 provenance["parameters"].get("operators", 0)
@@ -232,7 +267,8 @@ def main() -> None:
         rows += (f" --budgets {' '.join(args.budgets)} --lambada {args.lambada}"
                  + (f" --heal {' '.join(args.heal)}" if args.heal else "") + f" --threads {args.threads}"
                  + (f" --map-rank {args.map_rank}" if args.map_rank != "full" else "")
-                 + (" --kv" if args.kv else "") + (" --speed" if args.speed else ""))
+                 + (" --kv" if args.kv else "") + (" --speed" if args.speed else "")
+                 + (f" --joint-rounds {' '.join(map(str, args.joint_rounds))}" if args.joint_rounds else ""))
         handle.write(f"\n`python benchmarks/subblocks.py --model {args.model}{rows}`\n\n" + "\n".join(lines) + "\n")
 
 

@@ -181,6 +181,10 @@ class PruneOptions(Options):
                            "the choice prices each map at its rank) or a rank such as 64 (2 C r values in place of C^2).")
     damage_sequences: int = option(16, "Calibration sequences on which units 'subblock' and 'mixed' measure each candidate's "
                                    "damage (one forward over them per candidate).")
+    joint_rounds: int = option(1, "Rounds in which units 'subblock' and 'mixed' meet the budget, each round's share "
+                               "chosen by damages measured beside the picks of the rounds before it (1: each "
+                               "candidate's damage alone on the dense model; each round costs one more damage pass "
+                               "per candidate left).")
 
     @property
     def budgets(self) -> list[str]:
@@ -208,6 +212,7 @@ class PruneOptions(Options):
         if self.num_parameters is not None:
             positive(self, "num_parameters")
         positive(self, "damage_sequences")
+        positive(self, "joint_rounds")
         check_calibration(self)
 
 

@@ -248,6 +248,9 @@ def test_a_share_of_parameters_sets_the_number_of_whole_layers() -> None:
     (dict(map_rank="4"), "map_rank sets the rank of sub-blocks"),
     (dict(unit="subblock", remove="25%", map_rank="half"), "map_rank is 'full'"),
     (dict(unit="subblock", remove="25%", map_rank="0"), "map_rank is 'full'"),
+    (dict(joint_rounds=2), "joint_rounds sets how the sub-block choice"),
+    (dict(unit="subblock", criterion="manual", subblocks=["1.mlp"], joint_rounds=2), "leave joint_rounds at 1"),
+    (dict(unit="subblock", remove="25%", joint_rounds=0), "joint_rounds must be positive"),
 ])
 def test_bad_subblock_requests_are_refused_by_name(overrides, message) -> None:
     with pytest.raises(GhostedError, match=message):
@@ -395,6 +398,66 @@ def test_each_damage_pass_starts_at_its_candidate_and_equals_a_whole_forward() -
     for ref, fit in fits.items():  # each as a whole forward of the model with the candidate in place
         whole = sb.mean_loss(calibrator.collect(next_token_loss(depth), ref.name, sb.patch_of([fit])), depth)
         assert abs(whole - dense_loss - damage[ref]) < 1e-5, ref
+
+
+def test_damages_beside_picked_ones_start_at_the_candidate_and_equal_a_whole_forward() -> None:
+    from ghosted_hf.options import PruneOptions
+    from ghosted_hf.statistics import Calibrator, FullModelPass, next_token_loss
+    from ghosted_hf.text.tokens import tokenize_texts
+
+    dense = build("llama")
+    depth = dense.config.num_hidden_layers
+    data = tokenize_texts(char_tokenizer(), texts(), 64, 8, 4)
+    calibrator = Calibrator(FullModelPass(dense), data)
+    fits = sb.candidate_fits(calibrator, sb.all_subblocks(depth, whole_layers=True), PruneOptions().ridge)
+    picked = [fits[sb.SubBlockRef(2, sb.LAYER)], fits[sb.SubBlockRef(4, "mlp")]]
+    left = {ref: fit for ref, fit in fits.items() if sb.compatible(ref, [f.ref for f in picked])}
+    assert sb.SubBlockRef(2, "mlp") not in left and sb.SubBlockRef(4, "mlp") not in left
+    calls = []
+    handle = decoder_layers(dense)[1].register_forward_hook(lambda *args: calls.append(1))
+    damage = sb.damages(calibrator, left, picked)
+    handle.remove()
+    # layer 1 runs in the loss pass with the picks, while their inputs are stored, in the passes of its own
+    # sub-blocks (its whole layer joins the removed layer 2: not run), of layer 0's three candidates, and of layer 3's
+    # (the input the picked boundary's operator rewrites is not resumed from: they start at layer 1); no later one
+    assert len(calls) == (2 + 2 + 3 + 3) * len(data.batches)
+    base = sb.mean_loss(calibrator.collect(next_token_loss(depth), "picked", sb.patch_of(picked)), depth)
+    for ref, fit in left.items():  # each as a whole forward of the model with the picks and the candidate in place
+        whole = sb.mean_loss(calibrator.collect(next_token_loss(depth), ref.name, sb.patch_of([*picked, fit])), depth)
+        assert abs(whole - base - damage[ref]) < 1e-5, ref
+
+
+def test_touching_whole_layers_fitted_apart_make_one_boundary_with_their_product() -> None:
+    first, second = torch.randn(HIDDEN, HIDDEN, dtype=torch.float64), torch.randn(HIDDEN, HIDDEN, dtype=torch.float64)
+    patch = sb.patch_of([sb.SubBlockFit(sb.SubBlockRef(3, sb.LAYER), second),
+                         sb.SubBlockFit(sb.SubBlockRef(2, sb.LAYER), first)])
+    assert patch.removed == (2, 3) and list(patch.operators) == [2]
+    torch.testing.assert_close(patch.operators[2], (first @ second).float())
+
+
+def test_a_joint_choice_measures_each_round_beside_the_picks_before_it(monkeypatch) -> None:
+    dense = build("llama")
+    total, measured = decoder_parameters(dense), []
+    measure = sb.damages
+
+    def spy(calibrator, fits, picked=()):
+        measured.append((sorted(fits), [f.ref for f in picked], measure(calibrator, fits, picked)))
+        return measured[-1][2]
+
+    monkeypatch.setattr(sb, "damages", spy)
+    model = ghost_prune(copy.deepcopy(dense), char_tokenizer(), texts(), unit="subblock", remove="30%",
+                        joint_rounds=2, **CALIBRATION)
+    (everything, none, alone), (left, picked, beside) = measured
+    assert none == [] and len(everything) == 2 * dense.config.num_hidden_layers
+    saved = {ref: sb.subblock_parameters(dense, ref) - HIDDEN * HIDDEN for ref in everything}
+    budget = round(0.3 * total)
+    assert picked == sb.choose_to_budget(alone, saved, -(-budget // 2))  # the first half on damages alone
+    assert left == sorted(set(everything) - set(picked))
+    step = budget - sum(saved[ref] for ref in picked)  # the rest on damages beside the first round's picks
+    expected = sorted([*picked, *sb.choose_to_budget(beside, saved, step, chosen=picked)])
+    selection = model.config.ghost_provenance["selection"]
+    assert selection["subblocks"] == [ref.name for ref in expected]
+    assert selection["scores"] == {ref.name: round(v, 6) for ref, v in sorted({**alone, **beside}.items())}
 
 
 def test_each_sequential_fit_starts_where_the_one_before_it_was_read() -> None:

@@ -11,7 +11,7 @@ most: benchmarks/results/subblock_probe.md), so it is recorded but does not rank
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,10 +172,18 @@ def fit_candidate(stats: CalibrationStatistics, ref: SubBlockRef, ridge: float, 
 
 
 def patch_of(fits: Iterable[SubBlockFit]) -> Patch:
-    """The model with `fits` in place: whole layers removed with their boundary's operator, sub-blocks replaced."""
-    whole = [f for f in fits if f.ref.block == LAYER]
-    return Patch(tuple(i for f in whole for i in range(f.ref.layer, f.end)),
-                 operators={f.ref.layer: f.map.float() for f in whole},
+    """The model with `fits` in place: whole layers removed with their boundary's operator, sub-blocks replaced. Whole
+    layers fitted apart that touch (candidates picked one by one) make one boundary whose operator is their product
+    (each maps the stream it was given: x @ W1 @ W2)."""
+    runs: list[tuple[int, int, torch.Tensor]] = []  # (first layer, the layer it feeds, operator)
+    for f in sorted((f for f in fits if f.ref.block == LAYER), key=lambda f: f.ref.layer):
+        if runs and runs[-1][1] == f.ref.layer:
+            first, _, operator = runs.pop()
+            runs.append((first, f.end, operator @ f.map.float()))
+        else:
+            runs.append((f.ref.layer, f.end, f.map.float()))
+    return Patch(tuple(i for first, end, _ in runs for i in range(first, end)),
+                 operators={first: operator for first, _, operator in runs},
                  subblocks={(f.ref.layer, f.ref.block): (f.map, f.outputs) for f in fits if f.ref.block != LAYER})
 
 
@@ -200,39 +208,63 @@ def mean_loss(stats: CalibrationStatistics, depth: int) -> float:
     return float(stats[LOSS(depth)]) / float(stats[LABELS(depth)])
 
 
-def damages(calibrator: Calibrator, fits: Mapping[SubBlockRef, SubBlockFit]) -> dict[SubBlockRef, float]:
-    """The calibration loss's rise with each candidate alone replaced by its fit (what the replacement does
-    downstream, measured rather than predicted from the fit's residual): one patched pass per candidate, whose
-    sums every process all-reduces."""
-    depth = calibrator.depth
+def damages(calibrator: Calibrator, fits: Mapping[SubBlockRef, SubBlockFit],
+            picked: Sequence[SubBlockFit] = ()) -> dict[SubBlockRef, float]:
+    """The calibration loss's rise with each candidate replaced by its fit, alone or beside the `picked` ones (over the
+    loss with those alone): what the replacement does downstream, measured rather than predicted from the fit's
+    residual. One patched pass per candidate, started at the candidate, whose sums every process all-reduces."""
+    depth, base = calibrator.depth, patch_of(picked) if picked else None
     plan, first = next_token_loss(depth), len(calibrator.passes)
-    dense = mean_loss(calibrator.collect(plan, "loss of the dense model"), depth)
-    with calibrator.calibration_pass.remembering_inputs(calibrator.my_batches()):  # each pass starts at its candidate
-        result = {ref: mean_loss(calibrator.collect(plan, f"damage of {ref.name}", patch_of([fit])), depth) - dense
-                  for ref, fit in tqdm(sorted(fits.items()), desc="damage of each replacement", leave=False)}
+    what = f"loss with {len(picked)} picked" if picked else "loss of the dense model"
+    reference = mean_loss(calibrator.collect(plan, what, base), depth)
+    with calibrator.calibration_pass.remembering_inputs(calibrator.my_batches(), base):
+        result = {ref: mean_loss(calibrator.collect(plan, f"damage of {ref.name}", patch_of([*picked, fit])), depth)
+                  - reference for ref, fit in tqdm(sorted(fits.items()), desc="damage of each replacement", leave=False)}
     calibrator.merge_passes(first, "damage of each replacement")
     return result
 
 
+def compatible(ref: SubBlockRef, chosen: Iterable[SubBlockRef]) -> bool:
+    """Whether `ref` may join `chosen`: not in it, and a whole layer and its own sub-blocks exclude each other."""
+    return all(ref != c and not (ref.layer == c.layer and LAYER in (ref.block, c.block)) for c in chosen)
+
+
 def choose_to_budget(damage: Mapping[SubBlockRef, float], saved: Mapping[SubBlockRef, int], budget: int,
-                     what: str = "parameters") -> list[SubBlockRef]:
+                     what: str = "parameters", chosen: Sequence[SubBlockRef] = ()) -> list[SubBlockRef]:
     """The sub-blocks that remove at least `budget` parameters (net of their maps; or of `what` they save, such as
-    KV-cache values) with the least damage per unit saved, cheapest first; a whole layer and its own sub-blocks
-    exclude each other."""
+    KV-cache values) with the least damage per unit saved, cheapest first, beside the ones `chosen` already."""
     order = sorted((ref for ref in damage if saved[ref] > 0), key=lambda ref: (max(damage[ref], 0.0) / saved[ref], ref))
-    chosen, total, taken = [], 0, {}  # taken: layer -> a block chosen there
+    picks, total = [], 0
     for ref in order:
         if total >= budget:
             break
-        if ref.layer in taken and LAYER in (ref.block, taken[ref.layer]):
-            continue
-        taken[ref.layer] = ref.block
-        chosen.append(ref)
-        total += saved[ref]
+        if compatible(ref, [*chosen, *picks]):
+            picks.append(ref)
+            total += saved[ref]
     if total < budget:
-        raise GhostedError(f"Replacing every sub-block that saves any saves {total:,} {what}, short of the "
-                           f"{budget:,} asked for: ask for less, or remove whole layers (unit 'layer').")
-    return sorted(chosen)
+        raise GhostedError(f"Replacing every sub-block that saves any saves {total + sum(saved[c] for c in chosen):,} "
+                           f"{what}, short of the {budget + sum(saved[c] for c in chosen):,} asked for: ask for less, "
+                           "or remove whole layers (unit 'layer').")
+    return sorted(picks)
+
+
+def choose_jointly(calibrator: Calibrator, fits: Mapping[SubBlockRef, SubBlockFit], saved: Mapping[SubBlockRef, int],
+                   budget: int, rounds: int = 1, what: str = "parameters",
+                   alone: Mapping[SubBlockRef, float] | None = None,
+                   ) -> tuple[list[SubBlockRef], dict[SubBlockRef, float]]:
+    """(the chosen sub-blocks, each candidate's damage as last measured): the budget met in `rounds` equal steps, each
+    step's damages measured with the picks of the steps before it in place, so that what is replaced together is
+    judged together (one round: each candidate alone on the dense model; `alone`: those damages, measured already)."""
+    chosen: list[SubBlockRef] = []
+    damage: dict[SubBlockRef, float] = {}
+    for k in range(1, rounds + 1):
+        left = {ref: fit for ref, fit in fits.items() if compatible(ref, chosen)}
+        measured = alone if k == 1 and alone is not None else None
+        damage.update(measured or damages(calibrator, left, [fits[ref] for ref in chosen]))
+        step = -(-budget * k // rounds) - sum(saved[ref] for ref in chosen)
+        if step > 0:
+            chosen += choose_to_budget({ref: damage[ref] for ref in left}, saved, step, what, chosen)
+    return sorted(chosen), damage
 
 
 def sequential_steps(depth: int, refs: list[SubBlockRef]) -> list[tuple[SubBlockRef, int]]:

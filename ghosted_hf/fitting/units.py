@@ -62,6 +62,9 @@ class Layers(Unit):
         if str(options.map_rank) != "full":
             raise GhostedError("map_rank sets the rank of sub-blocks' maps: use it with unit='subblock' or 'mixed' (a "
                                "whole layer's boundary operator is full).")
+        if options.joint_rounds != 1:
+            raise GhostedError("joint_rounds sets how the sub-block choice meets its budget: use it with "
+                               "unit='subblock' or 'mixed'.")
 
     def statistics(self, config: PretrainedConfig, options: Any) -> StatisticsPlan:
         """The criterion's statistics and the fit statistics of every boundary it may choose. ShortGPT's scattered
@@ -102,6 +105,9 @@ class SubBlocks(Unit):
         if manual and not (options.subblocks or options.layers):
             raise GhostedError(f"{unit} with criterion 'manual' needs what to replace (subblocks=['12.attention', "
                                "...]" + (", layers=[...]" if self.whole_layers else "") + ").")
+        if manual and options.joint_rounds != 1:
+            raise GhostedError("joint_rounds sets how criterion 'ghost-aware' meets the budget; with criterion "
+                               "'manual' the list given is replaced: leave joint_rounds at 1.")
         if not manual and not options.budgeted:
             raise GhostedError(f"{unit} removes a budget: pass remove='25%', num_parameters or remove_kv='50%'.")
         subblocks.parse_map_rank(options.map_rank)

@@ -117,9 +117,9 @@ def prune_subblocks(calibration_pass: CalibrationPass, tokenizer: Any, calibrati
             candidates = sorted(frees)
         fits = subblocks.candidate_fits(calibrator, candidates, options.ridge, rank)
         scored = calibrator.first_batches(max(1, -(-options.damage_sequences // options.batch_size)))
-        damage = subblocks.damages(scored, fits)
         saved = frees if frees is not None else {ref: sizes[ref] - fit.parameters for ref, fit in fits.items()}
-        chosen = subblocks.choose_to_budget(damage, saved, budget, "parameters" if frees is None else "KV-cache values")
+        chosen, damage = subblocks.choose_jointly(scored, fits, saved, budget, options.joint_rounds,
+                                                  "parameters" if frees is None else "KV-cache values")
         rank = {ref: fits[ref].rank or "full" for ref in chosen}  # the ranks the choice priced
         selection = Selection([], "ghost-aware", {ref.name: round(value, 6) for ref, value in damage.items()}, "lower")
     first = len(calibrator.passes)

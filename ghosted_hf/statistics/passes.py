@@ -60,9 +60,9 @@ class CalibrationPass(abc.ABC):
     def vocab_size(self) -> int:
         """Rows of the input embedding (token ids must be below it)."""
 
-    def remembering_inputs(self, batches: Iterable[Batch]) -> contextlib.AbstractContextManager:
-        """A context in which patched passes over `batches` may start at the patch's first change (a pass that holds
-        the model in memory); elsewhere, nothing changes."""
+    def remembering_inputs(self, batches: Iterable[Batch], patch: Patch | None = None) -> contextlib.AbstractContextManager:
+        """A context in which patched passes over `batches` may start at their first change from `patch` (the dense
+        model without one; a pass that holds the model in memory); elsewhere, nothing changes."""
         return contextlib.nullcontext()
 
     @abc.abstractmethod
@@ -113,24 +113,27 @@ class FullModelPass(CalibrationPass):
         return outputs
 
     @contextlib.contextmanager
-    def remembering_inputs(self, batches: Iterable[Batch]) -> Iterator[None]:
-        """Within the context, the dense input of every decoder layer for `batches` is kept, and a patched pass over
-        one of them starts at the patch's first change from it (many patched passes over a few batches: each
-        candidate's damage). Holds layers x tokens x width activations."""
-        layers = decoder_layers(self.model)
+    def remembering_inputs(self, batches: Iterable[Batch], patch: Patch | None = None) -> Iterator[None]:
+        """Within the context, the input of every decoder layer for `batches` (under `patch`: of every kept layer of
+        the model it patches) is kept, and a patched pass over one of them starts at its first change from `patch`
+        (many patched passes over a few batches: each candidate's damage, alone or beside the ones picked). Holds
+        layers x tokens x width activations."""
+        patch = patch or Patch()
+        kept = [i for i in range(len(decoder_layers(self.model))) if i not in set(patch.removed)]
         try:
             for batch in batches:
                 found: list[torch.Tensor] = []
-                handles = [layer.register_forward_pre_hook(
-                    lambda module, args, kwargs: found.append((args[0] if args else kwargs["hidden_states"]).detach()),
-                    with_kwargs=True) for layer in layers]
-                try:
-                    with torch.no_grad():
-                        self.model(**{k: v.to(input_device(self.model)) for k, v in batch.items()}, use_cache=False)
-                finally:
-                    for handle in handles:
-                        handle.remove()
-                self._inputs[id(batch)] = (batch, Patch(), dict(enumerate(found)))
+                with patched_stream(self.model, patch):
+                    handles = [layer.register_forward_pre_hook(
+                        lambda module, args, kwargs: found.append((args[0] if args else kwargs["hidden_states"]).detach()),
+                        with_kwargs=True) for layer in decoder_layers(self.model)]
+                    try:
+                        with torch.no_grad():
+                            self.model(**{k: v.to(input_device(self.model)) for k, v in batch.items()}, use_cache=False)
+                    finally:
+                        for handle in handles:
+                            handle.remove()
+                self._inputs[id(batch)] = (batch, patch, dict(zip(kept, found)))
             self._remembering = True
             yield
         finally:
