@@ -258,12 +258,13 @@ def choose_jointly(calibrator: Calibrator, fits: Mapping[SubBlockRef, SubBlockFi
     chosen: list[SubBlockRef] = []
     damage: dict[SubBlockRef, float] = {}
     for k in range(1, rounds + 1):
+        step = -(-budget * k // rounds) - sum(saved[ref] for ref in chosen)  # (earlier picks may have met it)
+        if step <= 0:
+            continue
         left = {ref: fit for ref, fit in fits.items() if compatible(ref, chosen)}
         measured = alone if k == 1 and alone is not None else None
         damage.update(measured or damages(calibrator, left, [fits[ref] for ref in chosen]))
-        step = -(-budget * k // rounds) - sum(saved[ref] for ref in chosen)
-        if step > 0:
-            chosen += choose_to_budget({ref: damage[ref] for ref in left}, saved, step, what, chosen)
+        chosen += choose_to_budget({ref: damage[ref] for ref in left}, saved, step, what, chosen)
     return sorted(chosen), damage
 
 
