@@ -62,34 +62,40 @@ def _gpu_tests_run() -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every compat, distributed or real-model test is slow too: `pytest -m "not slow"` leaves them all out, and
     the slow ones run first.
-    The gpu tests (tests/test_gpu.py) are deselected where no CUDA device can run them, the torchvision ones where it
-    does not import, and the header says so."""
+    The gpu tests (tests/test_gpu.py) are deselected where no CUDA device can run them, the torchvision and
+    llama_cpp_build ones where torchvision or llama-cpp-python does not import, and the header says so."""
     for item in items:
         if any(item.get_closest_marker(name) for name in ("compat", "distributed", "real_model")):
             item.add_marker(pytest.mark.slow)
     # The slow tests first (in their order), so that no long test starts last while the other worker has nothing left.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    for marker, runs in (("gpu", _gpu_tests_run()), ("torchvision", _torchvision_imports())):
+    for marker, runs in (("gpu", _gpu_tests_run()), ("torchvision", _imports("torchvision")),
+                         ("llama_cpp_build", _imports("llama_cpp"))):
         out = [item for item in items if item.get_closest_marker(marker)] if not runs else []
         if out:
             config.hook.pytest_deselected(items=out)
             items[:] = [item for item in items if not item.get_closest_marker(marker)]
 
 
-def _torchvision_imports() -> bool:
+def _imports(module: str) -> bool:
+    import importlib
+
     try:
-        import torchvision  # noqa: F401
-    except Exception:  # absent, or a wheel built for another torch ("operator torchvision::nms does not exist")
-        return False
+        importlib.import_module(module)
+    except Exception:  # absent, a torchvision built for another torch ("operator torchvision::nms does not exist"),
+        return False   # llama-cpp-python without a llama.cpp library (LLAMA_CPP_LIB_PATH)
     return True
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     return [("gpu tests: collected (CUDA available)" if _gpu_tests_run() else
              "gpu tests: deselected (no CUDA device; `pytest -m gpu` on a GPU machine runs them)"),
-            ("torchvision tests: collected" if _torchvision_imports() else
+            ("torchvision tests: collected" if _imports("torchvision") else
              "torchvision tests: deselected (torchvision does not import; `pip install torch==2.14.1 "
-             "torchvision==0.29.1` and `pytest -m torchvision` run them)")]
+             "torchvision==0.29.1` and `pytest -m torchvision` run them)"),
+            ("llama_cpp_build tests: collected" if _imports("llama_cpp") else
+             "llama_cpp_build tests: deselected (llama-cpp-python does not import; benchmarks/serving.py says how to "
+             "build llama.cpp and install it on that build)")]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

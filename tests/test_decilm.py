@@ -1,5 +1,7 @@
 """export-decilm: a ghosted model as a Nemotron-NAS (DeciLM) checkpoint, loaded without ghosted_hf by transformers
-(the code saved beside it) and by mlx-lm, and converted by llama.cpp's unmodified converter."""
+(the code saved beside it) and by mlx-lm, converted by llama.cpp's unmodified converter, and run by llama.cpp where
+llama-cpp-python imports on a build (`llama_cpp_build` marker: `LLAMA_CPP_LIB_PATH=.../build/bin
+GHOSTED_LLAMA_CPP=... pytest tests/test_decilm.py`)."""
 
 from __future__ import annotations
 
@@ -164,3 +166,30 @@ def test_llama_cpp_s_unmodified_converter_reads_a_decilm_export(tmp_path: Path) 
     output = next(t for t in reader.tensors if t.name == "blk.3.attn_output.weight")  # layer 2's MLP map, A^T
     down, up = (ghosted.get_parameter(f"model.layers.2.mlp.ghost.{part}").detach() for part in ("down", "up"))
     np.testing.assert_allclose(np.asarray(output.data).reshape(HIDDEN, HIDDEN), (down @ up).T.numpy(), atol=1e-6)
+
+
+@pytest.mark.llama_cpp_build
+@pytest.mark.skipif(not LLAMA_CPP, reason="set GHOSTED_LLAMA_CPP to the llama.cpp source folder of the build")
+@pytest.mark.parametrize("kind", ["normed", "subblocks"])
+def test_llama_cpp_runs_the_converter_s_gguf_with_the_ghosted_model_s_logits(kind: str, tmp_path: Path) -> None:
+    """The unmodified converter's F32 GGUF run by llama.cpp: the ghosted model's logits over a prompt and over tokens
+    fed one at a time through its KV cache (the linear attentions hold none)."""
+    from llama_cpp import Llama
+
+    tokenizer = llama2_tokenizer()
+    ghosted = _ghosted(kind, tokenizer).eval()
+    export_decilm(ghosted, tokenizer, tmp_path / "deci")
+    done = subprocess.run([sys.executable, str(Path(LLAMA_CPP) / "convert_hf_to_gguf.py"), str(tmp_path / "deci"),
+                           "--outfile", str(tmp_path / "deci.gguf"), "--outtype", "f32"], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(Path(LLAMA_CPP) / "gguf-py")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    ids = [tokenizer.bos_token_id, *tokenizer(texts()[0][:40], add_special_tokens=False)["input_ids"]]
+    llm = Llama(model_path=str(tmp_path / "deci.gguf"), n_ctx=128, n_batch=128, logits_all=True, verbose=False,
+                type_k=0, type_v=0)  # (an F32 KV cache: its F16 default rounds the keys and values)
+    llm.eval(ids[:20])  # a prompt, then one token at a time on its cache
+    for token in ids[20:]:
+        llm.eval([token])
+    with torch.no_grad():
+        expected = ghosted(torch.tensor([ids])).logits[0]
+    np.testing.assert_allclose(np.asarray(llm.scores[:len(ids)]), expected.numpy(), rtol=0, atol=1e-4)
+
