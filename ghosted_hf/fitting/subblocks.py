@@ -242,9 +242,9 @@ def choose_to_budget(damage: Mapping[SubBlockRef, float], saved: Mapping[SubBloc
             picks.append(ref)
             total += saved[ref]
     if total < budget:
-        raise GhostedError(f"Replacing every sub-block that saves any saves {total + sum(saved[c] for c in chosen):,} "
-                           f"{what}, short of the {budget + sum(saved[c] for c in chosen):,} asked for: ask for less, "
-                           "or remove whole layers (unit 'layer').")
+        before = sum(saved[c] for c in chosen)
+        raise GhostedError(f"Replacing every sub-block that saves any saves {before + total:,} {what}, short of the "
+                           f"{before + budget:,} asked for: ask for less, or remove whole layers (unit 'layer').")
     return sorted(picks)
 
 
