@@ -88,6 +88,13 @@ class HealOptions(Options, TrainingArguments):
     kl_chunk: int | None = option(None, "Token positions per chunk of the loss's logits, the KL's and the next-token "
                                         "loss's (memory: chunk x vocabulary; None: as many as 256 MiB of float32 "
                                         "logits hold).")
+    local_layers: int = option(0, "Local distillation before the global phase: the N decoder layers after each "
+                                  "boundary or replaced sub-block, with its operator or map, trained to give the dense "
+                                  "model's hidden states N layers on, from dense states computed once (no head, no "
+                                  "vocabulary; ghosted models; the teacher, else the base model; 0: no local phase).")
+    local_steps: int = option(150, "Optimizer steps of local distillation (with local_layers).")
+    local_sequences: int = option(256, "Training sequences whose dense states local distillation computes and cycles "
+                                       "over (memory: sequences x seq_len x hidden size x 2 bytes per state).")
     eval_sequences: int = option(16, "Held-out sequences: carved off the start of the data as whole documents when no "
                                      "evaluation data is given (0: no held-out evaluation).")
     text_column: str = same_as(PruneOptions, "text_column")
@@ -123,6 +130,7 @@ class HealOptions(Options, TrainingArguments):
 
     def check(self) -> None:
         positive(self, "rank", "alpha", "seq_len", "per_device_train_batch_size", "gradient_accumulation_steps",
+                 "local_steps", "local_sequences",
                  *(("kl_chunk",) if self.kl_chunk is not None else ()))
         budgets = [name for name, given in (("max_steps", self.max_steps != -1), ("tokens", self.tokens is not None),
                                             ("minutes", self.minutes is not None)) if given]
@@ -147,6 +155,8 @@ class HealOptions(Options, TrainingArguments):
             raise GhostedError(f"learning_rate must be positive, got {self.learning_rate}.")
         if self.kd_weight is not None and not 0 <= self.kd_weight <= 1:
             raise GhostedError(f"kd_weight must be between 0 and 1, got {self.kd_weight}.")
+        if self.local_layers < 0:
+            raise GhostedError(f"local_layers must be 0 (no local phase) or more, got {self.local_layers}.")
         if self.eval_sequences < 0:
             raise GhostedError(f"eval_sequences must be 0 or more, got {self.eval_sequences}.")
         if self.eval_steps and not self.eval_sequences:

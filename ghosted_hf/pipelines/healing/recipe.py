@@ -29,7 +29,8 @@ from ...utils.memory import check_batch_memory
 from .callbacks import Budget, Progress, Record, Schedule
 from .checkpoints import (agreement_claims, check_same_run, checkpoint_folder, claim_checkpoint_folder, resume_point,
                           run_identity, verified_checkpoint)
-from .distillation import head_is_plain
+from .distillation import head_is_plain, unwrapped
+from .local import distill_locally
 from .options import (DEFAULT_STEPS, HealOptions, base_model_reference, check_meaningful, check_same_vocabulary,
                       healed_kind, resolve_precision)
 from .trainer import HealingTrainer, collate, sharded, training_attention, unsharded
@@ -95,9 +96,14 @@ def heal(
     options = HealOptions.build(options, **overrides)
     kd_weight = 1.0 if options.kd_weight is None else options.kd_weight
     kind, model_class = healed_kind(model), type(model)  # FSDP2 swaps the class of the modules it shards
-    if options.train_operators and kind == "stock":
-        raise GhostedError("train_operators needs a ghosted model: a stock checkpoint has its operators folded into "
-                           "its weights, and LoRA already trains those.")
+    for asked, name in ((options.train_operators, "train_operators"), (options.local_layers, "local_layers")):
+        if asked and kind == "stock":
+            raise GhostedError(f"{name} needs a ghosted model: a stock checkpoint has its operators folded into its "
+                               "weights (and records no boundaries); heal it without it.")
+    if resume is not None and options.local_layers:
+        raise GhostedError("A run with local_layers cannot be resumed: the operators its local phase trained are not "
+                           "in the Trainer's checkpoints. Resume with local_layers=0 from a run without it, or start "
+                           "again.")
     if isinstance(teacher, str):
         teacher = load_teacher(model, teacher)
     check_meaningful(options, model, teacher, data, eval_data)
@@ -132,6 +138,7 @@ def heal(
             check_same_run(record, run, start)
             budget.spent = record["seconds_spent"]
         peft_model = _lora(model, options)
+        local_losses = _local_phase(peft_model, teacher, sequences, options, args.world_size, precision, progress)
         trainer = HealingTrainer(
             model=peft_model, args=args, train_dataset=sequences.train, data_collator=collate,
             eval_dataset=sequences.held_out if len(sequences.held_out) else None,
@@ -169,10 +176,25 @@ def heal(
               + (f", {1 - kd_weight:g} x next-token" if teacher is not None and kd_weight < 1 else ""),
               "teacher": getattr(getattr(teacher, "config", None), "_name_or_path", None) if teacher is not None else None,
               "steps": trainer.state.global_step, "tokens": trainer.state.global_step * per_step * options.seq_len,
-              "processes": args.world_size, "data": sequences.describe()}
+              "processes": args.world_size, "data": sequences.describe(),
+              **({"local_loss": [local_losses[0], local_losses[-1]]} if local_losses else {})}
     if evaluations:
         record["held_out_perplexity"] = evaluations[-1]["perplexity"]
     return HealResult(peft_model, losses, record, evaluations)
+
+
+def _local_phase(model: PeftModel, teacher: nn.Module | None, sequences: TrainingSequences, options: HealOptions,
+                 world_size: int, precision: str, progress: bool) -> list[float]:
+    """Local distillation before the Trainer's phase (`local.distill_locally`), from the teacher or else the base
+    model, loaded for this phase only."""
+    if not options.local_layers:
+        return []
+    if world_size > 1:
+        raise GhostedError(f"Local distillation runs in one process, and this run has {world_size}: heal with "
+                           "local_layers=0 here, or run the local phase alone first.")
+    dense = teacher if teacher is not None else load_teacher(unwrapped(model), "base")
+    with training_attention(unwrapped(model), dense.device, options.seq_len):
+        return distill_locally(model, dense, sequences.train, options, precision, progress)
 
 
 def _training_data(tokenizer: Any, data: Any, eval_data: Any, options: HealOptions, per_step: int,
