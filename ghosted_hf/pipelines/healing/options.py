@@ -92,7 +92,8 @@ class HealOptions(Options, TrainingArguments):
                                   "boundary or replaced sub-block, with its operator or map, trained to give the dense "
                                   "model's hidden states N layers on, from dense states computed once (no head, no "
                                   "vocabulary; ghosted models; the teacher, else the base model; 0: no local phase).")
-    local_steps: int = option(150, "Optimizer steps of local distillation (with local_layers).")
+    local_steps: int = option(150, "Optimizer steps of local distillation (with local_layers; max_steps, tokens and "
+                                   "minutes budget the global phase after it).")
     local_sequences: int = option(256, "Training sequences whose dense states local distillation computes and cycles "
                                        "over (memory: sequences x seq_len x hidden size x 2 bytes per state).")
     eval_sequences: int = option(16, "Held-out sequences: carved off the start of the data as whole documents when no "

@@ -190,10 +190,11 @@ def _local_phase(model: PeftModel, teacher: nn.Module | None, sequences: Trainin
     if not options.local_layers:
         return []
     if world_size > 1:
-        raise GhostedError(f"Local distillation runs in one process, and this run has {world_size}: heal with "
-                           "local_layers=0 here, or run the local phase alone first.")
-    dense = teacher if teacher is not None else load_teacher(unwrapped(model), "base")
-    with training_attention(unwrapped(model), dense.device, options.seq_len):
+        raise GhostedError(f"Local distillation runs in one process, and this run has {world_size}: heal in one "
+                           "process, or with local_layers=0.")
+    student = unwrapped(model)
+    dense = teacher if teacher is not None else load_teacher(student, "base")
+    with training_attention(student, student.device, options.seq_len):
         return distill_locally(model, dense, sequences.train, options, precision, progress)
 
 
