@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import traceback
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -102,8 +103,9 @@ def run_inputs(model: nn.Module, ids: torch.Tensor, run: LocalRun, state: torch.
     try:
         with resumed(model, run.start, state):
             model(input_ids=ids, use_cache=False)
-    except _Reached:
-        pass
+    except _Reached as reached:
+        # Its traceback's frames hold this batch's activations in reference cycles: free them with the graph.
+        traceback.clear_frames(reached.__traceback__)
     finally:
         for handle in handles:
             handle.remove()
