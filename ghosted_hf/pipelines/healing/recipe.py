@@ -104,6 +104,9 @@ def heal(
         raise GhostedError("A run with local_layers cannot be resumed: the operators its local phase trained are not "
                            "in the Trainer's checkpoints. Resume with local_layers=0 from a run without it, or start "
                            "again.")
+    if options.local_layers and options.world_size > 1:  # (the options joined the launcher's group: it is known)
+        raise GhostedError(f"Local distillation runs in one process, and this run has {options.world_size}: heal in "
+                           "one process, or with local_layers=0.")
     if isinstance(teacher, str):
         teacher = load_teacher(model, teacher)
     check_meaningful(options, model, teacher, data, eval_data)
@@ -138,7 +141,7 @@ def heal(
             check_same_run(record, run, start)
             budget.spent = record["seconds_spent"]
         peft_model = _lora(model, options)
-        local_losses = _local_phase(peft_model, teacher, sequences, options, args.world_size, precision, progress)
+        local_losses = _local_phase(peft_model, teacher, sequences, options, precision, progress)
         trainer = HealingTrainer(
             model=peft_model, args=args, train_dataset=sequences.train, data_collator=collate,
             eval_dataset=sequences.held_out if len(sequences.held_out) else None,
@@ -184,14 +187,11 @@ def heal(
 
 
 def _local_phase(model: PeftModel, teacher: nn.Module | None, sequences: TrainingSequences, options: HealOptions,
-                 world_size: int, precision: str, progress: bool) -> list[float]:
+                 precision: str, progress: bool) -> list[float]:
     """Local distillation before the Trainer's phase (`local.distill_locally`), from the teacher or else the base
     model, loaded for this phase only."""
     if not options.local_layers:
         return []
-    if world_size > 1:
-        raise GhostedError(f"Local distillation runs in one process, and this run has {world_size}: heal in one "
-                           "process, or with local_layers=0.")
     student = unwrapped(model)
     dense = teacher if teacher is not None else load_teacher(student, "base")
     with training_attention(student, student.device, options.seq_len):
