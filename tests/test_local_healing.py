@@ -88,3 +88,18 @@ def test_a_stock_export_and_a_resumed_run_are_refused(tmp_path) -> None:
         heal(stock, char_tokenizer(), texts(), local_layers=2, progress=False)
     with pytest.raises(ValueError, match="A run with local_layers cannot be resumed"):
         heal(pruned(), char_tokenizer(), texts(), local_layers=2, resume="last", checkpoints=tmp_path, progress=False)
+
+
+def test_a_pool_of_dense_states_that_does_not_fit_is_refused_before_the_pass(monkeypatch) -> None:
+    dense = build("llama")
+    ids = torch.zeros(16, 48, dtype=torch.long)
+    runs = [LocalRun(2, 2, ((3, 5),))]  # two states: dense inputs of layers 2 and 5
+    needed = 2 * 16 * 48 * dense.config.hidden_size * 2  # bytes in bf16
+    monkeypatch.setattr("ghosted_hf.pipelines.healing.local.available_bytes", lambda: needed)  # half of it is free
+    calls = []
+    monkeypatch.setattr("ghosted_hf.pipelines.healing.local.capture_hidden_states", lambda *a: calls.append(a))
+    with pytest.raises(ValueError, match=r"2 hidden states of 16 sequences .*lower local_sequences \(at most 8 fit\)"):
+        dense_states(dense, ids, runs, 4, progress=False)
+    assert not calls  # refused before any forward
+    monkeypatch.undo()  # the machine's own memory: the pool fits
+    assert set(dense_states(dense, ids, runs, 4, progress=False)) == {2, 5}

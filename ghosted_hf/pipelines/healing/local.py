@@ -15,10 +15,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ...architectures import decoder_layers, final_norm
+from ...architectures import decoder_layers, final_norm, stream_width
 from ...errors import GhostedError
 from ...remote.format_ghosted import LAYER_TARGET
 from ...statistics.capture import capture_hidden_states, resumed
+from ...utils.memory import available_bytes
 from .callbacks import lr_factor
 from .distillation import unwrapped
 
@@ -68,6 +69,7 @@ def dense_states(teacher: nn.Module, sequences: torch.Tensor, runs: list[LocalRu
     x channels, on the CPU in `STATE_DTYPE`), from one forward pass per batch stopped at the deepest (under bf16
     autocast with `precision` "bf16", as the training steps)."""
     reads = {("input", run.source) for run in runs} | {("input", dense) for run in runs for _, dense in run.targets}
+    check_state_memory(len(reads), sequences.shape, stream_width(teacher))
     found: dict[int, list[torch.Tensor]] = {i: [] for _, i in reads}
     for start in tqdm(range(0, len(sequences), batch_size), desc="Dense states", disable=not progress):
         ids = sequences[start:start + batch_size].long()
@@ -77,6 +79,18 @@ def dense_states(teacher: nn.Module, sequences: torch.Tensor, runs: list[LocalRu
         for (_, i), rows in captured.items():
             found[i].append(rows.view(*ids.shape, -1).to(STATE_DTYPE))
     return {i: torch.cat(parts) for i, parts in found.items()}
+
+
+def check_state_memory(states: int, shape: tuple[int, ...], width: int) -> None:
+    """Refuse a pool of dense states that needs more than half the memory available to this process (the other half:
+    the models, the training step), before the pass that would fill it."""
+    needed, available = states * shape[0] * shape[1] * width * STATE_DTYPE.itemsize, available_bytes()
+    if available is not None and needed > available // 2:
+        fits = shape[0] * (available // 2) // needed
+        raise GhostedError(f"The local phase's dense states ({states} hidden states of {shape[0]} sequences x "
+                           f"{shape[1]} tokens x {width} channels) need {needed / 2**30:.1f} GiB, more than half the "
+                           f"{available / 2**30:.1f} GiB available to this process: lower local_sequences (at most "
+                           f"{fits} fit) or local_layers (fewer states), or the sequence length.")
 
 
 class _Reached(Exception):
