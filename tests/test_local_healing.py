@@ -95,7 +95,7 @@ def test_a_pool_of_dense_states_that_does_not_fit_is_refused_before_the_pass(mon
     ids = torch.zeros(16, 48, dtype=torch.long)
     runs = [LocalRun(2, 2, ((3, 5),))]  # two states: dense inputs of layers 2 and 5
     needed = 2 * 16 * 48 * dense.config.hidden_size * 2  # bytes in bf16
-    monkeypatch.setattr("ghosted_hf.pipelines.healing.local.available_bytes", lambda: needed)  # half of it is free
+    monkeypatch.setattr("ghosted_hf.utils.memory.available_bytes", lambda: needed)  # half of it is free
     calls = []
     monkeypatch.setattr("ghosted_hf.pipelines.healing.local.capture_hidden_states", lambda *a: calls.append(a))
     with pytest.raises(ValueError, match=r"2 hidden states of 16 sequences .*lower local_sequences \(at most 8 fit\)"):

@@ -31,6 +31,13 @@ def available_bytes() -> int | None:
     return min(bounds) if bounds else None
 
 
+def over_half_available(needed: int) -> int | None:
+    """The bytes available to this process where `needed` is more than half of them (the other half: the model, the
+    statistics, the machine's other users), else None: where every refusal of a size that cannot fit draws the line."""
+    available = available_bytes()
+    return available if available is not None and needed > available // 2 else None
+
+
 def batch_bytes(sequences: int, seq_len: int, config: Any) -> int:
     """A lower bound on the memory one forward of a batch takes in float32: its logits and their log-softmax, the
     attention mask (a row of `seq_len` per token) and a few hidden-width activations. Refusing on a lower bound
@@ -42,8 +49,9 @@ def batch_bytes(sequences: int, seq_len: int, config: Any) -> int:
 def check_batch_memory(sequences: int, seq_len: int, config: Any, flag: str) -> None:
     """Refuse a batch (`flag`, the option that sets its size) whose forward alone needs more than half the memory
     available to this process (the other half: the model, the statistics, the machine's other users)."""
-    needed, available = batch_bytes(sequences, seq_len, config), available_bytes()
-    if available is not None and needed > available // 2:
+    needed = batch_bytes(sequences, seq_len, config)
+    available = over_half_available(needed)
+    if available is not None:
         fits = max(1, sequences * (available // 2) // needed)
         raise GhostedError(f"{flag}: one forward of {sequences} sequences of {seq_len} tokens needs at least "
                            f"{needed / 2**30:.1f} GiB (logits and attention mask), more than half the "

@@ -19,7 +19,7 @@ from ...architectures import decoder_layers, final_norm, stream_width
 from ...errors import GhostedError
 from ...remote.format_ghosted import LAYER_TARGET
 from ...statistics.capture import capture_hidden_states, resumed
-from ...utils.memory import available_bytes
+from ...utils.memory import over_half_available
 from .callbacks import lr_factor
 from .distillation import unwrapped
 
@@ -84,8 +84,9 @@ def dense_states(teacher: nn.Module, sequences: torch.Tensor, runs: list[LocalRu
 def check_state_memory(states: int, shape: tuple[int, ...], width: int) -> None:
     """Refuse a pool of dense states that needs more than half the memory available to this process (the other half:
     the models, the training step), before the pass that would fill it."""
-    needed, available = states * shape[0] * shape[1] * width * STATE_DTYPE.itemsize, available_bytes()
-    if available is not None and needed > available // 2:
+    needed = states * shape[0] * shape[1] * width * STATE_DTYPE.itemsize
+    available = over_half_available(needed)
+    if available is not None:
         fits = shape[0] * (available // 2) // needed
         raise GhostedError(f"The local phase's dense states ({states} hidden states of {shape[0]} sequences x "
                            f"{shape[1]} tokens x {width} channels) need {needed / 2**30:.1f} GiB, more than half the "
