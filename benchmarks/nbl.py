@@ -9,7 +9,8 @@ solve with ghosted_hf's ridge, 1e-6 of the mean diagonal, for numerical safety.)
 
 Rows: two selections by three kinds of map at each budget. Selections: NBL's bound; ghosted_hf's choice (what
 `ghost_prune(unit="subblock")` chooses: measured damage per unit saved, from the criterion cache `benchmarks/subblocks.py`
-writes; without it, NBL's rows only). Maps: NBL's affine maps fitted on the dense model (served in memory: the ghosted format holds linear maps);
+writes; without it, NBL's rows only, or with `--choose` the criterion's choice made by `ghost_prune` at the KV
+budgets). Maps: NBL's affine maps fitted on the dense model (served in memory: the ghosted format holds linear maps);
 linear maps fitted on the dense model (NBL's without its bias); ghosted_hf's maps, fitted sequentially down the network
 (`ghost_prune(unit="subblock", criterion="manual")`, as the equal-budget table's sub-block rows).
 Budgets: shares of the KV cache (`--kv 25% 50%`: equal numbers of attention sub-blocks, since every attention sub-block
@@ -145,6 +146,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--kv", nargs="*", default=["25%", "50%"], help="shares of the KV cache")
     parser.add_argument("--parameters", nargs="*", default=["12.5%"], help="shares of the decoder's parameters")
+    parser.add_argument("--choose", action="store_true",
+                        help="without a criterion cache, make the criterion's choice at the KV budgets here")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--output", default="benchmarks/results/nbl.md")
     args = parser.parse_args()
@@ -187,6 +190,11 @@ def main() -> None:
             selections = {"NBL": to_budget(nbl_order, frees, goal)}
             if damage:
                 selections["ghosted"] = sb.choose_to_budget({r: damage[r] for r in attention}, frees, goal, "KV values")
+            elif args.choose:  # made here: a KV budget scores the attention sub-blocks only
+                made = ghost_prune(load(), tokenizer, calibration, unit="subblock", remove_kv=budget, **CALIBRATION)
+                picked = made.config.ghost_provenance["selection"]["subblocks"]
+                selections["ghosted"] = sorted(sb.parse_subblock(name) for name in picked)
+                del made  # (its maps are the sequential ones the row below fits again for this choice)
         else:
             goal = round(budget_share(budget) * total)
             selections = {"NBL": to_budget(nbl_order, saved, goal)}
@@ -209,7 +217,8 @@ def main() -> None:
                 del model
     with Path(args.output).open("a") as handle:
         handle.write(f"\n`python benchmarks/nbl.py --model {args.model} --kv {' '.join(args.kv)} --parameters "
-                     f"{' '.join(args.parameters)} --threads {args.threads}`\n\n" + "\n".join(lines) + "\n")
+                     f"{' '.join(args.parameters)}{' --choose' * args.choose} --threads {args.threads}`\n\n"
+                     + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
