@@ -13,15 +13,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets
 from ghosted_hf.evaluate import perplexity
+from ghosted_hf.model.loading import NO_HUB_KERNELS
 from ghosted_hf.options import PruneOptions
 from ghosted_hf.text.tokens import TokenBatches, tokenize_texts
 
 
 def packaged_model(name: str = assets.DEFAULT_MODEL) -> tuple[object, Callable[[], torch.nn.Module]]:
-    """A packaged model's tokenizer and a loader of fresh fp32 copies (ghost_prune consumes one)."""
+    """A packaged model's tokenizer and a loader of fresh fp32 copies (ghost_prune consumes one), with the model's own
+    code only (no Hub kernels), as ghosted_hf loads models."""
     folder = assets.packaged_model_dir(name)
     return AutoTokenizer.from_pretrained(folder), lambda: AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32).eval()
+        folder, dtype=torch.float32, **NO_HUB_KERNELS).eval()
 
 
 def held_out_windows(tokenizer, windows: int) -> TokenBatches:

@@ -30,15 +30,13 @@ import time
 from pathlib import Path
 
 import torch
-from common import held_out_sources
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from common import add_model_argument, held_out_sources, packaged_model
 
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.architectures import kv_per_token
 from ghosted_hf.evaluate import perplexity
 from ghosted_hf.fitting import subblocks as sb
 from ghosted_hf.fitting.operators import ridge_solve
-from ghosted_hf.model.loading import NO_HUB_KERNELS
 from ghosted_hf.options import PruneOptions, budget_share
 from ghosted_hf.pipelines.prune import decoder_parameters
 from ghosted_hf.text.tokens import tokenize_texts
@@ -143,7 +141,7 @@ def to_budget(order: list[sb.SubBlockRef], saved: dict, budget: int) -> list[sb.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    add_model_argument(parser)
     parser.add_argument("--kv", nargs="*", default=["25%", "50%"], help="shares of the KV cache")
     parser.add_argument("--parameters", nargs="*", default=["12.5%"], help="shares of the decoder's parameters")
     parser.add_argument("--choose", action="store_true",
@@ -152,12 +150,7 @@ def main() -> None:
     parser.add_argument("--output", default="benchmarks/results/nbl.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    folder = assets.resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-
-    def load():
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **NO_HUB_KERNELS).eval()
-
+    tokenizer, load = packaged_model(args.model)
     cache = Path("benchmark-cache") / f"subblock-criterion-{args.model}.json"  # (without it: NBL's selection only)
     damage = {sb.parse_subblock(k, sb.CANDIDATE_KINDS): v
               for k, v in (json.loads(cache.read_text())["damage"] if cache.is_file() else {}).items()}
