@@ -55,8 +55,18 @@ def resumed(model: nn.Module, start: int, state: torch.Tensor | None) -> Iterato
             layers[j] = layer
 
 
-class _StopForward(Exception):
-    """Raised by the hook on the deepest needed hidden state: the rest of the model is not run."""
+class StopForward(Exception):
+    """Raised from a hook on the deepest hidden state a pass needs: the rest of the model is not run."""
+
+
+@contextlib.contextmanager
+def stopped_forward() -> Iterator[None]:
+    """Ends a forward pass stopped by `StopForward`. The traceback's frames hold the batch's activations in reference
+    cycles (the hook closures and transformers' wrappers) that only the cyclic GC frees, seldom: cleared here."""
+    try:
+        yield
+    except StopForward as stop:
+        traceback.clear_frames(stop.__traceback__)
 
 
 def input_device(model: nn.Module) -> torch.device:
@@ -134,7 +144,7 @@ def capture_hidden_states(
             if ("input", i) in reads:
                 captured[("input", i)] = kept.to(device)
             if i == deepest and not loss:
-                raise _StopForward
+                raise StopForward
         return hook
 
     def record(read: tuple[str, int], value: torch.Tensor) -> None:  # (Llama 4's MoE returns its tokens flattened)
@@ -149,14 +159,10 @@ def capture_hidden_states(
         handles += watch_subblocks(model, reads, record)
         first = input_device(model)
         with torch.no_grad(), last_layer_output(model) as last:
-            try:
+            output = None
+            with stopped_forward():
                 output = model(**{k: v.to(first) for k, v in batch.items()}, use_cache=False,
                                **({"logits_to_keep": last_position(batch)} if chunked else {}))
-            except _StopForward as stop:
-                # The traceback's frames hold this batch's activations in reference cycles (the hook closures and
-                # transformers' wrappers) that only the cyclic GC frees, seldom: free them now.
-                traceback.clear_frames(stop.__traceback__)
-                output = None
     finally:
         for handle in handles:
             handle.remove()

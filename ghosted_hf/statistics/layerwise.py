@@ -10,7 +10,6 @@ import contextlib
 import math
 import re
 import tempfile
-import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,8 @@ from ..architectures import architecture, decoder, decoder_layers, final_norm, l
 from ..errors import GhostedError, MissingFileError
 from ..model.checkpoint import check_folder, weight_map
 from .accumulate import DEFAULT_PARTIAL_SUMS, StatisticsAccumulator, sums_width
-from .capture import _StopForward, finite_rows, release_freed_memory, subblock_place, token_losses, watch_subblocks
+from .capture import (StopForward, finite_rows, release_freed_memory, stopped_forward, subblock_place, token_losses,
+                      watch_subblocks)
 from .declarations import SUBBLOCK_ROLES, Read, source, target, token_loss
 from .patch import Patch, bypassed, served_operator
 from .origin import model_fingerprint
@@ -46,7 +46,7 @@ class _Catcher(nn.Module):
             self.record["hidden"] = hidden_states
         self.record[self.index] = kwargs
         if self.last:
-            raise _StopForward
+            raise StopForward
         return hidden_states
 
 
@@ -266,10 +266,8 @@ class _Streams:
             for i in range(catchers):
                 inner.layers[i] = _Catcher(i, i == catchers - 1, record)
             with torch.no_grad():
-                try:
+                with stopped_forward():
                     inner(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-                except _StopForward as stop:
-                    traceback.clear_frames(stop.__traceback__)
             self.dense.put(b, record.pop("hidden"))
             if self.patched is not None:
                 self.patched.put(b, self.dense.get(b))

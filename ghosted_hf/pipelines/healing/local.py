@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import traceback
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -18,7 +17,7 @@ from tqdm.auto import tqdm
 from ...architectures import decoder_layers, final_norm, stream_width
 from ...errors import GhostedError
 from ...remote.format_ghosted import LAYER_TARGET
-from ...statistics.capture import capture_hidden_states, resumed
+from ...statistics.capture import StopForward, capture_hidden_states, resumed, stopped_forward
 from ...utils.memory import over_half_available
 from .callbacks import lr_factor
 from .distillation import unwrapped
@@ -94,10 +93,6 @@ def check_state_memory(states: int, shape: tuple[int, ...], width: int) -> None:
                            f"{fits} fit) or local_layers (fewer states), or the sequence length.")
 
 
-class _Reached(Exception):
-    """Raised at the deepest input a run compares: the rest of the model is not run."""
-
-
 def run_inputs(model: nn.Module, ids: torch.Tensor, run: LocalRun, state: torch.Tensor) -> list[torch.Tensor]:
     """The inputs (after any operator) of the run's target layers when `model` runs from layer `run.start` fed with
     `state`, with the graph for the backward pass."""
@@ -109,18 +104,15 @@ def run_inputs(model: nn.Module, ids: torch.Tensor, run: LocalRun, state: torch.
         def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
             found[i] = args[0] if args else kwargs["hidden_states"]
             if i == deepest:
-                raise _Reached
+                raise StopForward
         return pre
 
     # Registered after the operators' own hooks: what is compared is what the layer receives.
     handles = [(layers[i] if i < len(layers) else norm).register_forward_pre_hook(hook(i), with_kwargs=True)
                for i, _ in run.targets]
     try:
-        with resumed(model, run.start, state):
+        with resumed(model, run.start, state), stopped_forward():
             model(input_ids=ids, use_cache=False)
-    except _Reached as reached:
-        # Its traceback's frames hold this batch's activations in reference cycles: free them with the graph.
-        traceback.clear_frames(reached.__traceback__)
     finally:
         for handle in handles:
             handle.remove()
