@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import logging as transformers_logging
 
 from ..errors import GhostedError, one_line
+from ..remote.format_ghosted import kept_layers
 from .registry import language_config
 
 @contextlib.contextmanager
@@ -232,7 +233,7 @@ def removal_problem(config: PretrainedConfig, removed: Iterable[int]) -> str | N
         readers = sorted(layer for layer, source in sources.items() if source in lost and layer not in removed)
         return (f"removes layers {lost}, whose keys and values kept layers {readers} reuse: keep them, or remove their "
                 "readers too")
-    kept = [i for i in range(config.num_hidden_layers) if i not in removed]
+    kept = kept_layers(config.num_hidden_layers, removed)
     try:
         with quiet_transformers():  # (a config class's warning that it rewrites a field, once per try)
             pruned = pruned_config(config, kept).to_dict()

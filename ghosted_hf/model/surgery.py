@@ -20,7 +20,7 @@ from ..architectures import (Layout, architecture, check_layers_match, check_rem
                              is_multimodal, language_config, layer_of, layer_prefix, pruned_config)
 from ..errors import GhostedError, NonFiniteError, one_line
 from ..remote.configuration_ghosted import GhostedConfig
-from ..remote.format_ghosted import (GHOST_DOWN, GHOST_MODULE, GHOST_NORMED, GHOST_UP, OPERATOR_DTYPES, SUBBLOCK_KINDS,
+from ..remote.format_ghosted import (GHOST_DOWN, kept_layers, GHOST_MODULE, GHOST_NORMED, GHOST_UP, OPERATOR_DTYPES, SUBBLOCK_KINDS,
                                      decoder_paths, expected_boundaries, ghost_tensor_key, ghost_tensor_keys,
                                      required_format_version)
 from ..remote.modeling_ghosted import GhostedForCausalLM, GhostedForConditionalGeneration
@@ -203,7 +203,7 @@ def prune_layers(
         remove = list(remove)
     removed = [] if subblocks and remove == [] else validate_removal(remove, depth)
     check_removal(text, removed)
-    kept = [i for i in range(depth) if i not in set(removed)]
+    kept = kept_layers(depth, removed)
     if kept and {i for i, block in (subblocks or {}) if block == "attention"} >= set(kept):
         raise GhostedError("Replacing the attention of every kept layer leaves no token mixing (each position would "
                            "be computed from itself alone): keep at least one attention sub-block.")

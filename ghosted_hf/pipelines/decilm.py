@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from ..architectures import EMBEDDING_WEIGHT, architecture, layer_of, layer_prefix
 from ..errors import GhostedError
 from ..model.checkpoint import made_as
-from ..remote.format_ghosted import NORMED_EPS
+from ..remote.format_ghosted import NORMED_EPS, kept_layers
 from ..remote.modeling_decilm import ffn_width
 from .gguf import SubBlockMaps, llama_cpp_families, normed_blocks, subblock_maps
 
@@ -116,7 +116,7 @@ def decilm_layers(model: Any, pruned: Pruned, linear_name: str = TENSOR_NAMES["n
     hidden, groups = text.hidden_size, text.num_attention_heads // text.num_key_value_heads
     dense_ffn, zero = ffn_mult(text.intermediate_size, hidden), ffn_mult(ZERO_FFN_WIDTH, hidden)
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    kept = [i for i in range(pruned.depth) if i not in set(pruned.removed)]
+    kept = kept_layers(pruned.depth, pruned.removed)
     dtype = state[EMBEDDING_WEIGHT].dtype
 
     def linear(gain: torch.Tensor | None, a: torch.Tensor) -> DeciLayer:

@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from .format_ghosted import (OPERATOR_DTYPES, check_format_version, check_sizes_against_weights,
+from .format_ghosted import (OPERATOR_DTYPES, kept_layers, check_format_version, check_sizes_against_weights,
                              check_subblocks, decoder_paths, expected_boundaries)
 
 try:  # transformers >= 5.20: composite configs declare sub-configs with a spec that names a default model type
@@ -169,7 +169,7 @@ class GhostedConfig(PretrainedConfig):
         for b in self.ghost_boundaries:
             if not isinstance(b.get("normed", False), bool):
                 raise ValueError(f"ghost_boundaries: `normed` must be true or false, got {b['normed']!r}.")
-        check_subblocks(self.ghost_subblocks, original=[i for i in range(total) if i not in set(removed)])
+        check_subblocks(self.ghost_subblocks, original=kept_layers(total, removed))
         found = [(b.get("target"), b.get("layer"), list(b.get("removed", []))) for b in self.ghost_boundaries]
         expected = expected_boundaries(total, removed)
         if found != [(b["target"], b["layer"], b["removed"]) for b in expected]:

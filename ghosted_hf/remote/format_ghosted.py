@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,12 @@ def expected_boundaries(total_layers: int, removed: list[int]) -> list[dict[str,
             boundaries.append({"removed": run, "target": LAYER_TARGET, "layer": pruned_index(fed, removed),
                                "original_layer": fed})
     return boundaries
+
+
+def kept_layers(total_layers: int, removed: Iterable[int]) -> list[int]:
+    """The dense numbers of the kept layers, in order: the pruned model's layer i is dense layer kept_layers(...)[i]."""
+    removed = set(removed)
+    return [i for i in range(total_layers) if i not in removed]
 
 
 def pruned_index(layer: int, removed: list[int]) -> int:

@@ -20,6 +20,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from ..architectures import decoder_layers, language_config
 from ..errors import GhostedError
+from ..remote.format_ghosted import kept_layers
 from ..text.tokens import TokenBatches
 from ..utils.distributed import all_reduce_sums, check_agreement, process_rank
 from ..utils.hashing import string_sha256
@@ -119,7 +120,7 @@ class FullModelPass(CalibrationPass):
         (many patched passes over a few batches: each candidate's damage, alone or beside the ones picked). Holds
         layers x tokens x width activations."""
         patch = patch or Patch()
-        kept = [i for i in range(len(decoder_layers(self.model))) if i not in set(patch.removed)]
+        kept = kept_layers(len(decoder_layers(self.model)), patch.removed)
         try:
             for batch in batches:
                 found: list[torch.Tensor] = []

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..architectures import LAYER_FIELDS, architecture, decoder, decoder_layers, final_norm, pruned_config
 from ..errors import GhostedError
-from ..remote.format_ghosted import GHOST_MODULE
+from ..remote.format_ghosted import GHOST_MODULE, kept_layers
 from ..remote.modeling_ghosted import GhostOperator, SubBlockBypass, apply_ghost_operator
 
 
@@ -165,7 +165,7 @@ def patched_stream(model: nn.Module, patch: Patch) -> Iterator[None]:
     output (the served model folds it into the weights). Everything is restored on exit."""
     inner, layers, norm = decoder(model), decoder_layers(model), final_norm(model)
     depth, config, leaf = len(layers), inner.config, architecture(model).layout.layers.rpartition(".")[2]
-    kept = [i for i in range(depth) if i not in set(patch.removed)]
+    kept = kept_layers(depth, patch.removed)
     # The per-layer config fields the decoder's forward reads by position (layer_types, ...), as pruning sets them.
     pruned = pruned_config(config, kept)
     # (per_layer_config reads back as a per-layer view and is set as the sparse dict config.json holds.)

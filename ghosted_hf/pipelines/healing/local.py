@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from ...architectures import decoder_layers, final_norm, stream_width
 from ...errors import GhostedError
-from ...remote.format_ghosted import LAYER_TARGET
+from ...remote.format_ghosted import LAYER_TARGET, kept_layers
 from ...statistics.capture import StopForward, capture_hidden_states, resumed, stopped_forward
 from ...utils.memory import over_half_available
 from .callbacks import lr_factor
@@ -42,7 +42,7 @@ def local_runs(config: Any, layers: int) -> list[LocalRun]:
     sub-block starts one, compared `layers` layers on; a start inside an earlier run extends it (the student's own
     stream flows on, compared at each target)."""
     total, removed = config.original_num_hidden_layers, set(config.removed_layers)
-    original = [i for i in range(total) if i not in removed] + [total]  # pruned index -> dense (depth -> final norm)
+    original = kept_layers(total, removed) + [total]  # pruned index -> dense (depth -> final norm)
     depth = len(original) - 1
     sources = {b["layer"]: min(b["removed"]) for b in config.ghost_boundaries if b["target"] == LAYER_TARGET}
     for record in config.ghost_subblocks:
