@@ -19,7 +19,8 @@ Rows per budget (12.5%, 25%, 37.5% of the decoder layers' parameters, net of the
 Scored on held-out text of two sources: the packaged Wikipedia evaluation articles and gensim's news articles
 (16 windows of 512 each), as the perplexity ratio to the dense model; LAMBADA (first 200 items); the KV-cache bytes
 per token in bf16 (measured from a cache); parameters removed net of what was added; wall seconds of the prune. Calibration: 32
-windows of 512 tokens of the Wikipedia calibration articles for every row.
+windows of 512 tokens of the Wikipedia calibration articles for every row (`--num-sequences`: another count, such as
+ghost_prune's default 128).
 
 With `--heal lm kd` each row is also healed with `heal`'s defaults on the same Wikipedia calibration articles (lm:
 next-token loss, heal's default; kd: KL to the dense model's logits, `--teacher base`), merged and scored again on both
@@ -105,8 +106,11 @@ def main() -> None:
     parser.add_argument("--speed", action="store_true", help="also transformers' prefill and decode tokens/s")
     parser.add_argument("--joint-rounds", type=int, nargs="*", default=[],
                         help="also the sub-block and mixed choices made in these numbers of rounds (joint_rounds)")
+    parser.add_argument("--num-sequences", type=int, default=CALIBRATION["num_sequences"],
+                        help="calibration sequences of 512 tokens for every row (ghost_prune's default: 128)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    calib = {**CALIBRATION, "num_sequences": args.num_sequences}
     folder = assets.resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
 
@@ -130,13 +134,16 @@ def main() -> None:
     speed = " dense prefill / decode {:.0f} / {:.1f} t/s;".format(*transformers_speed(dense, prompt, 64)) if args.speed else ""
     # What ghost_prune(unit="subblock") computes before it chooses, once for every budget (the same for each): every
     # sub-block's map on the dense model, its relative residual, and its measured damage.
-    options, started = PruneOptions(**CALIBRATION), time.perf_counter()
-    rank = ("" if args.map_rank == "full" else f"-rank-{args.map_rank}") + ("-kv" if args.kv else "")
+    options, started = PruneOptions(**calib), time.perf_counter()
+    rank = (("" if args.map_rank == "full" else f"-rank-{args.map_rank}") + ("-kv" if args.kv else "")
+            + ("" if args.num_sequences == CALIBRATION["num_sequences"] else f"-{args.num_sequences}"))
     cache = Path("benchmark-cache") / f"subblock-criterion-{args.model}{rank}.json"  # reused by later runs on this model
     if cache.is_file():
         stored = json.loads(cache.read_text())
+    elif args.rows and all(row.startswith("layers") for row in args.rows):  # (whole-layer rows alone need none)
+        stored = {"residual": {}, "damage": {}, "seconds": None}
     else:
-        data = tokenize_texts(tokenizer, calibration, **CALIBRATION)
+        data = tokenize_texts(tokenizer, calibration, **calib)
         calibrator = Calibrator(FullModelPass(dense), data)
         candidates = [ref for ref in sb.all_subblocks(dense.config.num_hidden_layers, whole_layers=True)
                       if not (args.kv and ref.block == "mlp")]  # (what frees cache)
@@ -163,7 +170,8 @@ def main() -> None:
     lines = [f"## {args.model} ({time.strftime('%Y-%m-%d')}): {total / 1e6:.1f} M decoder-layer parameters; dense "
              f"perplexity wiki {reference['wiki']:.2f}, news {reference['news']:.2f}, LAMBADA {reference['lambada']:.3f}, "
              f"KV {reference['kv']} B/token;{speed} the sub-block criterion's statistics, maps and damages: "
-             f"{selection_seconds:.0f} s (not in the rows' seconds); sub-block maps: {args.map_rank}", "",
+             + (f"{selection_seconds:.0f} s (not in the rows' seconds)" if selection_seconds is not None else
+                "not needed") + f"; sub-block maps: {args.map_rank}", "",
              "| budget | unit / selection | removed (net) | wiki ppl ratio | news ppl ratio | LAMBADA | KV B/token | what | s |"
              + (" prefill / decode t/s |" if args.speed else "")
              + "".join(f" healed {h}: wiki / news ratio (gap closed) | {h} s |" for h in args.heal),
@@ -175,7 +183,7 @@ def main() -> None:
         """The sub-blocks (and whole layers) `joint_rounds=rounds` chooses: the first round from the stored damages
         alone, the later ones measured as ghost_prune measures them (their seconds recorded in `joint_state`)."""
         if "fits" not in joint_state:
-            data = tokenize_texts(tokenizer, calibration, **CALIBRATION)
+            data = tokenize_texts(tokenizer, calibration, **calib)
             calibrator = Calibrator(FullModelPass(load()), data)
             joint_state["fits"] = sb.candidate_fits(calibrator, sorted(damage), options.ridge,
                                                     sb.parse_map_rank(args.map_rank))
@@ -190,42 +198,42 @@ def main() -> None:
     def mixed(chosen):
         return ghost_prune(load(), tokenizer, calibration, unit="mixed", criterion="manual",
                            subblocks=[r.name for r in chosen if r.block != sb.LAYER], map_rank=args.map_rank,
-                           layers=[r.layer for r in chosen if r.block == sb.LAYER], **CALIBRATION)
+                           layers=[r.layer for r in chosen if r.block == sb.LAYER], **calib)
 
     for budget in args.budgets:
         target = round(budget_share(budget) * total)
         if args.kv:
             cached = round(budget_share(budget, "remove_kv") * sum(per_layer))
             runs = {
-                "layers / ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove_kv=budget, **CALIBRATION),
+                "layers / ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove_kv=budget, **calib),
                 "sub-blocks / ghost-aware": lambda: ghost_prune(
                     load(), tokenizer, calibration, unit="subblock", criterion="manual", map_rank=args.map_rank,
-                    subblocks=[r.name for r in sb.choose_to_budget(alone, frees, cached, "KV values")], **CALIBRATION),
+                    subblocks=[r.name for r in sb.choose_to_budget(alone, frees, cached, "KV values")], **calib),
                 "mixed / ghost-aware": lambda: mixed(sb.choose_to_budget(damage, frees, cached, "KV values")),
             }
         else:
             runs = {
-                "layers / ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget, **CALIBRATION),
+                "layers / ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget, **calib),
                 "layers / plain ShortGPT": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
-                                                                criterion="shortgpt", operator="none", **CALIBRATION),
+                                                                criterion="shortgpt", operator="none", **calib),
                 "layers / plain LoRP": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
-                                                            criterion="lorp", operator="none", **CALIBRATION),
+                                                            criterion="lorp", operator="none", **calib),
                 "layers / LoRP + ghost": lambda: ghost_prune(load(), tokenizer, calibration, remove=budget,
-                                                              criterion="lorp", **CALIBRATION),
+                                                              criterion="lorp", **calib),
                 "sub-blocks / ghost-aware": lambda: ghost_prune(
                     load(), tokenizer, calibration, unit="subblock", criterion="manual",
                     subblocks=[r.name for r in sb.choose_to_budget(alone, saved, target)], map_rank=args.map_rank,
-                    **CALIBRATION),
+                    **calib),
                 "mixed / ghost-aware": lambda: mixed(sb.choose_to_budget(damage, saved, target)),
                 **{f"sub-blocks / joint, {n} rounds": lambda n=n: ghost_prune(
                     load(), tokenizer, calibration, unit="subblock", criterion="manual", map_rank=args.map_rank,
-                    subblocks=[r.name for r in joint(n, False, target)], **CALIBRATION) for n in args.joint_rounds},
+                    subblocks=[r.name for r in joint(n, False, target)], **calib) for n in args.joint_rounds},
                 **{f"mixed / joint, {n} rounds": lambda n=n: mixed(joint(n, True, target)) for n in args.joint_rounds},
                 "sub-blocks / fit residual": lambda: ghost_prune(
                     load(), tokenizer, calibration, unit="subblock", criterion="manual",
                     subblocks=[r.name for r in sb.choose_to_budget(
                         {r: v for r, v in residual.items() if r.block != sb.LAYER}, saved, target)],
-                    map_rank=args.map_rank, **CALIBRATION),
+                    map_rank=args.map_rank, **calib),
             }
         for name, run in runs.items():
             if args.rows and name not in args.rows:
@@ -268,6 +276,7 @@ def main() -> None:
                  + (f" --heal {' '.join(args.heal)}" if args.heal else "") + f" --threads {args.threads}"
                  + (f" --map-rank {args.map_rank}" if args.map_rank != "full" else "")
                  + (" --kv" if args.kv else "") + (" --speed" if args.speed else "")
+                 + (f" --num-sequences {args.num_sequences}" if args.num_sequences != CALIBRATION["num_sequences"] else "")
                  + (f" --joint-rounds {' '.join(map(str, args.joint_rounds))}" if args.joint_rounds else ""))
         handle.write(f"\n`python benchmarks/subblocks.py --model {args.model}{rows}`\n\n" + "\n".join(lines) + "\n")
 
