@@ -1,8 +1,8 @@
 """A sub-block model in both engines (issue #34): SmolLM2-135M-Instruct with attention and MLP sub-blocks replaced at a
 parameter budget, saved, reloaded, exported with `ghosted export-gguf` (DeciLM linear-attention layers) and run by
 llama.cpp beside transformers: perplexity at F16 on the same chunks, KV-cache bytes per token, file size, prefill
-and decode tokens/s, for the dense model and each budget (and, with `--layers`, whole ghosted layers beside them, as
-at equal KV cache).
+and decode tokens/s, for the dense model and each budget (and, with `--layers`, whole layers removed with the `normed`
+operator beside them, as at equal KV cache).
 
     # llama.cpp built as benchmarks/serving.py says (targets llama-perplexity and llama-bench)
     pip install sentencepiece
@@ -54,8 +54,8 @@ def main() -> None:
     parser.add_argument("--remove", nargs="*", default=["12.5%", "25%"])
     parser.add_argument("--subblocks", nargs="*", default=[], help="comma-separated sub-block lists to replace instead "
                         "of choosing them again (e.g. what benchmarks/subblocks.py chose for a budget)")
-    parser.add_argument("--layers", nargs="*", default=[], help="comma-separated whole-layer lists to remove with ghost "
-                        "operators (e.g. whole layers at the same KV cache as a sub-block list)")
+    parser.add_argument("--layers", nargs="*", default=[], help="comma-separated whole-layer lists to remove with the "
+                        "normed operator, which llama.cpp runs (e.g. whole layers at the KV cache of a sub-block list)")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
@@ -85,10 +85,10 @@ def main() -> None:
         folders[f"sub-blocks, {len(chosen)} given"] = folder
     for names in args.layers:
         chosen = [int(i) for i in names.split(",")]
-        folder = args.work / f"layers-{hashlib.sha256(names.encode()).hexdigest()[:8]}"
+        folder = args.work / f"layers-normed-{hashlib.sha256(names.encode()).hexdigest()[:8]}"
         if not (folder / "config.json").is_file():
             save_with_card(ghost_prune(load(), tokenizer, calibration, criterion="manual", layers=chosen,
-                                       num_sequences=32), folder, tokenizer)
+                                       operator="normed", num_sequences=32), folder, tokenizer)
         folders[f"layers, {len(chosen)} given"] = folder
     print(f"SmolLM2-135M-Instruct in transformers (fp32) and llama.cpp (F16), {args.threads} threads; perplexity on "
           f"{args.chunks} chunks of {args.ctx} held-out tokens.\n")
