@@ -20,9 +20,9 @@ from ..architectures import (Layout, architecture, check_layers_match, check_rem
                              is_multimodal, language_config, layer_of, layer_prefix, pruned_config)
 from ..errors import GhostedError, NonFiniteError, one_line
 from ..remote.configuration_ghosted import GhostedConfig
-from ..remote.format_ghosted import (GHOST_DOWN, kept_layers, GHOST_MODULE, GHOST_NORMED, GHOST_UP, OPERATOR_DTYPES, SUBBLOCK_KINDS,
+from ..remote.format_ghosted import (GHOST_DOWN, GHOST_MODULE, GHOST_NORMED, GHOST_UP, OPERATOR_DTYPES, SUBBLOCK_KINDS,
                                      decoder_paths, expected_boundaries, ghost_tensor_key, ghost_tensor_keys,
-                                     required_format_version)
+                                     kept_layers, required_format_version)
 from ..remote.modeling_ghosted import GhostedForCausalLM, GhostedForConditionalGeneration
 from . import verify
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from .format_ghosted import (OPERATOR_DTYPES, kept_layers, check_format_version, check_sizes_against_weights,
-                             check_subblocks, decoder_paths, expected_boundaries)
+from .format_ghosted import (OPERATOR_DTYPES, check_format_version, check_sizes_against_weights, check_subblocks,
+                             decoder_paths, expected_boundaries, kept_layers)
 
 try:  # transformers >= 5.20: composite configs declare sub-configs with a spec that names a default model type
     from transformers.configuration_utils import SubConfigSpec
