@@ -37,8 +37,8 @@ def plain_damages(model, tokenizer, candidates: list[sb.SubBlockRef]) -> dict[st
     options = PruneOptions(**CALIBRATION)
     calibrator = Calibrator(FullModelPass(model), tokenize_texts(tokenizer, assets.wikipedia_split("calibration"),
                                                                  **CALIBRATION))
-    outputs, width = sb._outputs(calibrator, candidates), model.config.hidden_size
-    dropped = {ref: sb.SubBlockFit(ref, torch.zeros(width, width, dtype=torch.float64), outputs[ref])
+    outputs, width = calibrator.subblock_outputs((r.layer, r.block) for r in candidates), model.config.hidden_size
+    dropped = {ref: sb.SubBlockFit(ref, torch.zeros(width, width, dtype=torch.float64), outputs[(ref.layer, ref.block)])
                for ref in candidates}
     scored = calibrator.first_batches(-(-options.damage_sequences // options.batch_size))
     return {ref.name: value for ref, value in sb.damages(scored, dropped).items()}
