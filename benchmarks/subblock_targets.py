@@ -27,14 +27,11 @@ from ghosted_hf import assets
 from ghosted_hf.evaluate import perplexity
 from ghosted_hf.fitting.operators import ridge_solve
 from ghosted_hf.options import PruneOptions
+from ghosted_hf.statistics.capture import StopForward, stopped_forward
 from ghosted_hf.text.tokens import tokenize_texts
 
 SETS = {"kv25": "5.attention 6.attention 7.attention 14.attention 15.attention 17.attention 28.attention 29.attention"}
 FITS = ("dense", "own", "dense target", "stream")
-
-
-class Stop(Exception):
-    """Raised by the hook that has read what a pass needed."""
 
 
 class LinearMap(torch.nn.Module):
@@ -59,14 +56,12 @@ def read_block(model, j: int, kind: str, batch) -> dict[str, torch.Tensor]:
 
     def at_block(module, args, output):
         got["y"] = (output[0] if isinstance(output, tuple) else output).detach().reshape(-1, width).double()
-        raise Stop
+        raise StopForward
 
     handles = [norm.register_forward_hook(at_norm), block.register_forward_hook(at_block)]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), stopped_forward():
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    except Stop:
-        pass
     finally:
         for handle in handles:
             handle.remove()
