@@ -9,8 +9,8 @@ solve with ghosted_hf's ridge, 1e-6 of the mean diagonal, for numerical safety.)
 
 Rows: two selections by three kinds of map at each budget. Selections: NBL's bound; ghosted_hf's choice (what
 `ghost_prune(unit="subblock")` chooses: measured damage per unit saved, from the criterion cache `benchmarks/subblocks.py`
-writes; without it, NBL's rows only, or with `--choose` the criterion's choice made by `ghost_prune` at the KV
-budgets). Maps: NBL's affine maps fitted on the dense model (served in memory: the ghosted format holds linear maps);
+writes; without it, NBL's rows only, or with `--choose` the criterion's damages of the attention sub-blocks measured
+here, once, for the KV budgets). Maps: NBL's affine maps fitted on the dense model (served in memory: the ghosted format holds linear maps);
 linear maps fitted on the dense model (NBL's without its bias); ghosted_hf's maps, fitted sequentially down the network
 (`ghost_prune(unit="subblock", criterion="manual")`, as the equal-budget table's sub-block rows).
 Budgets: shares of the KV cache (`--kv 25% 50%`: equal numbers of attention sub-blocks, since every attention sub-block
@@ -39,6 +39,7 @@ from ghosted_hf.fitting import subblocks as sb
 from ghosted_hf.fitting.operators import ridge_solve
 from ghosted_hf.options import PruneOptions, budget_share
 from ghosted_hf.pipelines.prune import decoder_parameters
+from ghosted_hf.statistics import Calibrator, FullModelPass
 from ghosted_hf.text.tokens import tokenize_texts
 
 CALIBRATION = dict(seq_len=512, num_sequences=32, batch_size=4)  # as benchmarks/subblocks.py
@@ -139,6 +140,16 @@ def to_budget(order: list[sb.SubBlockRef], saved: dict, budget: int) -> list[sb.
     return sorted(picked)
 
 
+def attention_damages(model, tokenizer, texts: list[str], attention: list[sb.SubBlockRef]) -> dict:
+    """The criterion's damages of the attention sub-blocks, what `ghost_prune(unit="subblock", remove_kv=b)` weighs
+    (each map fitted on the dense model, the loss's rise on the first damage_sequences): measured once for every KV
+    budget."""
+    options = PruneOptions(**CALIBRATION)
+    calibrator = Calibrator(FullModelPass(model), tokenize_texts(tokenizer, texts, **CALIBRATION))
+    fits = sb.candidate_fits(calibrator, attention, options.ridge)
+    return sb.damages(calibrator.first_batches(max(1, -(-options.damage_sequences // options.batch_size))), fits)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_argument(parser)
@@ -176,18 +187,16 @@ def main() -> None:
              "|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     budgets = [("KV", b) for b in args.kv] + [("parameters", b) for b in args.parameters]
+    # A KV budget scores the attention sub-blocks only: their damages from the cache, or (--choose) measured here.
+    kv_damage = ({r: damage[r] for r in attention} if damage else
+                 attention_damages(load(), tokenizer, calibration, attention) if args.choose and args.kv else {})
     for kind, budget in budgets:
         if kind == "KV":
             frees = {ref: per_layer[ref.layer] for ref in attention}
             goal = round(budget_share(budget, "remove_kv") * sum(per_layer))
             selections = {"NBL": to_budget(nbl_order, frees, goal)}
-            if damage:
-                selections["ghosted"] = sb.choose_to_budget({r: damage[r] for r in attention}, frees, goal, "KV values")
-            elif args.choose:  # made here: a KV budget scores the attention sub-blocks only
-                made = ghost_prune(load(), tokenizer, calibration, unit="subblock", remove_kv=budget, **CALIBRATION)
-                picked = made.config.ghost_provenance["selection"]["subblocks"]
-                selections["ghosted"] = sorted(sb.parse_subblock(name) for name in picked)
-                del made  # (its maps are the sequential ones the row below fits again for this choice)
+            if kv_damage:
+                selections["ghosted"] = sb.choose_to_budget(kv_damage, frees, goal, "KV values")
         else:
             goal = round(budget_share(budget) * total)
             selections = {"NBL": to_budget(nbl_order, saved, goal)}
