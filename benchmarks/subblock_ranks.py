@@ -105,8 +105,7 @@ def main() -> None:
     for r in [*args.ranks, width]:
         with torch.no_grad():
             for operator, full, gram in maps.values():
-                basis = leading(explained(full, gram), r)
-                operator.copy_((full @ basis @ basis.T).to(operator.dtype))
+                operator.copy_(projected(full, gram, r).to(operator.dtype))
         ratios = {source: perplexity(model, b, progress=False) / reference[source] for source, b in held_out.items()}
         net = removed - len(chosen) * (2 * width * r if r < width else width * width)
         print(f"| {'full' if r == width else f'rank {r}'} | {net / 1e6:.2f} M | {ratios['wiki']:.3f} | "
@@ -125,6 +124,12 @@ def ridged(gram: torch.Tensor) -> torch.Tensor:
 
 def leading(matrix: torch.Tensor, s: int) -> torch.Tensor:
     return torch.linalg.eigh((matrix + matrix.T) / 2)[1][:, -s:]
+
+
+def projected(full: torch.Tensor, gram: torch.Tensor, r: int) -> torch.Tensor:
+    """A full map projected on its own r leading output directions: its best map of rank r."""
+    basis = leading(explained(full, gram), r)
+    return full @ basis @ basis.T
 
 
 def shared_output(pairs: list[tuple[torch.Tensor, torch.Tensor]], s: int) -> list[torch.Tensor]:
@@ -166,7 +171,7 @@ def shared_basis(model, maps, ranks, removed, reference, held_out) -> None:
     runs = {}
     for r in ranks:
         s = 2 * n * r // (n + 1)
-        separate = [full @ leading(explained(full, g), r) @ leading(explained(full, g), r).T for full, g in pairs]
+        separate = [projected(full, g, r) for full, g in pairs]
         runs[r] = {f"shared output basis, rank {s}": shared_output(pairs, s),
                    f"shared input basis, rank {s}": shared_input(pairs, s)}
         cells = [separate, *runs[r].values()]
