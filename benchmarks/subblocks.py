@@ -36,10 +36,13 @@ tokens/s, the best of 3, on the threads given:
     python benchmarks/subblocks.py --model smollm2-135m-instruct --kv --budgets 25% 50% --speed \
         --rows "layers / ghost" "sub-blocks / ghost-aware" "mixed / ghost-aware" --output benchmarks/results/kv_budget.md
 
-With `--joint-rounds 2 4` the sub-block and mixed choices are also made as `joint_rounds=2` and `4` make them: the
-budget met in that many equal steps, each step's damages measured with the earlier steps' picks in place (the first
-step's are the stored damages alone; the rows' names give the later steps' seconds), then fitted by
-`criterion="manual"` as the other rows:
+With `--joint-rounds 2 4` the sub-block, mixed and whole-layer choices are also made as `joint_rounds=2` and `4` make
+them: the budget met in that many equal steps, each step's damages measured with the earlier steps' picks in place (the
+first step's are the stored damages alone; the rows' names give the later steps' seconds), then fitted by
+`criterion="manual"` as the other rows. "layers / measured damage" is the one-round choice among whole layers alone:
+each layer's damage with its own ghost operator, the least first, as many layers as the layers / ghost row removes,
+runs or not (the default criterion scores contiguous runs by their fit's residual); "layers / joint, 2 rounds" chooses
+as many in two rounds:
 
     python benchmarks/subblocks.py --model smollm2-135m-instruct --budgets 25% --joint-rounds 2 4 \
         --rows "sub-blocks / ghost-aware" "sub-blocks / joint, 2 rounds" "sub-blocks / joint, 4 rounds" \
@@ -58,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -122,7 +126,7 @@ def main() -> None:
                 for name, texts in (("wiki", assets.wikipedia_split("evaluation")), ("news", assets.news_articles()))}
     dense = load()
     total = decoder_parameters(dense)
-    width = dense.config.hidden_size
+    width, depth = dense.config.hidden_size, dense.config.num_hidden_layers
 
     def score(model) -> dict[str, float]:
         return {**{name: perplexity(model, batches, progress=False) for name, batches in held_out.items()},
@@ -162,6 +166,7 @@ def main() -> None:
             for name, value in stored.get("map_parameters", {}).items()}  # (older caches: full maps)
     saved = {ref: sb.subblock_parameters(dense, ref) - maps.get(ref, width * width) for ref in residual}
     alone = {ref: value for ref, value in damage.items() if ref.block != sb.LAYER}  # what unit 'subblock' weighs
+    whole = {ref: value for ref, value in damage.items() if ref.block == sb.LAYER}  # each layer with its operator
     per_layer = kv_per_token(dense.config)
     frees = {ref: per_layer[ref.layer] for ref in damage if ref.block != "mlp"}  # KV values per token a removal frees
     selection_seconds = stored["seconds"]
@@ -179,18 +184,19 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     joint_state: dict = {}
 
-    def joint(rounds: int, whole_layers: bool, budget: int):
-        """The sub-blocks (and whole layers) `joint_rounds=rounds` chooses: the first round from the stored damages
-        alone, the later ones measured as ghost_prune measures them (their seconds recorded in `joint_state`)."""
+    def joint(rounds: int, blocks: set[str], budget: int, priced: dict | None = None):
+        """The candidates of `blocks` (attention, mlp, layer) `joint_rounds=rounds` chooses (to `budget` of what
+        `priced` counts, else parameters): the first round from the stored damages alone, the later ones measured as
+        ghost_prune measures them (their seconds in `joint_state`)."""
         if "fits" not in joint_state:
             data = tokenize_texts(tokenizer, calibration, **calib)
             calibrator = Calibrator(FullModelPass(load()), data)
             joint_state["fits"] = sb.candidate_fits(calibrator, sorted(damage), options.ridge,
                                                     sb.parse_map_rank(args.map_rank))
             joint_state["scored"] = calibrator.first_batches(-(-options.damage_sequences // options.batch_size))
-        fits = {ref: fit for ref, fit in joint_state["fits"].items() if whole_layers or ref.block != sb.LAYER}
+        fits = {ref: fit for ref, fit in joint_state["fits"].items() if ref.block in blocks}
         started = time.perf_counter()
-        chosen, _ = sb.choose_jointly(joint_state["scored"], fits, saved, budget, rounds,
+        chosen, _ = sb.choose_jointly(joint_state["scored"], fits, priced or saved, budget, rounds,
                                       alone={ref: damage[ref] for ref in fits})
         joint_state["seconds"] = time.perf_counter() - started
         return chosen
@@ -200,8 +206,12 @@ def main() -> None:
                            subblocks=[r.name for r in chosen if r.block != sb.LAYER], map_rank=args.map_rank,
                            layers=[r.layer for r in chosen if r.block == sb.LAYER], **calib)
 
+    def layers(chosen):
+        return ghost_prune(load(), tokenizer, calibration, criterion="manual", layers=[r.layer for r in chosen], **calib)
+
     for budget in args.budgets:
         target = round(budget_share(budget) * total)
+        count = max(1, math.ceil((target + width * width) / (total / depth)))  # as many layers as ghost_prune's
         if args.kv:
             cached = round(budget_share(budget, "remove_kv") * sum(per_layer))
             runs = {
@@ -225,10 +235,15 @@ def main() -> None:
                     subblocks=[r.name for r in sb.choose_to_budget(alone, saved, target)], map_rank=args.map_rank,
                     **calib),
                 "mixed / ghost-aware": lambda: mixed(sb.choose_to_budget(damage, saved, target)),
+                "layers / measured damage": lambda: layers(sorted(whole, key=whole.get)[:count]),
                 **{f"sub-blocks / joint, {n} rounds": lambda n=n: ghost_prune(
                     load(), tokenizer, calibration, unit="subblock", criterion="manual", map_rank=args.map_rank,
-                    subblocks=[r.name for r in joint(n, False, target)], **calib) for n in args.joint_rounds},
-                **{f"mixed / joint, {n} rounds": lambda n=n: mixed(joint(n, True, target)) for n in args.joint_rounds},
+                    subblocks=[r.name for r in joint(n, set(sb.SUBBLOCK_KINDS), target)], **calib)
+                   for n in args.joint_rounds},
+                **{f"mixed / joint, {n} rounds": lambda n=n: mixed(joint(n, {*sb.SUBBLOCK_KINDS, sb.LAYER}, target))
+                   for n in args.joint_rounds},
+                **{f"layers / joint, {n} rounds": lambda n=n: layers(joint(n, {sb.LAYER}, count, dict.fromkeys(whole, 1)))
+                   for n in args.joint_rounds},
                 "sub-blocks / fit residual": lambda: ghost_prune(
                     load(), tokenizer, calibration, unit="subblock", criterion="manual",
                     subblocks=[r.name for r in sb.choose_to_budget(
