@@ -95,6 +95,10 @@ def kv_bytes_per_token(model, tokenizer) -> int:
     return total // ids["input_ids"].shape[1]
 
 
+# The rows whose layers a layer criterion chooses: they need no sub-block criterion (its cache is computed otherwise).
+LAYER_CRITERIA = ("layers / ghost", "layers / plain ShortGPT", "layers / plain LoRP", "layers / LoRP + ghost")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=assets.DEFAULT_MODEL)
@@ -144,7 +148,7 @@ def main() -> None:
     cache = Path("benchmark-cache") / f"subblock-criterion-{args.model}{rank}.json"  # reused by later runs on this model
     if cache.is_file():
         stored = json.loads(cache.read_text())
-    elif args.rows and all(row.startswith("layers") for row in args.rows):  # (whole-layer rows alone need none)
+    elif args.rows and all(row in LAYER_CRITERIA for row in args.rows):  # (rows of a layer criterion need none)
         stored = {"residual": {}, "damage": {}, "seconds": None}
     else:
         data = tokenize_texts(tokenizer, calibration, **calib)
