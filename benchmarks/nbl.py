@@ -10,9 +10,10 @@ solve with ghosted_hf's ridge, 1e-6 of the mean diagonal, for numerical safety.)
 Rows: two selections by three kinds of map at each budget. Selections: NBL's bound; ghosted_hf's choice (what
 `ghost_prune(unit="subblock")` chooses: measured damage per unit saved, from the criterion cache `benchmarks/subblocks.py`
 writes; without it, NBL's rows only, or with `--choose` the criterion's damages of the attention sub-blocks measured
-here, once, for the KV budgets). Maps: NBL's affine maps fitted on the dense model (served in memory: the ghosted format holds linear maps);
-linear maps fitted on the dense model (NBL's without its bias); ghosted_hf's maps, fitted sequentially down the network
-(`ghost_prune(unit="subblock", criterion="manual")`, as the equal-budget table's sub-block rows).
+here, once, for the KV budgets). Maps: NBL's affine maps fitted on the dense model (served in memory: the ghosted
+format holds linear maps); linear maps fitted on the dense model (NBL's without its bias); ghosted_hf's maps, fitted
+sequentially down the network (`ghost_prune(unit="subblock", criterion="manual")`, as the equal-budget table's sub-block
+rows).
 Budgets: shares of the KV cache (`--kv 25% 50%`: equal numbers of attention sub-blocks, since every attention sub-block
 of these models caches as much) and of the decoder's parameters (`--parameters 12.5%`: NBL replaces attention only;
 ghosted_hf chooses among attention and MLP sub-blocks), each net of the maps. Calibration as in benchmarks/subblocks.py
