@@ -13,8 +13,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets
 from ghosted_hf.evaluate import perplexity
+from ghosted_hf.fitting import subblocks as sb
 from ghosted_hf.model.loading import NO_HUB_KERNELS
 from ghosted_hf.options import PruneOptions
+from ghosted_hf.statistics import Calibrator, FullModelPass
 from ghosted_hf.text.tokens import TokenBatches, tokenize_texts
 
 
@@ -37,6 +39,16 @@ def held_out_sources(tokenizer, windows: int = 16) -> dict[str, list]:
     tokenizer adds one (Gemma, as it was trained)."""
     return {source: tokenize_texts(tokenizer, texts, 512, windows, batch_size=4).batches
             for source, texts in (("wiki", assets.wikipedia_split("evaluation")), ("news", assets.news_articles()))}
+
+
+def criterion_fits(model: torch.nn.Module, tokenizer, texts: list[str], candidates: list[sb.SubBlockRef],
+                   calibration: dict[str, int], map_rank: str = "full") -> tuple[dict, Calibrator]:
+    """Each candidate's map fitted on the dense model, and the calibration's first damage_sequences on which the
+    sub-block criterion measures their damages (`sb.damages`): the steps `ghost_prune(unit="subblock")` takes."""
+    options = PruneOptions(**calibration)
+    calibrator = Calibrator(FullModelPass(model), tokenize_texts(tokenizer, texts, **calibration))
+    fits = sb.candidate_fits(calibrator, candidates, options.ridge, sb.parse_map_rank(map_rank))
+    return fits, calibrator.first_batches(max(1, -(-options.damage_sequences // options.batch_size)))
 
 
 def layer_ranges(layers: list[int]) -> str:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_model_argument, held_out_sources, packaged_model
+from common import add_model_argument, criterion_fits, held_out_sources, packaged_model
 
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.architectures import kv_per_token
@@ -40,7 +40,6 @@ from ghosted_hf.fitting import subblocks as sb
 from ghosted_hf.fitting.operators import ridge_solve
 from ghosted_hf.options import PruneOptions, budget_share
 from ghosted_hf.pipelines.prune import decoder_parameters
-from ghosted_hf.statistics import Calibrator, FullModelPass
 from ghosted_hf.text.tokens import tokenize_texts
 
 CALIBRATION = dict(seq_len=512, num_sequences=32, batch_size=4)  # as benchmarks/subblocks.py
@@ -145,10 +144,8 @@ def attention_damages(model, tokenizer, texts: list[str], attention: list[sb.Sub
     """The criterion's damages of the attention sub-blocks, what `ghost_prune(unit="subblock", remove_kv=b)` weighs
     (each map fitted on the dense model, the loss's rise on the first damage_sequences): measured once for every KV
     budget."""
-    options = PruneOptions(**CALIBRATION)
-    calibrator = Calibrator(FullModelPass(model), tokenize_texts(tokenizer, texts, **CALIBRATION))
-    fits = sb.candidate_fits(calibrator, attention, options.ridge)
-    return sb.damages(calibrator.first_batches(max(1, -(-options.damage_sequences // options.batch_size))), fits)
+    fits, scored = criterion_fits(model, tokenizer, texts, attention, CALIBRATION)
+    return sb.damages(scored, fits)
 
 
 def main() -> None:

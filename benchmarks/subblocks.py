@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import transformers_speed
+from common import criterion_fits, transformers_speed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets, ghost_prune
@@ -74,10 +74,9 @@ from ghosted_hf.architectures import kv_per_token
 from ghosted_hf.evaluate import lambada, perplexity
 from ghosted_hf.fitting import subblocks as sb
 from ghosted_hf.model.loading import NO_HUB_KERNELS
-from ghosted_hf.options import PruneOptions, budget_share
+from ghosted_hf.options import budget_share
 from ghosted_hf.pipelines.healing import heal, merge
 from ghosted_hf.pipelines.prune import decoder_parameters
-from ghosted_hf.statistics import Calibrator, FullModelPass
 from ghosted_hf.text.tokens import tokenize_texts
 
 CALIBRATION = dict(seq_len=512, num_sequences=32, batch_size=4)
@@ -142,7 +141,7 @@ def main() -> None:
     speed = " dense prefill / decode {:.0f} / {:.1f} t/s;".format(*transformers_speed(dense, prompt, 64)) if args.speed else ""
     # What ghost_prune(unit="subblock") computes before it chooses, once for every budget (the same for each): every
     # sub-block's map on the dense model, its relative residual, and its measured damage.
-    options, started = PruneOptions(**calib), time.perf_counter()
+    started = time.perf_counter()
     rank = (("" if args.map_rank == "full" else f"-rank-{args.map_rank}") + ("-kv" if args.kv else "")
             + ("" if args.num_sequences == CALIBRATION["num_sequences"] else f"-{args.num_sequences}"))
     cache = Path("benchmark-cache") / f"subblock-criterion-{args.model}{rank}.json"  # reused by later runs on this model
@@ -151,19 +150,16 @@ def main() -> None:
     elif args.rows and all(row in LAYER_CRITERIA for row in args.rows):  # (rows of a layer criterion need none)
         stored = {"residual": {}, "damage": {}, "seconds": None}
     else:
-        data = tokenize_texts(tokenizer, calibration, **calib)
-        calibrator = Calibrator(FullModelPass(dense), data)
         candidates = [ref for ref in sb.all_subblocks(dense.config.num_hidden_layers, whole_layers=True)
                       if not (args.kv and ref.block == "mlp")]  # (what frees cache)
-        fits = sb.candidate_fits(calibrator, candidates, options.ridge, sb.parse_map_rank(args.map_rank))
-        scored = calibrator.first_batches(-(-options.damage_sequences // options.batch_size))
+        fits, scored = criterion_fits(dense, tokenizer, calibration, candidates, calib, args.map_rank)
         stored = {"residual": {ref.name: fit.figures["relative_residual"] for ref, fit in fits.items()},
                   "map_parameters": {ref.name: fit.parameters for ref, fit in fits.items()},
                   "damage": {ref.name: value for ref, value in sb.damages(scored, fits).items()},
                   "seconds": time.perf_counter() - started}
         cache.parent.mkdir(exist_ok=True)
         cache.write_text(json.dumps(stored, indent=1))
-        del calibrator, fits
+        del scored, fits
     residual = {sb.parse_subblock(name, sb.CANDIDATE_KINDS): value for name, value in stored["residual"].items()}
     damage = {sb.parse_subblock(name, sb.CANDIDATE_KINDS): value for name, value in stored["damage"].items()}
     maps = {sb.parse_subblock(name, sb.CANDIDATE_KINDS): value
@@ -193,11 +189,8 @@ def main() -> None:
         `priced` counts, else parameters): the first round from the stored damages alone, the later ones measured as
         ghost_prune measures them (their seconds in `joint_state`)."""
         if "fits" not in joint_state:
-            data = tokenize_texts(tokenizer, calibration, **calib)
-            calibrator = Calibrator(FullModelPass(load()), data)
-            joint_state["fits"] = sb.candidate_fits(calibrator, sorted(damage), options.ridge,
-                                                    sb.parse_map_rank(args.map_rank))
-            joint_state["scored"] = calibrator.first_batches(-(-options.damage_sequences // options.batch_size))
+            joint_state["fits"], joint_state["scored"] = criterion_fits(load(), tokenizer, calibration, sorted(damage),
+                                                                        calib, args.map_rank)
         fits = {ref: fit for ref, fit in joint_state["fits"].items() if ref.block in blocks}
         started = time.perf_counter()
         chosen, _ = sb.choose_jointly(joint_state["scored"], fits, priced or saved, budget, rounds,
