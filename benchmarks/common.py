@@ -19,6 +19,9 @@ from ghosted_hf.options import PruneOptions
 from ghosted_hf.statistics import Calibrator, FullModelPass
 from ghosted_hf.text.tokens import TokenBatches, tokenize_texts
 
+# The equal-budget tables' calibration (issues #34, #51): 32 windows of 512 tokens of the Wikipedia calibration articles.
+CALIBRATION = dict(seq_len=512, num_sequences=32, batch_size=4)
+
 
 def packaged_model(name: str = assets.DEFAULT_MODEL) -> tuple[object, Callable[[], torch.nn.Module]]:
     """A packaged model's tokenizer and a loader of fresh fp32 copies (ghost_prune consumes one), with the model's own

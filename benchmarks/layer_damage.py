@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_model_argument, criterion_fits, held_out_sources, layer_ranges, packaged_model
+from common import CALIBRATION, add_model_argument, criterion_fits, held_out_sources, layer_ranges, packaged_model
 
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.evaluate import perplexity
@@ -32,7 +32,6 @@ from ghosted_hf.fitting import subblocks as sb
 from ghosted_hf.statistics import Calibrator, FullModelPass
 from ghosted_hf.text.tokens import tokenize_texts
 
-CALIBRATION = dict(seq_len=512, num_sequences=32, batch_size=4)  # as benchmarks/subblocks.py
 UNSEEN = 16  # calibration sequences after the fit's, for the unseen damages and ratios
 
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_model_argument, criterion_fits, held_out_sources, packaged_model
+from common import CALIBRATION, add_model_argument, criterion_fits, held_out_sources, packaged_model
 
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.architectures import kv_per_token
@@ -41,8 +41,6 @@ from ghosted_hf.fitting.operators import ridge_solve
 from ghosted_hf.options import PruneOptions, budget_share
 from ghosted_hf.pipelines.prune import decoder_parameters
 from ghosted_hf.text.tokens import tokenize_texts
-
-CALIBRATION = dict(seq_len=512, num_sequences=32, batch_size=4)  # as benchmarks/subblocks.py
 
 
 def attention_sums(model, batches) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_model_argument, packaged_model
+from common import CALIBRATION, add_model_argument, packaged_model
 
 from ghosted_hf import assets
 from ghosted_hf.fitting import subblocks as sb
@@ -28,8 +28,6 @@ from ghosted_hf.options import PruneOptions, budget_share
 from ghosted_hf.pipelines.prune import decoder_parameters
 from ghosted_hf.statistics import Calibrator, FullModelPass
 from ghosted_hf.text.tokens import tokenize_texts
-
-CALIBRATION = dict(seq_len=512, num_sequences=32, batch_size=4)  # as benchmarks/subblocks.py
 
 
 def plain_damages(model, tokenizer, candidates: list[sb.SubBlockRef]) -> dict[str, float]:

@@ -26,7 +26,7 @@ import argparse
 import statistics as stat
 
 import torch
-from common import held_out_sources
+from common import CALIBRATION, held_out_sources
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets, ghost_prune
@@ -37,7 +37,6 @@ from ghosted_hf.statistics import SUBBLOCK_SUMS, StatisticsPlan, collect_statist
 from ghosted_hf.statistics.patch import subblock_slot
 from ghosted_hf.text.tokens import tokenize_texts
 
-CALIBRATION = dict(seq_len=512, num_sequences=32, batch_size=4)
 RIDGE = 1e-6  # PruneOptions' default
 CHOSEN = {"smollm2-135m-instruct": ["5.attention", "6.attention", "7.attention", "13.mlp", "14.attention", "14.mlp",
                                     "15.attention", "15.mlp", "16.mlp", "17.attention", "28.attention", "29.attention"]}

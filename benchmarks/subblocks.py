@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import criterion_fits, transformers_speed
+from common import CALIBRATION, criterion_fits, transformers_speed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_hf import assets, ghost_prune
@@ -79,7 +79,6 @@ from ghosted_hf.pipelines.healing import heal, merge
 from ghosted_hf.pipelines.prune import decoder_parameters
 from ghosted_hf.text.tokens import tokenize_texts
 
-CALIBRATION = dict(seq_len=512, num_sequences=32, batch_size=4)
 WINDOWS = 16  # held-out windows of 512 tokens per source
 
 
