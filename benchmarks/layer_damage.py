@@ -29,6 +29,7 @@ from common import CALIBRATION, add_model_argument, criterion_fits, held_out_sou
 from ghosted_hf import assets, ghost_prune
 from ghosted_hf.evaluate import perplexity
 from ghosted_hf.fitting import subblocks as sb
+from ghosted_hf.options import PruneOptions
 from ghosted_hf.statistics import Calibrator, FullModelPass
 from ghosted_hf.text.tokens import tokenize_texts
 
@@ -56,8 +57,9 @@ def main() -> None:
     tokenizer, load = packaged_model(args.model)
     calibration = assets.wikipedia_split("calibration")
     windows = tokenize_texts(tokenizer, calibration, **{**CALIBRATION, "num_sequences": CALIBRATION["num_sequences"] + UNSEEN})
-    fitted = CALIBRATION["num_sequences"] // CALIBRATION["batch_size"]
-    scored = {"seen": windows.batches[:4], "unseen": windows.batches[fitted:]}  # (16 each)
+    fitted, seen = (n // CALIBRATION["batch_size"] for n in (CALIBRATION["num_sequences"],
+                                                              PruneOptions(**CALIBRATION).damage_sequences))
+    scored = {"seen": windows.batches[:seen], "unseen": windows.batches[fitted:]}  # (seen: what criterion_fits scores)
     held_out = held_out_sources(tokenizer)
     dense = load()
     reference = {name: perplexity(dense, batches, progress=False) for name, batches in {**scored, **held_out}.items()}
